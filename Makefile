@@ -1,0 +1,34 @@
+# meshtron: `make train` runs the main job, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup train test test-fast lint clean
+
+setup: $(STAMP)
+
+# Idempotent bootstrap. torch is installed explicitly first when missing, so that a plain
+# `torch` requirement never pulls a multi-GB CUDA build onto a CPU machine; a machine that
+# already has torch in the venv (a GPU box) keeps its own.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+train: setup
+	$(PY) -m meshtron train --config configs/default.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(PY) -m ruff check meshtron tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""Model definitions: the decoder, presets, and size/FLOPs accounting."""

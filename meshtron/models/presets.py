@@ -1,0 +1,47 @@
+"""Named model shapes.
+
+``tiny`` trains in seconds on a CPU; ``small`` is a ~125M model; the rest are the published
+shapes of large models, used for planning (parameter counts, FLOPs, the tuner) and never built
+on a CPU. A preset leaves ``vocab_size`` unset when the model should take its tokenizer's size.
+"""
+
+from typing import Any
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
+        ffn_hidden_size=768, max_seq_len=1024, tie_embeddings=False,
+    ),
+    "small": dict(
+        arch="llama", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,
+        ffn_hidden_size=2048, vocab_size=32000, max_seq_len=2048, tie_embeddings=False,
+    ),
+    "gpt2-small": dict(
+        arch="gpt2", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,
+        ffn_hidden_size=3072, vocab_size=50257, max_seq_len=1024, tie_embeddings=True,
+    ),
+    "llama3.2-1b": dict(
+        arch="llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+        ffn_hidden_size=8192, vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+        ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+    "llama3-70b": dict(
+        arch="llama", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+        ffn_hidden_size=28672, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+    "llama3-405b": dict(
+        arch="llama", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
+        ffn_hidden_size=53248, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+    "gpt3-175b": dict(
+        arch="gpt2", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,
+        ffn_hidden_size=49152, vocab_size=50257, max_seq_len=2048, tie_embeddings=True,
+    ),
+}
