@@ -1,0 +1,42 @@
+"""Data: tokenizers, raw text sources, Megatron-format indexed datasets, windows, blends, sampling.
+
+The trainer needs only :func:`build_training_data`; the other names are for tools and tests.
+"""
+
+from meshtron.data.blend import BlendedDataset, parse_blend
+from meshtron.data.corpus import stdlib_corpus
+from meshtron.data.gpt_dataset import GPTDataset, split_documents, train_valid_split
+from meshtron.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    dtype_for_vocab,
+    indexed_prefix,
+)
+from meshtron.data.pipeline import TrainingData, build_training_data
+from meshtron.data.preprocess import prepare_dataset, preprocess
+from meshtron.data.sampler import GlobalSampler
+from meshtron.data.sources import TextSource, open_source
+from meshtron.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
+
+__all__ = [
+    "EOS_TOKEN",
+    "BlendedDataset",
+    "GPTDataset",
+    "GlobalSampler",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "TextSource",
+    "Tokenizer",
+    "TrainingData",
+    "build_training_data",
+    "dtype_for_vocab",
+    "indexed_prefix",
+    "open_source",
+    "parse_blend",
+    "prepare_dataset",
+    "preprocess",
+    "split_documents",
+    "stdlib_corpus",
+    "train_tokenizer",
+    "train_valid_split",
+]

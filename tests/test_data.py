@@ -1,0 +1,561 @@
+"""Data layer: tokenizer, indexed datasets (Megatron format), sources, corpus, windows, pipeline."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, trainers
+
+from meshtron.config import DataConfig
+from meshtron.data import (
+    EOS_TOKEN,
+    GPTDataset,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    Tokenizer,
+    build_training_data,
+    dtype_for_vocab,
+    indexed_prefix,
+    open_source,
+    prepare_dataset,
+    preprocess,
+    split_documents,
+    stdlib_corpus,
+    train_tokenizer,
+    train_valid_split,
+)
+from meshtron.data import corpus as corpus_module
+from meshtron.data import tokenizer as tokenizer_module
+from meshtron.data.preprocess import split_document
+from meshtron.errors import MeshtronError
+
+VOCAB = 400
+# The package exports the function `preprocess`, which hides the module of the same name.
+preprocess_module = importlib.import_module("meshtron.data.preprocess")
+
+
+def make_text(num_words: int, seed: int) -> str:
+    """Deterministic prose-like text with repeated words, punctuation and non-ASCII."""
+    rng = np.random.default_rng(seed)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 8))) for _ in range(150)]
+    words += ["naïve", "café", "東京", "🙂", "def", "return", "(x)", "=="]
+    out = []
+    for i, w in enumerate(rng.choice(words, size=num_words)):
+        out.append(w)
+        out.append("\n" if i % 13 == 12 else " ")
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    cache = tmp_path_factory.mktemp("tok-cache")
+    texts = [make_text(3000, seed) for seed in range(4)]
+    return train_tokenizer(texts, VOCAB, cache, log=lambda _: None)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip(tokenizer: Tokenizer) -> None:
+    text = make_text(500, 99) + " unseen: Ωmega ∑ 🚀\n\tend"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.encode_batch([text, "ab"]) == [ids, tokenizer.encode("ab")]
+    assert tokenizer.eos_id == tokenizer._hf.token_to_id(EOS_TOKEN)
+    assert tokenizer.decode([tokenizer.eos_id]) == EOS_TOKEN
+    assert 257 < tokenizer.vocab_size <= VOCAB
+    assert max(ids) < tokenizer.vocab_size
+    assert len(tokenizer.fingerprint) == 64
+
+
+def test_train_tokenizer_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = [make_text(800, 1)]
+    first = train_tokenizer(texts, 300, tmp_path, log=quiet)
+    assert first.path.is_relative_to(tmp_path / "tokenizers")
+    mtime = first.path.stat().st_mtime_ns
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("retrained although the cache holds this tokenizer")
+
+    monkeypatch.setattr(tokenizer_module, "_train_bpe", no_training)
+    second = train_tokenizer(texts, 300, tmp_path, log=quiet)
+    assert second.fingerprint == first.fingerprint and second.path == first.path
+    assert first.path.stat().st_mtime_ns == mtime
+    with pytest.raises(AssertionError):  # other text or another vocab size is another entry
+        train_tokenizer(texts, 301, tmp_path, log=quiet)
+    assert not list(first.path.parent.glob("*.tmp"))
+
+
+def test_train_tokenizer_from_sources_matches_texts(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(make_text(500, 3))
+    source = open_source(str(tmp_path / "a.txt"))
+    from_files = train_tokenizer(source, 300, tmp_path / "c1", log=quiet)
+    from_texts = train_tokenizer([make_text(500, 3)], 300, tmp_path / "c2", log=quiet)
+    assert from_files.fingerprint == from_texts.fingerprint  # training is deterministic
+
+
+def test_train_tokenizer_rejects_tiny_vocab(tmp_path: Path) -> None:
+    with pytest.raises(MeshtronError, match="data.vocab_size=100"):
+        train_tokenizer(["hello"], 100, tmp_path, log=quiet)
+
+
+def _hf_tokenizer(special: list[str]) -> HFTokenizer:
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False)
+    hf.train_from_iterator([make_text(200, 5)], trainer=trainer)
+    return hf
+
+
+def test_tokenizer_load(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(tokenizer.path.read_bytes())
+    loaded = Tokenizer.load(folder)
+    assert loaded.fingerprint == tokenizer.fingerprint
+    assert loaded.path == folder / "tokenizer.json"
+
+    with pytest.raises(MeshtronError, match="tokenizer not found: .*nope.json"):
+        Tokenizer.load(tmp_path / "nope.json")
+    with pytest.raises(MeshtronError, match="holds no tokenizer.json"):
+        Tokenizer.load(tmp_path)
+    (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(MeshtronError, match="bad.json is not a valid tokenizer.json"):
+        Tokenizer.load(tmp_path / "bad.json")
+
+    (tmp_path / "s.json").write_text(_hf_tokenizer(["<unk>", "</s>"]).to_str())
+    llama_like = Tokenizer.load(tmp_path / "s.json")
+    assert llama_like.eos_id == llama_like._hf.token_to_id("</s>")
+    (tmp_path / "no_eos.json").write_text(_hf_tokenizer(["<pad>"]).to_str())
+    with pytest.raises(MeshtronError, match="no_eos.json has no end-of-text token"):
+        Tokenizer.load(tmp_path / "no_eos.json")
+
+
+def test_split_document_encodes_like_the_whole(tokenizer: Tokenizer) -> None:
+    text = make_text(6000, 7) + "\n  indented\n\nx\ny z\n"
+    pieces = split_document(text, piece_chars=500)
+    assert len(pieces) > 10 and "".join(pieces) == text
+    joined = [i for ids in tokenizer.encode_batch(pieces) for i in ids]
+    assert joined == tokenizer.encode(text)
+    assert split_document("x" * 5000, piece_chars=100) == ["x" * 5000]  # no safe break
+
+
+# ----------------------------------------------------------------------------- indexed
+
+
+def _random_docs(count: int, high: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, high, size=rng.integers(1, 40)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("vocab", [1000, 100_000])
+def test_indexed_round_trip(tmp_path: Path, vocab: int) -> None:
+    dtype = dtype_for_vocab(vocab)
+    assert dtype == (np.uint16 if vocab < 65500 else np.int32)
+    docs = _random_docs(25, vocab)
+    prefix = str(tmp_path / "ds")
+    writer = IndexedDatasetWriter(prefix, dtype)
+    for doc in docs:
+        writer.add_document(doc)
+    assert not os.path.exists(prefix + ".idx")  # nothing visible before finalize
+    writer.finalize()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx"]
+    ds = IndexedDataset(prefix)
+    assert ds.dtype == dtype and len(ds) == 25
+    assert ds.total_tokens == sum(len(d) for d in docs)
+    assert ds.document_indices.tolist() == list(range(26))
+    assert ds.sequence_lengths.tolist() == [len(d) for d in docs]
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(ds[i], doc)
+    np.testing.assert_array_equal(ds.get(3, offset=1, length=2), docs[3][1:3])
+    assert IndexedDataset(prefix + ".bin").total_tokens == ds.total_tokens
+
+
+def test_writer_abort_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        w.add_document([1, 2, 3])
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError), IndexedDatasetWriter(tmp_path / "x", np.uint16) as w:
+        w.add_document([70000])  # does not fit uint16
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(MeshtronError, match="cannot write .*no/such/dir/ds.bin.tmp"):
+        IndexedDatasetWriter(tmp_path / "no" / "such" / "dir" / "ds", np.uint16)
+
+
+def _megatron_bytes(lengths: list[int], docs: list[int], code: int, itemsize: int) -> bytes:
+    """An .idx built by hand from the format description, independent of the writer."""
+    pointers, offset = [], 0
+    for n in lengths:
+        pointers.append(offset)
+        offset += n * itemsize
+    return (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", code)
+        + struct.pack("<Q", len(lengths))
+        + struct.pack("<Q", len(docs))
+        + struct.pack(f"<{len(lengths)}i", *lengths)
+        + struct.pack(f"<{len(lengths)}q", *pointers)
+        + struct.pack(f"<{len(docs)}q", *docs)
+    )
+
+
+def test_reads_hand_built_megatron_files(tmp_path: Path) -> None:
+    seqs = [[5, 6, 7], [100000, 1], [42, 43, 44, 45]]
+    (tmp_path / "m.idx").write_bytes(_megatron_bytes([3, 2, 4], [0, 2, 3], code=4, itemsize=4))
+    (tmp_path / "m.bin").write_bytes(struct.pack("<9i", *[t for s in seqs for t in s]))
+    ds = IndexedDataset(tmp_path / "m")
+    assert ds.dtype == np.int32 and len(ds) == 3 and ds.total_tokens == 9
+    assert ds.document_indices.tolist() == [0, 2, 3]
+    assert [ds[i].tolist() for i in range(3)] == seqs
+
+    (tmp_path / "u.idx").write_bytes(_megatron_bytes([2, 1], [0, 1, 2], code=8, itemsize=2))
+    (tmp_path / "u.bin").write_bytes(struct.pack("<3H", 65000, 3, 9))
+    ds = IndexedDataset(tmp_path / "u")
+    assert ds.dtype == np.uint16 and ds[0].tolist() == [65000, 3] and ds[1].tolist() == [9]
+
+
+def test_writer_output_matches_megatron_layout(tmp_path: Path) -> None:
+    writer = IndexedDatasetWriter(tmp_path / "w", np.uint16)
+    for doc in ([1, 2, 3], [4], [5, 6]):
+        writer.add_document(doc)
+    writer.finalize()
+    expected = _megatron_bytes([3, 1, 2], [0, 1, 2, 3], code=8, itemsize=2)
+    assert (tmp_path / "w.idx").read_bytes() == expected
+    assert (tmp_path / "w.bin").read_bytes() == struct.pack("<6H", 1, 2, 3, 4, 5, 6)
+
+
+@pytest.fixture
+def good_dataset(tmp_path: Path) -> str:
+    prefix = str(tmp_path / "good")
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for doc in _random_docs(5, 500):
+        writer.add_document(doc)
+    writer.finalize()
+    return prefix
+
+
+def test_truncated_bin(good_dataset: str) -> None:
+    data = Path(good_dataset + ".bin").read_bytes()
+    Path(good_dataset + ".bin").write_bytes(data[:-2])
+    with pytest.raises(MeshtronError, match=r"good\.bin holds .* truncated"):
+        IndexedDataset(good_dataset)
+
+
+def test_bad_magic(good_dataset: str) -> None:
+    idx = Path(good_dataset + ".idx")
+    idx.write_bytes(b"NOTMAGIC!" + idx.read_bytes()[9:])
+    with pytest.raises(MeshtronError, match=r"good\.idx is not a Megatron indexed dataset"):
+        IndexedDataset(good_dataset)
+
+
+def test_missing_idx(good_dataset: str) -> None:
+    os.remove(good_dataset + ".idx")
+    with pytest.raises(MeshtronError, match=r"not found: .*good\.idx"):
+        IndexedDataset(good_dataset)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        (lambda b: b[:20], "shorter than the 34-byte header"),
+        (lambda b: b[:-3], "truncated or corrupt"),
+        (lambda b: b[:9] + struct.pack("<Q", 2) + b[17:], "index version 2"),
+        (lambda b: b[:17] + bytes([9]) + b[18:], "unknown token dtype code 9"),
+        (lambda b: b[:34 + 5 * 4 + 8] + struct.pack("<q", 3) + b[34 + 5 * 4 + 16:],
+         "sequence pointers disagree"),
+        (lambda b: b[:-8] + struct.pack("<q", 4), "document indices"),
+    ],
+)
+def test_corrupt_index(good_dataset: str, patch: Callable[[bytes], bytes], message: str) -> None:
+    idx = Path(good_dataset + ".idx")
+    idx.write_bytes(patch(idx.read_bytes()))
+    with pytest.raises(MeshtronError, match=message) as err:
+        IndexedDataset(good_dataset)
+    assert "good.idx" in str(err.value)
+
+
+def test_indexed_prefix_detection(tmp_path: Path, good_dataset: str) -> None:
+    assert indexed_prefix(good_dataset) == good_dataset
+    assert indexed_prefix(good_dataset + ".bin") == good_dataset
+    assert indexed_prefix(str(tmp_path / "other.idx")) == str(tmp_path / "other")
+    (tmp_path / "a.txt").write_text("hello")
+    assert indexed_prefix(str(tmp_path / "a.txt")) is None
+    assert indexed_prefix(str(tmp_path / "missing")) is None
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_jsonl_documents(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    rows = [{"text": "first doc"}, {"text": ""}, {"text": "third", "id": 3}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n" + '{"text": "ünï"}\n')
+    assert list(open_source(str(path)).documents()) == ["first doc", "third", "ünï"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"text": "ok"', r"bad\.jsonl line 2 is not valid JSON"),
+        ('{"content": "x"}', r'bad\.jsonl line 2 has no "text" field'),
+        ('["text"]', r'bad\.jsonl line 2 has no "text" field'),
+        ('{"text": 5}', r'bad\.jsonl line 2 has a "text" field that is not a string'),
+    ],
+)
+def test_jsonl_errors(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(MeshtronError, match=message):
+        list(open_source(str(path)).documents())
+
+
+def test_open_source(tmp_path: Path) -> None:
+    with pytest.raises(MeshtronError, match="data path not found: .*nowhere"):
+        open_source(str(tmp_path / "nowhere"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(MeshtronError, match="empty.txt holds no text"):
+        open_source(str(tmp_path / "empty.txt"))
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / ".git").mkdir()
+    (folder / "b.txt").write_text("bee")
+    (folder / "a.md").write_text("ay")
+    (folder / "sub" / "c.py").write_text("see")
+    (folder / "sub" / "d.jsonl").write_text('{"text": "dee"}\n')
+    (folder / "image.png").write_bytes(b"\x89PNG")
+    (folder / ".git" / "x.txt").write_text("hidden")
+    source = open_source(str(folder))
+    assert [p.name for p in source.files] == ["a.md", "b.txt", "c.py", "d.jsonl"]
+    assert list(source.documents()) == ["ay", "bee", "see", "dee"]
+    before = source.fingerprint
+    assert open_source(str(folder)).fingerprint == before
+    (folder / "b.txt").write_text("bea")
+    assert open_source(str(folder)).fingerprint != before
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(MeshtronError, match="nothing holds no text"):
+        open_source(str(tmp_path / "nothing"))
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(MeshtronError, match="latin1.txt is not UTF-8 text"):
+        list(open_source(str(tmp_path / "latin1.txt")).documents())
+
+
+def test_stdlib_corpus_is_deterministic_and_capped() -> None:
+    cap = 200_000
+    first, second = stdlib_corpus(cap), stdlib_corpus(cap)
+    assert first.files == second.files and first.fingerprint == second.fingerprint
+    assert 0 < first.num_bytes <= cap
+    relative = [p.relative_to(first.root).as_posix() for p in first.files]
+    assert relative == sorted(relative)
+    for parts in (Path(r).parts for r in relative):
+        assert not set(parts) & corpus_module.EXCLUDED_DIRS
+    assert all(p.suffix == ".py" for p in first.files)
+    docs = list(first.documents())
+    assert len(docs) == len(first.files) and all(docs)
+    assert stdlib_corpus(2 * cap).files[: len(first.files)] == first.files
+    with pytest.raises(MeshtronError, match="corpus_max_mb"):
+        stdlib_corpus(1)
+
+
+# ----------------------------------------------------------------------------- windows and splits
+
+
+def _dataset(tmp_path: Path, docs: list[np.ndarray], name: str = "win") -> IndexedDataset:
+    writer = IndexedDatasetWriter(tmp_path / name, np.uint16)
+    for doc in docs:
+        writer.add_document(doc)
+    writer.finalize()
+    return IndexedDataset(tmp_path / name)
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64])
+def test_windows_are_slices_of_the_stream(tmp_path: Path, seq_len: int) -> None:
+    docs = _random_docs(30, 1000, seed=seq_len)
+    ds = _dataset(tmp_path, docs)
+    order = np.array([5, 6, 7, 0, 1, 29, 12, 13, 14, 15, 2])
+    stream = np.concatenate([docs[i] for i in order])
+    windows = GPTDataset(ds, seq_len, order)
+    assert len(windows) == (len(stream) - 1) // seq_len
+    for i in range(len(windows)):
+        sample = windows[i]
+        assert sample.dtype == np.int64 and sample.shape == (seq_len + 1,)
+        np.testing.assert_array_equal(sample, stream[i * seq_len : i * seq_len + seq_len + 1])
+    with pytest.raises(IndexError):
+        windows[len(windows)]
+    part = GPTDataset(ds, seq_len, order, token_range=(10, len(stream) - 3))
+    assert part.num_tokens == len(stream) - 13
+    np.testing.assert_array_equal(part[0], stream[10 : 11 + seq_len])
+
+
+def test_split_documents() -> None:
+    train, valid = split_documents(100, 0.05)
+    again = split_documents(100, 0.05)
+    assert train.tolist() == again[0].tolist() and valid.tolist() == again[1].tolist()
+    assert len(valid) == 5 and sorted([*train, *valid]) == list(range(100))
+    assert valid.tolist() == sorted(valid.tolist()) and valid.max() > 80  # spread out
+    for n in (2, 3, 10):
+        train, valid = split_documents(n, 0.001)
+        assert len(valid) >= 1 and len(train) >= 1 and len(train) + len(valid) == n
+    train, valid = split_documents(2, 0.99)
+    assert len(train) == 1 and len(valid) == 1
+    assert split_documents(1, 0.1)[1].size == 0
+
+
+def test_train_valid_split_single_document(tmp_path: Path) -> None:
+    doc = np.arange(1000) % 500
+    ds = _dataset(tmp_path, [doc])
+    train, valid = train_valid_split(ds, 16, 0.1, "one.txt")
+    assert train.num_tokens == 900 and valid.num_tokens == 100
+    np.testing.assert_array_equal(valid[0], doc[900:917])
+    assert len(train) == 899 // 16 and len(valid) == 99 // 16
+    with pytest.raises(MeshtronError, match=r"validation split of one.txt holds 100 tokens, fewer "
+                       r"than train.seq_len\+1 = 129"):
+        train_valid_split(ds, 128, 0.1, "one.txt")
+
+
+def test_train_valid_split_documents(tmp_path: Path) -> None:
+    docs = [np.full(50, i) for i in range(20)]
+    ds = _dataset(tmp_path, docs)
+    train, valid = train_valid_split(ds, 8, 0.1, "many")
+    assert len(valid.document_ids) == 2
+    assert set(train.document_ids.tolist()).isdisjoint(valid.document_ids.tolist())
+    # one huge document among tiny ones: the document split would starve one side
+    docs = [np.zeros(3000, dtype=np.int64), np.ones(5, dtype=np.int64)]
+    uneven = _dataset(tmp_path, docs, "uneven")
+    train, valid = train_valid_split(uneven, 32, 0.1, "uneven")
+    assert len(train) > 0 and len(valid) > 0
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+def test_preprocess_and_cache(tmp_path: Path, tokenizer: Tokenizer,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    user = tmp_path / "user"
+    user.mkdir()
+    texts = [make_text(300, s) for s in range(3)]
+    for i, text in enumerate(texts):
+        (user / f"{i}.txt").write_text(text)
+    stats = preprocess([str(user)], str(tmp_path / "out"), tokenizer, log=quiet)
+    ds = IndexedDataset(tmp_path / "out")
+    assert stats["documents"] == len(ds) == 3 and stats["tokens"] == ds.total_tokens
+    for i, text in enumerate(texts):
+        assert ds[i].tolist() == tokenizer.encode(text) + [tokenizer.eos_id]
+
+    cache = tmp_path / "cache"
+    prefix = prepare_dataset(str(user), tokenizer, cache, log=quiet)
+    assert Path(prefix).is_relative_to(cache / "datasets")
+    assert sorted(p.name for p in user.iterdir()) == ["0.txt", "1.txt", "2.txt"]
+    np.testing.assert_array_equal(IndexedDataset(prefix).tokens, ds.tokens)
+
+    def no_preprocessing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("preprocessed again although the cache holds the dataset")
+
+    monkeypatch.setattr(preprocess_module, "preprocess", no_preprocessing)
+    assert prepare_dataset(str(user), tokenizer, cache, log=quiet) == prefix
+    assert prepare_dataset(prefix, tokenizer, cache, log=quiet) == prefix  # indexed: as is
+    (user / "0.txt").write_text("changed")
+    with pytest.raises(AssertionError):
+        prepare_dataset(str(user), tokenizer, cache, log=quiet)
+
+
+def test_preprocess_of_blank_jsonl_holds_no_text(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(MeshtronError, match="blank.jsonl holds no text"):
+        preprocess([str(tmp_path / "blank.jsonl")], str(tmp_path / "o"), tokenizer, log=quiet)
+    assert not list(tmp_path.glob("o.*"))
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def _config(tmp_path: Path, paths: list[str] | None, **kw: object) -> DataConfig:
+    return DataConfig(path=paths, cache_dir=str(tmp_path / "cache"), vocab_size=VOCAB,
+                      valid_fraction=0.1, **kw)
+
+
+def test_build_training_data_single_file(tmp_path: Path) -> None:
+    (tmp_path / "book.txt").write_text(make_text(6000, 11))
+    logs: list[str] = []
+    data = build_training_data(_config(tmp_path, [str(tmp_path / "book.txt")]), 16, 7, logs.append)
+    assert any(line.startswith("tokenizer: trained") for line in logs)
+    assert any("train windows" in line for line in logs)
+    assert len(data.train) > 0 and len(data.valid) > 0
+    batch = data.train_batch(3, 8)
+    assert batch.shape == (8, 17) and str(batch.dtype) == "torch.int64"
+    assert int(batch.max()) < data.tokenizer.vocab_size
+    valid = data.valid_batch(0, 4)
+    assert valid.shape == (4, 17)
+    wrapped = data.valid_batch(len(data.valid), 4)  # wraps around to the start
+    assert (wrapped == valid).all()
+
+    again = build_training_data(_config(tmp_path, [str(tmp_path / "book.txt")]), 16, 7, quiet)
+    assert (again.train_batch(3, 8) == batch).all()
+    assert not (again.train_batch(4, 8) == batch).all()
+    other_seed = build_training_data(_config(tmp_path, [str(tmp_path / "book.txt")]), 16, 8, quiet)
+    assert not (other_seed.train_batch(3, 8) == batch).all()
+
+
+def test_build_training_data_blend(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(make_text(4000, 1))
+    rows = [json.dumps({"text": make_text(200, s)}) for s in range(10, 30)]
+    (tmp_path / "b.jsonl").write_text("\n".join(rows))
+    cfg = _config(tmp_path, [f"0.75:{tmp_path / 'a.txt'}", f"0.25:{tmp_path / 'b.jsonl'}"])
+    data = build_training_data(cfg, 16, 0, quiet)
+    assert len(data.train.datasets) == 2 and data.train.weights == [0.75, 0.25]
+    datasets, _ = data.train.locate(np.arange(400))
+    assert np.bincount(datasets).tolist() == [300, 100]
+    assert data.train_batch(0, 8).shape == (8, 17)
+    assert data.valid_batch(1, 3).shape == (3, 17)
+
+
+def test_build_training_data_default_corpus(tmp_path: Path) -> None:
+    data = build_training_data(_config(tmp_path, None, corpus_max_mb=0.2), 32, 0, quiet)
+    assert len(data.train) > 100 and len(data.valid) > 0
+    text = data.tokenizer.decode(data.train_batch(0, 2)[0].tolist())
+    assert len(text) > 32
+
+
+def test_build_training_data_indexed_path(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "t.txt").write_text(make_text(3000, 4))
+    preprocess([str(tmp_path / "t.txt")], str(tmp_path / "ds"), tokenizer, log=quiet)
+    cfg = _config(tmp_path, [str(tmp_path / "ds")])
+    with pytest.raises(MeshtronError, match="set data.tokenizer"):
+        build_training_data(cfg, 16, 0, quiet)
+    cfg.tokenizer = str(tokenizer.path)
+    data = build_training_data(cfg, 16, 0, quiet)
+    assert data.tokenizer.fingerprint == tokenizer.fingerprint
+    assert not (tmp_path / "cache" / "datasets").exists()  # used in place, nothing cached
+    small = tmp_path / "small.json"
+    small.write_text(_hf_tokenizer(["<|endoftext|>"]).to_str())
+    cfg.tokenizer = str(small)
+    with pytest.raises(MeshtronError, match="beyond the .* tokens of .*small.json"):
+        build_training_data(cfg, 16, 0, quiet)
+
+
+def test_build_training_data_errors(tmp_path: Path) -> None:
+    with pytest.raises(MeshtronError, match="data path not found: .*missing.txt"):
+        build_training_data(_config(tmp_path, [str(tmp_path / "missing.txt")]), 16, 0, quiet)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(MeshtronError, match="empty.txt holds no text"):
+        build_training_data(_config(tmp_path, [str(tmp_path / "empty.txt")]), 16, 0, quiet)
+    (tmp_path / "short.txt").write_text("just a few words")
+    with pytest.raises(MeshtronError, match="fewer than train.seq_len"):
+        build_training_data(_config(tmp_path, [str(tmp_path / "short.txt")]), 16, 0, quiet)
+    (tmp_path / "ok.txt").write_text(make_text(100, 0))
+    with pytest.raises(MeshtronError, match="weight"):
+        build_training_data(_config(tmp_path, [f"-1:{tmp_path / 'ok.txt'}"]), 16, 0, quiet)
