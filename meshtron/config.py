@@ -131,6 +131,10 @@ class RunConfig:
     dir: str = "runs/default"
     progress: bool = True
     """Show a live progress bar on stderr."""
+    plot: bool = True
+    """Write loss.png into the run directory at the end."""
+    timeout_s: float = 600.0
+    """How long a rank waits in a collective before giving up (a peer died or hangs)."""
 
 
 @dataclass
@@ -174,9 +178,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], where)
     if origin is list:
@@ -211,9 +215,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-    elif tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+    elif tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
     raise MeshtronError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 
 
@@ -395,6 +398,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction must lie in (0, 1), got "
              f"{d.valid_fraction}")
     _require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
+    _require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     _require(
         m.hidden_size % m.num_heads == 0,

@@ -1,0 +1,1 @@
+"""Checkpoints: crash-safe directories of safetensors files, resume, loading for inference."""

@@ -1,0 +1,38 @@
+"""Loading a trained model (and its tokenizer) from whatever path a user points at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from meshtron.checkpoint.store import find_latest, read_manifest
+from meshtron.checkpoint.train_state import load_model_weights
+from meshtron.config import config_from_dict
+from meshtron.data import Tokenizer
+from meshtron.errors import MeshtronError
+from meshtron.models.transformer import Transformer
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A run directory, a checkpoint root or one checkpoint -> the newest complete checkpoint."""
+    if not path.exists():
+        raise MeshtronError(f"checkpoint path not found: {path}")
+    root = path
+    if (path / "config.yaml").is_file() and not (path / "meta.json").is_file():
+        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        root = Path(saved.get("checkpoint", {}).get("dir") or path / "checkpoints")
+    found = find_latest(root, warn=lambda m: print(f"warning: {m}"))
+    if found is None:
+        raise MeshtronError(f"no complete checkpoint under {root}")
+    return found
+
+
+def load_for_inference(path: Path, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
+    ckpt = resolve_checkpoint(path)
+    cfg = config_from_dict(read_manifest(ckpt)["config"])
+    model = Transformer(cfg.model)
+    load_model_weights(ckpt, model)
+    tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
+    return model.to(torch.device(device)).eval(), tokenizer

@@ -1,0 +1,206 @@
+"""``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
+
+Commands: ``train``, ``preprocess``, ``generate``, ``plot``. Heavy imports (torch and friends)
+happen inside each command so that ``meshtron --help`` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+from meshtron.errors import MeshtronError
+
+
+def _config_reference() -> str:
+    """Every config field as 'section.field (default)', for `meshtron train --help`."""
+    from meshtron.config import Config
+
+    lines = ["config fields (set in --config YAML or as --section.field=value):"]
+    for section in dataclasses.fields(Config):
+        obj = getattr(Config(), section.name)
+        items = [f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)]
+        lines.append(f"  {section.name}: " + ", ".join(items))
+    return "\n".join(lines)
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    """Accept both `--a.b=v` and `--a.b v`; reject anything else with a clear message."""
+    overrides, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        name = arg.lstrip("-").split("=", 1)[0]
+        if not arg.startswith("--") or "." not in name:
+            raise MeshtronError(f"unrecognised argument '{arg}' (overrides look like "
+                                "--section.field=value)")
+        if "=" in arg:
+            overrides.append(arg)
+            i += 1
+        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            overrides.append(f"{arg}={extra[i + 1]}")
+            i += 2
+        else:
+            raise MeshtronError(f"override '{arg}' needs a value: {arg}=VALUE")
+    return overrides
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtron.config import load_config, validate
+    from meshtron.parallel.runtime import process_info
+
+    cfg = load_config(args.config, _split_overrides(extra))
+    info = process_info()
+    if args.nproc < 1:
+        raise MeshtronError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc > 1 and not info.distributed:
+        validate(cfg, world_size=args.nproc)  # fail here, before any process starts
+        from meshtron.parallel.launch import launch_local
+
+        forwarded = (["--config", args.config] if args.config else []) + extra
+        return launch_local(args.nproc, forwarded)
+    validate(cfg, world_size=info.world_size)
+
+    from meshtron.parallel.layout import MeshLayout
+    from meshtron.parallel.mesh import ParallelMesh
+    from meshtron.parallel.runtime import device_for, init_process_group
+    from meshtron.training.trainer import train
+
+    init_process_group(info, cfg.run.timeout_s)
+    p = cfg.parallel
+    mesh = ParallelMesh(MeshLayout(info.world_size, p.tp, p.cp, p.pp, p.ep), info.rank)
+    result = train(cfg, mesh, device=device_for(info))
+    if info.rank != 0:
+        return 0
+    if result.losses:
+        summary = (f"trained steps {result.start_step}..{result.end_step}: loss "
+                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+        if result.val_loss is not None:
+            import math
+
+            summary += (f"; validation loss {result.val_loss:.4f}, perplexity "
+                        f"{math.exp(result.val_loss):.2f}")
+        print(summary)
+    if result.checkpoint:
+        print(f"checkpoint: {result.checkpoint}")
+    print(f"run directory: {result.run_dir}")
+    return 0
+
+
+def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
+    import os
+
+    from meshtron.data import Tokenizer, open_source, preprocess, train_tokenizer
+
+    if extra:
+        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    sources = [open_source(path) for path in args.inputs]
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    else:
+        tokenizer = train_tokenizer(sources, args.vocab_size, os.path.expanduser(args.cache_dir))
+        print(f"tokenizer: {tokenizer.path}")
+    stats = preprocess(sources, args.output, tokenizer)
+    print(f"wrote {args.output}.bin/.idx: {stats['documents']} documents, {stats['tokens']} "
+          f"tokens, {stats['mb_per_s']:.1f} MB/s")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    from meshtron.checkpoint.loading import load_for_inference
+    from meshtron.models.generation import generate
+
+    model, tokenizer = load_for_inference(Path(args.checkpoint))
+    ids = generate(
+        model, tokenizer.encode(args.prompt), args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_id=tokenizer.eos_id, seed=args.seed,
+    )
+    print(args.prompt + tokenizer.decode(ids))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    from meshtron.training.plot import plot_runs
+
+    runs = [Path(r) for r in args.runs]
+    default = runs[0] / "loss.png" if len(runs) == 1 else Path("loss.png")
+    print(plot_runs(runs, Path(args.output) if args.output else default))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshtron",
+        description="Train transformer language models with tensor, sequence, pipeline, data, "
+        "context and expert parallelism on one device mesh.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "train", help="train a model (resumes from the newest checkpoint)",
+        description="Train a model. Settings come from the defaults, then --config, then "
+        "--section.field=value overrides.",
+        epilog=_config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="YAML file with config sections")
+    p.add_argument("--nproc", type=int, default=1, help="number of local processes (default 1)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("preprocess", help="tokenise text into an indexed dataset (.bin/.idx)")
+    p.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders of them")
+    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx")
+    p.add_argument("--tokenizer", help="tokenizer.json to use (default: train a byte-level BPE)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="size of a trained tokenizer")
+    p.add_argument("--cache-dir", default="~/.cache/meshtron", help="where tokenizers are cached")
+    p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory, a checkpoint directory, or one step_* inside it")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 disables top-k filtering")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 disables nucleus filtering")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plot", help="plot loss curves of one or more runs to a PNG")
+    p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
+    p.add_argument("--output", help="PNG path (default: RUN/loss.png, or ./loss.png for several)")
+    p.set_defaults(func=cmd_plot)
+    return parser
+
+
+def _finish(code: int) -> int:
+    """Return the exit code; a rank of a multi-process job leaves through ``exit_process``."""
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from meshtron.parallel.runtime import exit_process
+
+            exit_process(code)
+    return code
+
+
+def main(argv: typing.Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        code = args.func(args, extra)
+    except MeshtronError as err:
+        sys.stdout.flush()
+        print(f"meshtron: error: {err}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("meshtron: interrupted", file=sys.stderr)
+        code = 130
+    return _finish(code)

@@ -1,0 +1,274 @@
+"""The decoder-only transformer, written once for both architectures and every layout.
+
+``arch=llama``: RMSNorm, rotary positions, grouped-query attention, SwiGLU, no biases.
+``arch=gpt2``: LayerNorm, learned positions, GELU, biases.
+
+The model only knows the parallel layer types it is built from (column/row-parallel linears, a
+vocab-parallel embedding and loss) and the tensor-parallel region it runs in; on a one-process
+mesh those layers are plain linears and the region's communication is a no-op.
+
+Parameter names are global and layout-free (``layers.{i}.attn.q.weight`` with ``i`` the global
+layer index); checkpoints, initialisation and HF conversion all key on them. Fused projections
+keep their parts in a fixed order: ``kv`` = [k heads | v heads], ``gate_up`` = [gate | up].
+Queries and keys/values are separate projections so that each splits over tp on its own (kv
+heads are replicated when tp > num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from meshtron.config import ModelConfig
+from meshtron.parallel.collectives import local_chunk
+from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPRegion,
+    VocabParallelEmbedding,
+    replicated,
+    vocab_parallel_loss_sum,
+)
+
+
+def padded_vocab_size(cfg: ModelConfig) -> int:
+    """Vocabulary rounded up to ``vocab_multiple``: the same under every layout."""
+    assert cfg.vocab_size is not None, "model.vocab_size must be resolved before building"
+    return math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, region: TPRegion) -> nn.Module:
+    norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.arch == "llama"
+            else nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps))
+    for param in norm.parameters():
+        replicated(param, region)
+    return norm
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (the half-split convention of HF Llama)."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x`` of shape [b, heads, s, head_dim] for positions start..start+s-1."""
+        s = x.shape[-2]
+        cos = self.cos[start : start + s].to(x.dtype)
+        sin = self.sin[start : start + s].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Pre-allocated keys and values for incremental decoding."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store this layer's new keys/values at the current length; return all so far."""
+        end = self.length + k.shape[-2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    """Self-attention with heads split over tp; kv heads split or, when fewer than tp ranks,
+    shared by groups of tp / num_kv_heads ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, region: TPRegion, mesh: ParallelMesh):
+        super().__init__()
+        tp = region.size
+        self.layer = layer
+        self.region = region
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.num_heads = cfg.num_heads // tp
+        kv_pieces = min(tp, cfg.num_kv_heads)
+        self.num_kv_heads = cfg.num_kv_heads // kv_pieces
+        share = mesh.tp_subgroup(tp // kv_pieces) if kv_pieces < tp else None
+        bias = cfg.arch == "gpt2"
+        self.q = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias, region)
+        self.kv = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.num_kv_heads * self.head_dim,
+                                       bias, region, parts=2, pieces=kv_pieces, share_group=share)
+        self.proj = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias, region)
+        self.dropout = cfg.dropout
+        self.selective_recompute = False
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal unless an explicit mask is given."""
+        if self.num_kv_heads != self.num_heads:
+            repeat = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[-2] > 1,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = self.region.enter(x)
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                for t in self.kv(x).chunk(2, dim=-1))
+        start = cache.length if cache is not None else 0
+        if rotary is not None:
+            q, k = rotary(q, start), rotary(k, start)
+        mask = None
+        if cache is not None:
+            k, v = cache.append(self.layer, k, v)
+            if start > 0 and s > 1:  # a chunk after a prefix: causal within the chunk
+                keys = torch.arange(start + s, device=x.device)
+                mask = keys[None, :] <= (start + torch.arange(s, device=x.device))[:, None]
+        if self.selective_recompute and self.training:
+            y = checkpoint(self.core, q, k, v, mask, use_reentrant=False)
+        else:
+            y = self.core(q, k, v, mask)
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama) or GELU (gpt2) feed-forward block, split over tp by hidden units."""
+
+    def __init__(self, cfg: ModelConfig, region: TPRegion):
+        super().__init__()
+        self.region = region
+        self.gated = cfg.arch == "llama"
+        ffn = cfg.ffn_hidden_size
+        if self.gated:
+            self.gate_up = ColumnParallelLinear(cfg.hidden_size, 2 * ffn, False, region, parts=2)
+        else:
+            self.up = ColumnParallelLinear(cfg.hidden_size, ffn, True, region)
+        self.down = RowParallelLinear(ffn, cfg.hidden_size, not self.gated, region)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.region.enter(x)
+        if self.gated:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(self.up(x), approximate="tanh")
+        return F.dropout(self.down(h), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, region: TPRegion, mesh: ParallelMesh):
+        super().__init__()
+        self.attn_norm = make_norm(cfg, region)
+        self.attn = Attention(cfg, layer, region, mesh)
+        self.mlp_norm = make_norm(cfg, region)
+        self.mlp = MLP(cfg, region)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids [batch, seq] -> this rank's logits [batch, seq, padded vocab / tp].
+
+    Under sequence parallelism the residual stream between blocks holds seq / tp positions per
+    rank; the embedding reduce-scatters into it and the output layer gathers out of it.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh | None = None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        mesh = mesh or ParallelMesh.single()
+        region = TPRegion(mesh.tp, sequence_parallel and mesh.tp.size > 1)
+        self.cfg = cfg
+        self.region = region
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab = padded_vocab_size(cfg)
+        head_dim = cfg.hidden_size // cfg.num_heads
+        self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
+        self.rotary = None
+        if cfg.arch == "gpt2":
+            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
+            replicated(self.pos_embed.weight, region)
+        else:
+            self.rotary = Rotary(head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(Block(cfg, i, region, mesh) for i in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg, region)
+        if not cfg.tie_embeddings:
+            self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, False, region)
+        self.recompute = "none"
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.cfg.tie_embeddings else self.output.weight
+
+    def set_recompute(self, mode: str) -> None:
+        """``full`` recomputes whole layers in backward, ``selective`` only attention cores."""
+        self.recompute = mode
+        for block in self.layers:
+            block.attn.selective_recompute = mode == "selective"
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.output_weight
+        return KVCache(len(self.layers), batch, self.layers[0].attn.num_kv_heads, max_len,
+                       self.cfg.hidden_size // self.cfg.num_heads, p.dtype, p.device)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = cache.length if cache is not None else 0
+        x = self.embed(tokens)
+        if self.rotary is None:
+            positions = self.pos_embed(
+                torch.arange(start, start + tokens.shape[1], device=tokens.device))
+            if self.region.sequence_parallel:
+                positions = local_chunk(positions, self.region.group, dim=0)
+            x = x + positions
+        x = F.dropout(x, self.cfg.dropout, self.training)
+        for block in self.layers:
+            if self.recompute == "full" and self.training:
+                x = checkpoint(block, x, self.rotary, use_reentrant=False)
+            else:
+                x = block(x, self.rotary, cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        x = self.region.enter(self.final_norm(x))
+        return F.linear(x, self.output_weight)
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of token cross-entropies in fp32; padded vocabulary entries never count."""
+        start = self.region.group.rank * logits.shape[-1]
+        return vocab_parallel_loss_sum(logits, targets, self.region.group, start,
+                                       self.vocab_size)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Sum of token cross-entropies over full (unsplit) logits; padding never counts."""
+    logits = logits[..., :vocab_size].float()
+    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), reduction="sum")

@@ -1,0 +1,1 @@
+"""The device mesh, communication, and parallel layers."""

@@ -1,0 +1,145 @@
+"""Collectives that count their bytes, and the autograd functions of tensor/sequence parallelism.
+
+Byte accounting (per rank, recorded in the group's :class:`CommStats`): an all-reduce counts
+its tensor, an all-gather its gathered output, a reduce-scatter its full input. With these
+definitions a sequence-parallel layer moves the same bytes as its all-reduce twin.
+
+The four region functions of Megatron's tensor parallelism (sequence dim = 1, [b, s, h]):
+
+==================  ==========================  ==========================
+function            forward                     backward
+==================  ==========================  ==========================
+copy_to_tp          identity                    all-reduce
+reduce_from_tp      all-reduce                  identity
+gather_from_sp      all-gather along sequence   reduce-scatter
+reduce_scatter_sp   reduce-scatter along seq.   all-gather
+==================  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtron.parallel.mesh import Group
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM,
+               kind: str = "all_reduce") -> torch.Tensor:
+    """In-place all-reduce (a no-op on a group of one)."""
+    if group.pg is not None:
+        group.stats.record(group.name, kind, _nbytes(t))
+        dist.all_reduce(t, op=op, group=group.pg)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim``."""
+    if group.pg is None:
+        return t
+    t = t.contiguous()
+    out = torch.empty((group.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    group.stats.record(group.name, "all_gather", _nbytes(out))
+    _all_gather(out, t, group=group.pg)
+    if dim == 0:
+        return out
+    return out.unflatten(0, (group.size, t.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sum over ranks, each keeping its 1/size chunk of ``dim``."""
+    if group.pg is None:
+        return t
+    chunks = t.unflatten(dim, (group.size, t.shape[dim] // group.size)).movedim(dim, 0)
+    out = torch.empty(chunks.shape[1:], dtype=t.dtype, device=t.device)
+    group.stats.record(group.name, "reduce_scatter", _nbytes(chunks))
+    _reduce_scatter(out, chunks.contiguous().flatten(0, 1), group=group.pg)
+    return out
+
+
+def local_chunk(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's 1/size slice of ``dim`` (no communication)."""
+    if group.pg is None:
+        return t
+    return t.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, dim=1), None
+
+
+class _ReduceScatterSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter(x, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, dim=1), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return local_chunk(x, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, dim=1), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _ReduceScatterSP.apply(x, group)
+
+
+def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _ScatterToSP.apply(x, group)

@@ -1,0 +1,93 @@
+"""Rank arithmetic of the device mesh, without any process groups.
+
+Ranks are laid out with tp innermost, then cp, then dp, then pp outermost::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so a tensor-parallel group is a run of consecutive ranks (it stays inside a node), and the
+pipeline stages are the coarsest blocks. Expert parallelism folds into the dp x cp ranks of one
+(tp, pp) slice (Megatron's "MoE parallel folding"): ep groups are runs of ``ep`` consecutive
+ranks of that slice and the expert-data-parallel groups stride across them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.errors import MeshtronError
+
+AXES = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        model_parallel = self.tp * self.cp * self.pp
+        for name in ("tp", "cp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise MeshtronError(f"parallel.{name} must be at least 1")
+        if self.world_size % model_parallel:
+            raise MeshtronError(
+                f"world size {self.world_size} is not divisible by tp*cp*pp = "
+                f"{self.tp}*{self.cp}*{self.pp} = {model_parallel}"
+            )
+        if (self.dp * self.cp) % self.ep:
+            raise MeshtronError(
+                f"parallel.ep={self.ep} does not divide dp*cp = {self.dp}*{self.cp}; expert "
+                "parallelism folds into the data- and context-parallel ranks"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The (tp, cp, dp, pp) coordinates of ``rank``."""
+        out = {}
+        for axis, size in self.sizes().items():
+            out[axis] = rank % size
+            rank //= size
+        return out
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank, stride = 0, 1
+        for axis, size in self.sizes().items():
+            rank += coords.get(axis, 0) * stride
+            stride *= size
+        return rank
+
+    def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """All groups of ranks that differ only along ``axes`` (every rank in exactly one)."""
+        sizes = self.sizes()
+        fixed = [a for a in AXES if a not in axes]
+        seen: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            seen.setdefault(tuple(c[a] for a in fixed), []).append(rank)
+        for members in seen.values():
+            assert len(members) == _product(sizes[a] for a in axes)
+        return sorted(seen.values())
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(ep groups, expert-dp groups), both carved out of each dp x cp group."""
+        ep_groups, edp_groups = [], []
+        for members in self.groups(("cp", "dp")):
+            ep_groups += [members[i : i + self.ep] for i in range(0, len(members), self.ep)]
+            edp_groups += [members[i :: self.ep] for i in range(self.ep)]
+        return sorted(ep_groups), sorted(edp_groups)
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

@@ -1,0 +1,57 @@
+"""Run-directory outputs: ``metrics.jsonl`` (one JSON object per logged step) and TensorBoard.
+
+Only global rank 0 creates a writer; other ranks pass ``None`` around instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                   "mem_peak_bytes")
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # heavy import: only on rank 0
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        missing = [k for k in REQUIRED_FIELDS if k not in row]
+        assert not missing, f"metrics row lacks {missing}"
+        self._jsonl.write(json.dumps(row) + "\n")
+        step = int(row["step"])
+        for key, value in _scalars(row):
+            self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tb.close()
+
+
+def _scalars(row: dict[str, Any], prefix: str = ""):
+    """Finite numbers of a row, nested dicts flattened to 'outer/inner' names."""
+    for key, value in row.items():
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+            yield prefix + key, value
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """All rows of a run's ``metrics.jsonl``; a torn last line (crash mid-write) is skipped."""
+    rows = []
+    with open(run_dir / "metrics.jsonl") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows

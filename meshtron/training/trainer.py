@@ -1,0 +1,262 @@
+"""The training loop: data, model, optimizer, resume, steps, evaluation, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from meshtron.checkpoint import train_state
+from meshtron.checkpoint.store import (
+    find_latest,
+    read_manifest,
+    save_checkpoint,
+    step_dir_name,
+)
+from meshtron.config import Config, micro_batch_size, validate
+from meshtron.data import TrainingData, build_training_data
+from meshtron.errors import MeshtronError
+from meshtron.models.flops import model_size, training_flops_per_token
+from meshtron.models.init import initialize
+from meshtron.models.transformer import Transformer
+from meshtron.optim.adamw import build_adamw
+from meshtron.optim.schedule import learning_rate
+from meshtron.parallel.mesh import ParallelMesh
+from meshtron.training.hardware import peak_flops
+from meshtron.training.metrics import MetricsWriter
+from meshtron.training.plot import plot_runs
+from meshtron.training.progress import ProgressBar
+from meshtron.training.step import Precision, StepResult, evaluate, train_step
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    end_step: int
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    checkpoint: Path | None = None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def resolve_vocab(cfg: Config, data: TrainingData) -> None:
+    """The model's vocabulary defaults to the tokenizer's and may not be smaller."""
+    tokenizer_vocab = data.tokenizer.vocab_size
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer_vocab
+    elif cfg.model.vocab_size < tokenizer_vocab:
+        raise MeshtronError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer_vocab} tokens"
+        )
+
+
+def check_resumable(cfg: Config, manifest: dict, path: Path) -> None:
+    saved = manifest.get("config", {}).get("model", {})
+    for key, value in cfg.model.__dict__.items():
+        if key != "preset" and key in saved and saved[key] != value:
+            raise MeshtronError(
+                f"checkpoint {path} was trained with model.{key}={saved[key]}, this run has "
+                f"model.{key}={value}; use a new checkpoint.dir or the same model"
+            )
+
+
+def _quiet(message: str) -> None:
+    """The log function of ranks other than 0."""
+
+
+class Trainer:
+    """Owns one rank's share of a run. Only global rank 0 logs and writes the run directory."""
+
+    def __init__(self, cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
+                 device: torch.device | None = None):
+        self.cfg = cfg
+        self.mesh = mesh or ParallelMesh.single()
+        self.is_rank0 = self.mesh.global_rank == 0
+        self.log = log if self.is_rank0 else _quiet
+        self.device = device or torch.device("cpu")
+        self.run_dir = Path(cfg.run.dir)
+        validate(cfg, world_size=self.mesh.layout.world_size)
+        torch.manual_seed(cfg.train.seed)
+
+        self.data = self._build_data()
+        resolve_vocab(cfg, self.data)
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.yaml")
+
+        self.model = Transformer(cfg.model, self.mesh, sequence_parallel=cfg.parallel.sp)
+        initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
+                   num_layers=cfg.model.num_layers)
+        self.model.to(self.device).train()
+        self.model.set_recompute(cfg.train.recompute)
+        self.optimizer = build_adamw(self.model, cfg.train)
+        self.precision = Precision(cfg.precision.dtype, self.device)
+        world = self.mesh.layout.world_size
+        self.micro_batch = micro_batch_size(cfg, world)
+        self.dp_share = cfg.train.global_batch // self.mesh.dp.size
+        self.step = 0
+        size = model_size(cfg.model)
+        self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
+                 f"cp={cfg.parallel.cp} dp={self.mesh.dp.size} pp={cfg.parallel.pp}"
+                 f"{' sp' if cfg.parallel.sp else ''}; micro-batch {self.micro_batch} x "
+                 f"{cfg.train.global_batch // (self.micro_batch * self.mesh.dp.size)} "
+                 f"accumulation steps")
+        self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
+                 f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
+                 f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
+        self._maybe_resume()
+
+    def _build_data(self) -> TrainingData:
+        """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
+        def build() -> TrainingData:
+            cfg = self.cfg
+            return build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, self.log)
+
+        if self.mesh.world.pg is None:
+            return build()
+        first = int(os.environ.get("LOCAL_RANK", self.mesh.global_rank)) == 0
+        data = build() if first else None
+        torch.distributed.barrier()
+        return data or build()
+
+    def local_share(self, batch: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's rows of a global batch."""
+        start = self.mesh.dp.rank * self.dp_share
+        return batch[start : start + self.dp_share].to(self.device)
+
+    def _maybe_resume(self) -> None:
+        if not self.cfg.checkpoint.resume:
+            return
+        path = find_latest(self.cfg.checkpoint_dir, warn=lambda m: self.log(f"warning: {m}"))
+        if path is None:
+            return
+        manifest = read_manifest(path)
+        check_resumable(self.cfg, manifest, path)
+        train_state.restore(path, self.model, self.optimizer)
+        self.step = int(manifest["step"])
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> Path:
+        """Write a checkpoint (collective: every rank gathers, rank 0 writes)."""
+        cfg = self.cfg
+        tensors = train_state.capture(self.model, self.optimizer, self.mesh)
+        path = cfg.checkpoint_dir / step_dir_name(self.step)
+        if self.is_rank0:
+            path = save_checkpoint(
+                cfg.checkpoint_dir, self.step, tensors,
+                meta={"config": cfg.to_dict(),
+                      "data": {"next_batch": self.step, "seed": cfg.train.seed}},
+                copy_files={"tokenizer.json": Path(self.data.tokenizer.path)},
+                keep_last=cfg.checkpoint.keep_last,
+            )
+        if self.mesh.world.pg is not None:
+            torch.distributed.barrier()
+        self.mesh.stats.take()  # the gathers of a save are not a training step's traffic
+        return path
+
+    def validation_loss(self) -> float:
+        t = self.cfg.train
+        batches = [self.local_share(self.data.valid_batch(i, t.global_batch))
+                   for i in range(t.eval_batches)]
+        return evaluate(self.model, batches, self.micro_batch,
+                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.precision)
+
+    def run(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        result = TrainResult(self.run_dir, self.step, self.step)
+        if self.step >= t.steps:
+            self.log(f"run already complete at step {self.step} (train.steps={t.steps}); "
+                     "raise train.steps or use a new run.dir to train more")
+            return result
+        tokens_per_step = t.global_batch * t.seq_len
+        flops_per_step = training_flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+        peak = peak_flops(self.device, t.peak_flops)
+        writer = MetricsWriter(self.run_dir) if self.is_rank0 else None
+        progress = ProgressBar(t.steps, self.step, cfg.run.progress and self.is_rank0)
+        self.mesh.stats.take()
+        try:
+            while self.step < t.steps:
+                started = time.perf_counter()
+                lr = learning_rate(self.step, t)
+                batch = self.local_share(self.data.train_batch(self.step, t.global_batch))
+                out = train_step(
+                    self.model, self.optimizer, batch, self.mesh,
+                    global_tokens=tokens_per_step, micro_batch=self.micro_batch,
+                    lr=lr, grad_clip=t.grad_clip,
+                    precision=self.precision,
+                )
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - started
+                self.step += 1
+                result.losses.append(out.loss)
+                result.grad_norms.append(out.grad_norm)
+                if not math.isfinite(out.loss):
+                    raise MeshtronError(f"loss became {out.loss} at step {self.step}; lower "
+                                        "train.lr or use precision.dtype=fp32")
+                row = self._metrics_row(out, lr, elapsed, tokens_per_step, flops_per_step, peak)
+                last = self.step == t.steps
+                if t.eval_every and (self.step % t.eval_every == 0 or last):
+                    result.val_loss = self.validation_loss()
+                    row.update(val_loss=result.val_loss, val_ppl=math.exp(result.val_loss))
+                if writer and (self.step % t.log_every == 0 or last or "val_loss" in row):
+                    writer.write(row)
+                    progress.clear()
+                    self.log(format_row(row, t.steps))
+                progress.update(self.step, out.loss, row["tokens_per_s"])
+                every = cfg.checkpoint.every
+                if (every and self.step % every == 0) or last:
+                    result.checkpoint = self.save()
+        finally:
+            progress.clear()
+            if writer:
+                writer.close()
+        result.end_step = self.step
+        if self.is_rank0 and cfg.run.plot:
+            plot_runs([self.run_dir], self.run_dir / "loss.png")
+        return result
+
+    def _metrics_row(self, out: StepResult, lr: float, elapsed: float, tokens: int,
+                     flops: float, peak: float) -> dict:
+        return {
+            "step": self.step, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
+            "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+            "mem_peak_bytes": peak_memory_bytes(self.device),
+            "mfu": flops / elapsed / (peak * self.mesh.layout.world_size),
+            "skipped": out.skipped, "comm_bytes": self.mesh.stats.take(),
+        }
+
+
+def format_row(row: dict, total: int) -> str:
+    text = (f"step {row['step']:>{len(str(total))}}/{total} | loss {row['loss']:.4f} | "
+            f"lr {row['lr']:.2e} | grad {row['grad_norm']:.3f} | "
+            f"{row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.1f}%")
+    if "val_loss" in row:
+        text += f" | val {row['val_loss']:.4f} (ppl {row['val_ppl']:.1f})"
+    return text
+
+
+def train(cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
+          device: torch.device | None = None) -> TrainResult:
+    """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary."""
+    trainer = Trainer(cfg, mesh, log, device)
+    result = trainer.run()
+    sys.stdout.flush()
+    return result

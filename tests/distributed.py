@@ -1,0 +1,69 @@
+"""Run a test function in N gloo processes and collect what each rank returns.
+
+Workers are spawned (one thread each, as the 2-core machines need), join a process group over
+a file:// rendezvous in a fresh temp dir (so tests can run side by side), and leave through
+``os._exit`` after destroying the group, avoiding gloo's occasional abort at interpreter exit.
+A rank that raises makes the whole call fail with that rank's traceback; a hang fails it after
+``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _worker(fn: Callable, rank: int, world_size: int, rendezvous: str, out_dir: str,
+            args: tuple) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
+                                world_size=world_size)
+        result: Any = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        result = ("error", traceback.format_exc())
+        code = 1
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+    from meshtron.parallel.runtime import exit_process
+
+    exit_process(code)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list:
+    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = f"file://{tmp}/rendezvous"
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, tmp, args))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        for r in range(world_size):
+            path = Path(tmp) / f"rank{r}.pkl"
+            if not path.exists():
+                reason = "timed out" if r in alive else f"exit code {procs[r].exitcode}"
+                raise AssertionError(f"rank {r} of {world_size} returned nothing ({reason})")
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                raise AssertionError(f"rank {r} of {world_size} failed:\n{value}")
+            results.append(value)
+        return results
