@@ -1,0 +1,73 @@
+"""The parity harness: per-step loss and grad norm of a layout vs the single-process run.
+
+Several layouts run one after another inside one group of spawned processes (start-up dominates
+on CPU), each with its own mesh and run directory.
+"""
+
+from __future__ import annotations
+
+from meshtron.config import load_config
+from meshtron.data import build_training_data
+from meshtron.parallel.layout import MeshLayout
+from meshtron.parallel.mesh import ParallelMesh
+from meshtron.training.trainer import Trainer
+
+PARITY_RTOL = 1e-4
+STEPS = 20
+
+
+def test_overrides(cache_dir: str, run_dir: str, steps: int = STEPS) -> list[str]:
+    """A 2-layer, 64-wide model on a 0.3 MB slice of the default corpus."""
+    return [
+        "--model.num_layers=2", "--model.hidden_size=64", "--model.num_heads=4",
+        "--model.num_kv_heads=4", "--model.ffn_hidden_size=128", "--model.max_seq_len=64",
+        "--data.vocab_size=512", "--data.corpus_max_mb=0.3", f"--data.cache_dir={cache_dir}",
+        "--train.seq_len=32", "--train.global_batch=8", f"--train.steps={steps}",
+        "--train.lr=0.003", "--train.min_lr=0.0003", "--train.warmup_steps=2",
+        "--train.eval_every=0", "--train.log_every=5",
+        "--run.progress=false", "--run.plot=false", "--checkpoint.resume=false",
+        f"--run.dir={run_dir}",
+    ]
+
+
+test_overrides.__test__ = False  # a helper, not a pytest test
+
+
+def warm_data_cache(cache_dir: str) -> None:
+    cfg = load_config(overrides=test_overrides(cache_dir, "unused"))
+    build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, log=lambda m: None)
+
+
+def run_training(overrides: list[str], rank: int = 0, world_size: int = 1) -> dict:
+    cfg = load_config(overrides=overrides)
+    p = cfg.parallel
+    mesh = ParallelMesh(MeshLayout(world_size, p.tp, p.cp, p.pp, p.ep), rank)
+    trainer = Trainer(cfg, mesh, log=lambda m: None)
+    result = trainer.run()
+    return {"loss": result.losses, "grad_norm": result.grad_norms}
+
+
+def run_layouts(rank: int, world_size: int, cache_dir: str, root: str,
+                layouts: list[list[str]]) -> list[dict]:
+    """Worker body: train every layout in turn; returns one result per layout."""
+    return [
+        run_training(test_overrides(cache_dir, f"{root}/layout{i}") + layout, rank, world_size)
+        for i, layout in enumerate(layouts)
+    ]
+
+
+def model_overrides(layout: list[str]) -> list[str]:
+    """The overrides that change the model or data, not the layout (for the reference run)."""
+    layout_keys = ("--parallel.", "--train.micro_batch", "--train.recompute")
+    return [o for o in layout if not o.startswith(layout_keys)]
+
+
+def assert_parity(reference: dict, candidate: dict, what: str, rtol: float = PARITY_RTOL) -> None:
+    for key in ("loss", "grad_norm"):
+        ref, got = reference[key], candidate[key]
+        assert len(ref) == len(got) == STEPS, f"{what}: {len(got)} steps, expected {STEPS}"
+        for step, (a, b) in enumerate(zip(ref, got), start=1):
+            assert abs(a - b) <= rtol * abs(a), (
+                f"{what}: {key} at step {step} is {b!r}, single process gives {a!r} "
+                f"(relative difference {abs(a - b) / abs(a):.2e})"
+            )
