@@ -438,6 +438,11 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     )
     dp = world_size // model_parallel
     _require(
+        (dp * p.cp) % p.ep == 0,
+        f"parallel.ep={p.ep} does not divide dp*cp = {dp}*{p.cp}; expert parallelism folds "
+        "into the data- and context-parallel ranks",
+    )
+    _require(
         m.num_heads % p.tp == 0,
         f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads}",
     )

@@ -1,8 +1,10 @@
 """Collectives that count their bytes, and the autograd functions of tensor/sequence parallelism.
 
-Byte accounting (per rank, recorded in the group's :class:`CommStats`): an all-reduce counts
-its tensor, an all-gather its gathered output, a reduce-scatter its full input. With these
-definitions a sequence-parallel layer moves the same bytes as its all-reduce twin.
+Byte accounting (recorded in the group's :class:`CommStats`) counts what one rank sends over
+the wire with ring algorithms (the "bus bytes" of nccl-tests): for a group of n ranks and a full
+buffer of X bytes, an all-reduce sends 2(n-1)/n X, an all-gather or a reduce-scatter (n-1)/n X.
+So a sequence-parallel layer (all-gather + reduce-scatter) moves exactly the bytes of its
+all-reduce twin.
 
 The four region functions of Megatron's tensor parallelism (sequence dim = 1, [b, s, h]):
 
@@ -27,15 +29,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _wire_bytes(full: torch.Tensor, group: Group, passes: int = 1) -> int:
+    """Bytes one rank sends in ``passes`` ring passes over a buffer the size of ``full``."""
+    return passes * full.numel() * full.element_size() * (group.size - 1) // group.size
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM,
-               kind: str = "all_reduce") -> torch.Tensor:
+def all_reduce(t: torch.Tensor, group: Group,
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (a no-op on a group of one)."""
     if group.pg is not None:
-        group.stats.record(group.name, kind, _nbytes(t))
+        group.stats.record(group.name, "all_reduce", _wire_bytes(t, group, passes=2))
         dist.all_reduce(t, op=op, group=group.pg)
     return t
 
@@ -46,7 +49,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((group.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    group.stats.record(group.name, "all_gather", _nbytes(out))
+    group.stats.record(group.name, "all_gather", _wire_bytes(out, group))
     _all_gather(out, t, group=group.pg)
     if dim == 0:
         return out
@@ -59,7 +62,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return t
     chunks = t.unflatten(dim, (group.size, t.shape[dim] // group.size)).movedim(dim, 0)
     out = torch.empty(chunks.shape[1:], dtype=t.dtype, device=t.device)
-    group.stats.record(group.name, "reduce_scatter", _nbytes(chunks))
+    group.stats.record(group.name, "reduce_scatter", _wire_bytes(chunks, group))
     _reduce_scatter(out, chunks.contiguous().flatten(0, 1), group=group.pg)
     return out
 

@@ -17,7 +17,8 @@ from meshtron.parallel.layout import MeshLayout
 
 @dataclass
 class CommStats:
-    """Bytes handed to collectives, per '<group>/<kind>' (e.g. 'tp/all_reduce')."""
+    """Bytes sent by this rank, per '<group>/<kind>' (e.g. 'tp/all_reduce'); see
+    :mod:`meshtron.parallel.collectives` for how each collective is counted."""
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 

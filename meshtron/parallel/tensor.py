@@ -215,6 +215,7 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, group: 
     return losses.sum()
 
 
+@torch.no_grad()
 def gather_full(local: torch.Tensor, spec: ShardSpec | None, group: Group) -> torch.Tensor:
     """Rebuild the global tensor from every tp rank's slice (inverse of ``spec.take``)."""
     if spec is None:
