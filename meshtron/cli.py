@@ -16,14 +16,16 @@ from meshtron.errors import MeshtronError
 
 
 def _config_reference() -> str:
-    """Every config field as 'section.field (default)', for `meshtron train --help`."""
+    """Every config field as '--section.field (default ...)', for `meshtron train --help`."""
     from meshtron.config import Config
 
     lines = ["config fields (set in --config YAML or as --section.field=value):"]
+    defaults = Config()
     for section in dataclasses.fields(Config):
-        obj = getattr(Config(), section.name)
-        items = [f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)]
-        lines.append(f"  {section.name}: " + ", ".join(items))
+        obj = getattr(defaults, section.name)
+        lines.append(f"  {section.name}:")
+        lines += [f"    --{section.name}.{f.name} (default {getattr(obj, f.name)!r})"
+                  for f in dataclasses.fields(obj)]
     return "\n".join(lines)
 
 
@@ -49,12 +51,14 @@ def _split_overrides(extra: list[str]) -> list[str]:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.config import load_config, validate
-    from meshtron.parallel.runtime import process_info
 
-    cfg = load_config(args.config, _split_overrides(extra))
-    info = process_info()
     if args.nproc < 1:
         raise MeshtronError(f"--nproc must be at least 1, got {args.nproc}")
+    cfg = load_config(args.config, _split_overrides(extra))  # before torch: errors are instant
+
+    from meshtron.parallel.runtime import process_info
+
+    info = process_info()
     if args.nproc > 1 and not info.distributed:
         validate(cfg, world_size=args.nproc)  # fail here, before any process starts
         from meshtron.parallel.launch import launch_local

@@ -33,8 +33,9 @@ def gpu_peak_flops(name: str) -> float | None:
 def measure_matmul_flops(size: int = 1024, repeats: int = 5,
                          dtype: torch.dtype = torch.float32) -> float:
     """Best achieved FLOP/s of a square matmul on the CPU with the current thread count."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)  # never disturb the training run's RNG
+    a = torch.randn(size, size, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, dtype=dtype, generator=generator)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):

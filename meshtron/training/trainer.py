@@ -97,9 +97,6 @@ class Trainer:
 
         self.data = self._build_data()
         resolve_vocab(cfg, self.data)
-        if self.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / "config.yaml")
 
         self.model = Transformer(cfg.model, self.mesh, sequence_parallel=cfg.parallel.sp)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
@@ -122,6 +119,9 @@ class Trainer:
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
         self._maybe_resume()
+        if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.yaml")
 
     def _build_data(self) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
@@ -132,8 +132,15 @@ class Trainer:
         if self.mesh.world.pg is None:
             return build()
         first = int(os.environ.get("LOCAL_RANK", self.mesh.global_rank)) == 0
-        data = build() if first else None
+        data, error = None, None
+        if first:
+            try:
+                data = build()
+            except MeshtronError as err:  # still meet the others, who then fail alike
+                error = err
         torch.distributed.barrier()
+        if error is not None:
+            raise error
         return data or build()
 
     def local_share(self, batch: torch.Tensor) -> torch.Tensor:
