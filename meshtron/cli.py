@@ -195,6 +195,26 @@ def _finish(code: int) -> int:
     return code
 
 
+PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "timed out",
+                      "Timeout", "NCCL communicator was aborted")
+
+
+def _peer_failure(err: BaseException) -> str | None:
+    """One line for a collective that failed because another rank died or stalled."""
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    text = str(err)
+    if isinstance(err, dist.DistError) or any(sign in text for sign in PEER_FAILURE_SIGNS):
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        return (f"rank {dist.get_rank()} lost contact with the other ranks (a peer failed or "
+                f"stalled beyond run.timeout_s): {first[-160:]}")
+    return None
+
+
 def main(argv: typing.Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -207,4 +227,10 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshtron: interrupted", file=sys.stderr)
         code = 130
+    except Exception as err:
+        message = _peer_failure(err)
+        if message is None:
+            raise
+        print(f"meshtron: error: {message}", file=sys.stderr)
+        code = 1
     return _finish(code)

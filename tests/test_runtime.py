@@ -1,0 +1,48 @@
+"""Joining a job from torchrun or SLURM variables, and failing cleanly when a peer dies."""
+
+import time
+
+import pytest
+
+from meshtron.parallel.runtime import process_info
+from tests.distributed import run_distributed
+
+
+def test_torchrun_variables_win():
+    env = {"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1", "SLURM_NTASKS": "2",
+           "SLURM_PROCID": "0"}
+    info = process_info(env)
+    assert (info.rank, info.world_size, info.local_rank, info.distributed) == (5, 8, 1, True)
+
+
+def test_slurm_variables_without_torchrun():
+    info = process_info({"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1"})
+    assert (info.rank, info.world_size, info.local_rank) == (9, 16, 1)
+
+
+def test_plain_process_is_a_world_of_one():
+    assert not process_info({}).distributed
+    assert not process_info({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}).distributed
+
+
+def survive_a_dead_peer(rank: int, world_size: int) -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.cli import _peer_failure
+
+    if rank == 1:
+        return None  # leaves at once: its process group goes away
+    time.sleep(2)
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as err:
+        return _peer_failure(err)
+    return "the collective did not fail"
+
+
+@pytest.mark.slow
+def test_a_dead_peer_gives_one_clear_line():
+    message = run_distributed(survive_a_dead_peer, 2)[0]
+    assert message is not None and message.startswith("rank 0 lost contact with the other ranks")
+    assert "\n" not in message
