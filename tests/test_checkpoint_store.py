@@ -77,3 +77,15 @@ def test_empty_or_missing_root_has_no_checkpoint(tmp_path):
     assert find_latest(tmp_path / "nothing") is None
     os.makedirs(tmp_path / "empty")
     assert find_latest(tmp_path / "empty") is None
+
+
+def test_a_run_directory_finds_its_checkpoints_from_anywhere(tmp_path):
+    from meshtron.checkpoint.loading import run_checkpoint_root
+
+    run = tmp_path / "proj" / "runs" / "x"
+    saved = {"run": {"dir": "runs/x"}, "checkpoint": {"dir": "ckpts/x"}}
+    assert run_checkpoint_root(run, saved) == tmp_path / "proj" / "ckpts" / "x"
+    saved["checkpoint"]["dir"] = None
+    assert run_checkpoint_root(run, saved) == run / "checkpoints"
+    saved["checkpoint"]["dir"] = str(tmp_path / "abs")
+    assert run_checkpoint_root(run, saved) == tmp_path / "abs"

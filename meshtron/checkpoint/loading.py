@@ -21,12 +21,24 @@ def resolve_checkpoint(path: Path) -> Path:
         raise MeshtronError(f"checkpoint path not found: {path}")
     root = path
     if (path / "config.yaml").is_file() and not (path / "meta.json").is_file():
-        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
-        root = Path(saved.get("checkpoint", {}).get("dir") or path / "checkpoints")
+        root = run_checkpoint_root(path, yaml.safe_load((path / "config.yaml").read_text()) or {})
     found = find_latest(root, warn=lambda m: print(f"warning: {m}"))
     if found is None:
         raise MeshtronError(f"no complete checkpoint under {root}")
     return found
+
+
+def run_checkpoint_root(run_dir: Path, saved: dict) -> Path:
+    """Where a run directory's checkpoints are. A relative ``checkpoint.dir`` was relative to
+    the directory training ran in, which is ``run_dir`` minus the relative ``run.dir``."""
+    configured = (saved.get("checkpoint") or {}).get("dir")
+    if not configured:
+        return run_dir / "checkpoints"
+    root = Path(configured)
+    if root.is_absolute() or root.exists():
+        return root
+    depth = len(Path((saved.get("run") or {}).get("dir", run_dir.name)).parts)
+    return run_dir.resolve().parents[depth - 1] / root
 
 
 def load_for_inference(path: Path, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
