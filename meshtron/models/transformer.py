@@ -35,11 +35,35 @@ from meshtron.parallel.tensor import (
     vocab_parallel_loss_sum,
 )
 
+_SDPA_GQA = torch.__version__ >= "2.5"
+"""``scaled_dot_product_attention`` takes ``enable_gqa`` (shares kv heads without copies)."""
+
 
 def padded_vocab_size(cfg: ModelConfig) -> int:
     """Vocabulary rounded up to ``vocab_multiple``: the same under every layout."""
     assert cfg.vocab_size is not None, "model.vocab_size must be resolved before building"
     return math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple
+
+
+class _RMSNormFP32(torch.autograd.Function):
+    """weight * x / rms(x) for fp32 x and weight, with a hand-written backward (autograd
+    differentiates ``F.rms_norm`` op by op, which takes 1.4-2x as long on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
+        rstd = sum_sq.div_(x.shape[-1]).add_(eps).rsqrt_()
+        normed = x * rstd
+        ctx.save_for_backward(normed, weight, rstd)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        normed, weight, rstd = ctx.saved_tensors
+        grad_weight = (grad * normed).flatten(0, -2).sum(0)
+        grad_normed = grad * weight
+        dot = (grad_normed * normed).mean(-1, keepdim=True)
+        return grad_normed.sub_(normed * dot).mul_(rstd), grad_weight, None
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +73,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            return _RMSNormFP32.apply(x, self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
@@ -124,13 +150,19 @@ class Attention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal unless an explicit mask is given."""
+        gqa = {}
         if self.num_kv_heads != self.num_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+            # Measured on CPU only: on GPUs which kernels take GQA depends on dtype and torch
+            # version (fp32 may fall back to the math kernel), so they keep the copies.
+            if _SDPA_GQA and q.device.type == "cpu":
+                gqa = {"enable_gqa": True}
+            else:
+                repeat = self.num_heads // self.num_kv_heads
+                k = k.repeat_interleave(repeat, dim=1)
+                v = v.repeat_interleave(repeat, dim=1)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[-2] > 1,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=self.dropout if self.training else 0.0, **gqa,
         )
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None,
@@ -175,7 +207,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.region.enter(x)
         if self.gated:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            # Two products with the [gate | up] halves of the weight: contiguous outputs, and
+            # backward concatenates weight-sized gradients rather than activation-sized ones.
+            gate, up = (F.linear(x, w) for w in self.gate_up.weight.chunk(2))
             h = F.silu(gate) * up
         else:
             h = F.gelu(self.up(x), approximate="tanh")
@@ -263,9 +297,31 @@ class Transformer(nn.Module):
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies in fp32; padded vocabulary entries never count."""
+        if self.region.group.pg is None:
+            flat = logits.reshape(-1, logits.shape[-1])[:, : self.vocab_size]
+            return _CrossEntropySum.apply(flat, targets.reshape(-1))
         start = self.region.group.rank * logits.shape[-1]
         return vocab_parallel_loss_sum(logits, targets, self.region.group, start,
                                        self.vocab_size)
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """Summed cross-entropy over full logits [tokens, vocab] in fp32: the same values as
+    ``F.cross_entropy(reduction="sum")`` with a backward of one pass (softmax - one-hot)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        ctx.save_for_backward(log_probs, targets)
+        ctx.dtype = logits.dtype
+        return -log_probs.gather(-1, targets.unsqueeze(-1)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        log_probs, targets = ctx.saved_tensors
+        probs = log_probs.exp_()  # in place (a second backward through it raises)
+        probs.scatter_add_(-1, targets.unsqueeze(-1), probs.new_full((len(targets), 1), -1.0))
+        return probs.mul_(grad).to(ctx.dtype), None
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,220 @@
+"""Single-process figures: meshtron's training step against Hugging Face, and preprocessing.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/single_process.py [--steps N] [--json OUT]
+
+1. **Training step** (forward, backward and AdamW step; fp32; CPU) of meshtron's ``Transformer``
+   and of ``transformers.LlamaForCausalLM`` with the same shape and the same weights (meshtron's
+   initialisation, converted with ``hf_mapping.to_hf``). HF runs with
+   ``attn_implementation="sdpa"`` and ``use_cache=False`` (no KV cache is built in training).
+   Both losses are the mean token cross-entropy over the same ``batch * seq`` targets:
+   meshtron's ``loss_sum(logits, targets) / tokens``; HF's own loss, ``model(input_ids,
+   labels=targets, shift_labels=targets).loss`` (its ``ForCausalLMLoss``: fp32
+   ``F.cross_entropy``, mean; ``shift_labels`` passes the targets already shifted, where
+   ``labels`` alone would shift inside and drop one target per row). Both use
+   ``torch.optim.AdamW(foreach=True)`` with the same parameter groups and hyper-parameters
+   (meshtron's ``build_adamw`` and training defaults), and the same thread count (one process).
+   After warm-up the two models' steps alternate (meshtron, HF, meshtron, ...), so load from
+   other processes hits both alike. Figures are medians over ``--steps`` steps each; ratio =
+   meshtron median / HF median; "pair ratio" = the median over steps of meshtron's step time /
+   the HF step right after it (less sensitive to slow drifts in load). The first steps' losses
+   are checked to agree, which shows that the weights and the loss are the same.
+2. **Preprocessing**: MB/s (1e6 bytes of UTF-8 text per second) of ``meshtron.data.preprocess``
+   on the embedded default corpus (``stdlib_corpus`` at the default ``data.corpus_max_mb``) with
+   a byte-level BPE of the default ``data.vocab_size`` trained once in a temporary cache
+   (training timed separately); median of ``--preprocess-runs`` runs, each into a fresh
+   temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from meshtron.checkpoint.hf_mapping import hf_config_kwargs, to_hf
+from meshtron.config import Config, load_config
+from meshtron.data import stdlib_corpus
+from meshtron.data.preprocess import preprocess
+from meshtron.data.tokenizer import train_tokenizer
+from meshtron.models.init import initialize
+from meshtron.models.transformer import Transformer
+from meshtron.optim.adamw import build_adamw
+
+
+@dataclass(frozen=True)
+class Shape:
+    overrides: tuple[str, ...]
+    seq: int
+    batch: int
+
+
+SHAPES = {
+    "tiny": Shape(("--model.preset=tiny", "--model.vocab_size=4096"), seq=128, batch=16),
+    "llama-30m": Shape(
+        ("--model.preset=tiny", "--model.num_layers=8", "--model.hidden_size=512",
+         "--model.num_heads=8", "--model.num_kv_heads=4", "--model.ffn_hidden_size=1536",
+         "--model.vocab_size=8192"),
+        seq=256, batch=4,
+    ),
+}
+
+
+def machine() -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in
+              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if line.startswith("model name")]
+    return {
+        "cpu": models[0] if models else platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def step_functions(cfg: Config, shape: Shape) -> tuple[int, Callable[[], float],
+                                                       Callable[[], float]]:
+    """Parameter count and one training step of each model, on the same batch and weights."""
+    model = Transformer(cfg.model)
+    initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**hf_config_kwargs(cfg.model), attn_implementation="sdpa"))
+    assert hf.config._attn_implementation == "sdpa"
+    hf.load_state_dict(to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg.model))
+    tokens = torch.randint(0, cfg.model.vocab_size, (shape.batch, shape.seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].contiguous()
+    count = targets.numel()
+
+    def hf_loss(net: nn.Module) -> torch.Tensor:
+        return net(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
+
+    def trainer(net: nn.Module, loss: Callable[[nn.Module], torch.Tensor]) -> Callable[[], float]:
+        net.train()
+        optimizer = build_adamw(net, cfg.train)
+
+        def step() -> float:
+            optimizer.zero_grad(set_to_none=True)
+            value = loss(net)
+            value.backward()
+            optimizer.step()
+            return value.item()
+
+        return step
+
+    params = sum(p.numel() for p in model.parameters())
+    return (params, trainer(model, lambda net: net.loss_sum(net(inputs), targets) / count),
+            trainer(hf, hf_loss))
+
+
+def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
+    cfg = load_config(overrides=shape.overrides)
+    params, ours, theirs = step_functions(cfg, shape)
+    times: dict[str, list[float]] = {"meshtron": [], "hf": []}
+    first: dict[str, float] = {}
+    for i in range(warmup + steps):
+        for key, step in (("meshtron", ours), ("hf", theirs)):
+            start = time.perf_counter()
+            loss = step()
+            if i >= warmup:
+                times[key].append(time.perf_counter() - start)
+            first.setdefault(key, loss)
+    if abs(first["meshtron"] - first["hf"]) > 1e-4 * abs(first["hf"]):
+        raise AssertionError(f"{name}: first losses differ: {first}")
+    tokens = shape.batch * shape.seq
+    ours_s, theirs_s = statistics.median(times["meshtron"]), statistics.median(times["hf"])
+    return {
+        "shape": name, "params": params, "batch": shape.batch, "seq": shape.seq,
+        "overrides": list(shape.overrides), "first_loss": first,
+        "meshtron_s": ours_s, "hf_s": theirs_s, "ratio": ours_s / theirs_s,
+        "pair_ratio_median": statistics.median(
+            a / b for a, b in zip(times["meshtron"], times["hf"], strict=True)),
+        "meshtron_tokens_per_s": tokens / ours_s, "hf_tokens_per_s": tokens / theirs_s,
+        "steps": times,
+    }
+
+
+def bench_preprocess(runs: int) -> dict[str, Any]:
+    data = load_config().data
+    source = stdlib_corpus(int(data.corpus_max_mb * 1e6))
+    quiet: Callable[[str], None] = lambda _: None  # noqa: E731
+    with tempfile.TemporaryDirectory() as cache_dir:
+        start = time.perf_counter()
+        tokenizer = train_tokenizer(source, data.vocab_size, cache_dir, quiet)
+        train_s = time.perf_counter() - start
+        results = []
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory() as out:
+                results.append(preprocess([source], Path(out) / "data", tokenizer, quiet))
+    rates = [r["mb_per_s"] for r in results]
+    return {
+        "corpus": source.name, "input_bytes": source.num_bytes, "vocab_size": data.vocab_size,
+        "tokenizer_train_s": train_s, "tokens": results[0]["tokens"],
+        "documents": results[0]["documents"], "mb_per_s": statistics.median(rates),
+        "runs_mb_per_s": rates,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per model and shape")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--preprocess-runs", type=int, default=3, help="0 skips preprocessing")
+    parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine()
+    print(f"{info['date']}  {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
+          f"({info['torch_threads']} threads), transformers {info['transformers']}, "
+          f"Python {info['python']}")
+    rows = []
+    header = (f"{'shape':<10} {'params':>7} {'tokens':>6} {'meshtron s/step':>15} "
+              f"{'HF s/step':>9} {'ratio':>6} {'meshtron tok/s':>14} {'HF tok/s':>8} "
+              f"{'pair ratio':>10}")
+    print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
+          "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF step after")
+    print(header)
+    for name in args.shapes:
+        row = bench_step(name, SHAPES[name], args.steps, args.warmup)
+        rows.append(row)
+        print(f"{name:<10} {row['params'] / 1e6:>6.1f}M {row['batch'] * row['seq']:>6} "
+              f"{row['meshtron_s']:>15.3f} {row['hf_s']:>9.3f} {row['ratio']:>6.3f} "
+              f"{row['meshtron_tokens_per_s']:>14.0f} {row['hf_tokens_per_s']:>8.0f} "
+              f"{row['pair_ratio_median']:>10.3f}")
+    result: dict[str, Any] = {"machine": info, "command": " ".join(sys.argv), "train_step": rows}
+    if args.preprocess_runs > 0:
+        pre = bench_preprocess(args.preprocess_runs)
+        result["preprocess"] = pre
+        print(f"\npreprocessing {pre['corpus']} with a {pre['vocab_size']}-token BPE: "
+              f"{pre['mb_per_s']:.2f} MB/s (median of {args.preprocess_runs}: "
+              f"{', '.join(f'{r:.2f}' for r in pre['runs_mb_per_s'])}), "
+              f"{pre['tokens'] / 1e6:.2f}M tokens; tokenizer training "
+              f"{pre['tokenizer_train_s']:.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
