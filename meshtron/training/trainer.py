@@ -26,14 +26,15 @@ from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from meshtron.optim.adamw import build_adamw
+from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.optim.schedule import learning_rate
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
-from meshtron.training.step import Precision, StepResult, evaluate, train_step
+from meshtron.training.step import StepResult, evaluate, train_step
 
 Log = Callable[[str], None]
 
@@ -103,7 +104,12 @@ class Trainer:
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
         self.model.set_recompute(cfg.train.recompute)
-        self.optimizer = build_adamw(self.model, cfg.train)
+        p = cfg.parallel
+        if p.zero and self.mesh.dp_cp.size == 1:
+            self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
+                     "shard, running as zero 0")
+        self.optimizer = DataParallelOptimizer(self.model, self.mesh, cfg.train, zero=p.zero,
+                                               bucket_mb=p.bucket_mb)
         self.precision = Precision(cfg.precision.dtype, self.device)
         world = self.mesh.layout.world_size
         self.micro_batch = micro_batch_size(cfg, world)
