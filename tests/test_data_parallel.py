@@ -17,12 +17,14 @@ from tests.parity import assert_parity, model_overrides, run_layouts, run_traini
 SMALL_BUCKETS = "--parallel.bucket_mb=0.02"  # several buckets even in the tiny test model
 
 LAYOUTS = {
-    2: [[f"--parallel.zero={z}", SMALL_BUCKETS] for z in (0, 1, 2)]
-    + [[f"--parallel.zero={z}", "--train.micro_batch=1", SMALL_BUCKETS] for z in (0, 1, 2)],
+    2: [[f"--parallel.zero={z}", SMALL_BUCKETS] for z in (0, 1, 2, 3)]
+    + [[f"--parallel.zero={z}", "--train.micro_batch=1", SMALL_BUCKETS] for z in (0, 1, 2, 3)]
+    + [["--parallel.zero=3", "--train.recompute=full", "--model.arch=gpt2",
+        "--model.tie_embeddings=true", "--train.eval_every=10"]],
     4: [[f"--parallel.zero={z}", "--train.global_batch=16", "--train.micro_batch=1",
-         SMALL_BUCKETS] for z in (0, 1, 2)]
+         SMALL_BUCKETS] for z in (0, 1, 2, 3)]
     + [["--parallel.tp=2", "--parallel.sp=true", f"--parallel.zero={z}",
-        "--train.micro_batch=1", SMALL_BUCKETS] for z in (1, 2)],
+        "--train.micro_batch=1", SMALL_BUCKETS] for z in (1, 2, 3)],
 }
 
 
@@ -44,7 +46,7 @@ def test_data_parallel_parity(world_size, data_cache, tmp_path):
 def one_step_accounting(rank: int, world_size: int, cache_dir: str, root: str) -> list[dict]:
     """Per zero stage: bytes kept per rank, and (rank 0) the bytes sent in one step."""
     out = []
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         run_dir = f"{root}/z{zero}"
         overrides = test_overrides(cache_dir, run_dir, steps=1) + [
             f"--parallel.zero={zero}", "--train.micro_batch=1", "--train.log_every=1",
@@ -53,10 +55,12 @@ def one_step_accounting(rank: int, world_size: int, cache_dir: str, root: str) -
                           ParallelMesh(MeshLayout(world_size), rank), log=lambda m: None)
         trainer.run()
         row = json.loads(Path(run_dir, "metrics.jsonl").read_text()) if rank == 0 else None
+        units = trainer.optimizer.units
         out.append({
             "memory": trainer.optimizer.memory_bytes(),
             "params": sum(p.numel() for p in trainer.model.parameters()),
             "padded": [b.padded for b in trainer.optimizer.reducer.buckets],
+            "root_padded": [f.bucket.padded for f in units.units[-1]] if units else [],
             "comm": row["comm_bytes"] if row else None,
         })
     return out
@@ -73,7 +77,8 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
                 expected = {"params": fp32 * n, "grads": fp32 * padded,
                             "optimizer": 2 * fp32 * n}
             else:  # flat (padded) parameter buffers; fp32 master + 2 moments for a 1/dp chunk
-                expected = {"params": fp32 * padded, "optimizer": 3 * fp32 * padded // dp,
+                expected = {"params": fp32 * padded // (dp if zero == 3 else 1),
+                            "optimizer": 3 * fp32 * padded // dp,
                             "grads": fp32 * padded // (1 if zero == 1 else dp)}
             assert r["memory"] == expected, (rank, zero)
     loss_sum = 2 * 8 * (dp - 1) // dp  # the fp64 loss all-reduced over dp
@@ -86,8 +91,13 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
         elif zero == 1:  # 2 micro-batches; only the last one communicates
             assert comm == {"dp_cp/reduce_scatter": ring, "dp_cp/all_gather": ring,
                             "dp_cp/all_reduce": loss_sum, "world/all_reduce": norm}
-        else:  # stage 2 reduce-scatters after every micro-batch
+        elif zero == 2:  # reduce-scatter after every micro-batch
             assert comm == {"dp_cp/reduce_scatter": 2 * ring, "dp_cp/all_gather": ring,
+                            "dp_cp/all_reduce": loss_sum, "world/all_reduce": norm}
+        else:  # per micro-batch: the root gathered once, every block for forward and backward
+            root = sum(fp32 * p * (dp - 1) // dp for p in r["root_padded"])
+            gathers = 2 * (root + 2 * (ring - root))
+            assert comm == {"dp_cp/reduce_scatter": 2 * ring, "dp_cp/all_gather": gathers,
                             "dp_cp/all_reduce": loss_sum, "world/all_reduce": norm}
 
 

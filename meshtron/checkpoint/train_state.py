@@ -64,8 +64,10 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 def capture(model: nn.Module, optimizer: DataParallelOptimizer,
             mesh: ParallelMesh) -> dict[str, dict[str, torch.Tensor]]:
     """Global tensors of the training state (a collective over tp: every rank must call it)."""
+    with optimizer.full_parameters():
+        weights = model_tensors(model, mesh)
     return {
-        "model.safetensors": model_tensors(model, mesh),
+        "model.safetensors": weights,
         "optimizer.safetensors": optimizer_tensors(model, optimizer, mesh),
         "rng.safetensors": rng_tensors(),
     }
@@ -92,7 +94,8 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
 
 def restore(path: Path, model: nn.Module, optimizer: DataParallelOptimizer) -> None:
     """Load weights, optimizer state and RNG state saved by :func:`capture`."""
-    load_model_weights(path, model)
+    with optimizer.full_parameters(modified=True):
+        load_model_weights(path, model)
     stored = load_tensors(path, "optimizer.safetensors")
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in stored.items():

@@ -12,6 +12,8 @@ What the reduction is depends on the ZeRO stage:
   full buffer persists, so micro-batches accumulate locally and only the last one communicates.
 - stage 2: as stage 1, but after every micro-batch, accumulating into a persistent chunk-sized
   buffer; the full bucket buffer exists only while that micro-batch's backward runs.
+- stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
+  (one transformer block each), so a unit can be freed as soon as its gradients are out.
 
 Buckets never mix parameters with different weight decay or replication, so the optimizer and
 the grad norm can treat a bucket's chunk as one flat tensor.
@@ -45,6 +47,8 @@ class Bucket:
     index: int
     params: list[nn.Parameter]
     offsets: list[int]
+    shapes: list[torch.Size]
+    """Shapes of the parameters (kept: ZeRO-3 empties parameters between uses)."""
     numel: int
     """Elements of all its parameters."""
     padded: int
@@ -62,8 +66,8 @@ class Bucket:
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s slice of a flat [padded] tensor, shaped like the parameter."""
-        param = self.params[i]
-        return flat[self.offsets[i] : self.offsets[i] + param.numel()].view_as(param)
+        shape = self.shapes[i]
+        return flat[self.offsets[i] : self.offsets[i] + shape.numel()].view(shape)
 
     def chunk_range(self, shards: int, rank: int) -> tuple[int, int]:
         size = self.padded // shards
@@ -79,11 +83,12 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, shards: int,
         key = (param.dim() >= 2, getattr(param, "replicas", 1))
         bucket = open_.get(key)
         if bucket is None or bucket.numel * element_size >= bucket_bytes:
-            bucket = Bucket(len(buckets), [], [], 0, 0, *key)
+            bucket = Bucket(len(buckets), [], [], [], 0, 0, *key)
             buckets.append(bucket)
             open_[key] = bucket
         bucket.params.append(param)
         bucket.offsets.append(bucket.numel)
+        bucket.shapes.append(param.shape)
         bucket.numel += param.numel()
     for bucket in buckets:
         bucket.padded = math.ceil(bucket.numel / shards) * shards
@@ -95,20 +100,29 @@ class GradReducer:
 
     def __init__(self, params: list[nn.Parameter], group: Group, *, stage: int,
                  bucket_bytes: int, dtype: torch.dtype,
+                 units: list[list[nn.Parameter]] | None = None,
                  on_event: Callable[[str, int], None] | None = None):
         self.group = group
         self.stage = stage
         self.dtype = dtype
         self.on_event = on_event
-        ready_order = list(reversed(params))
-        self.buckets = assign_buckets(ready_order, bucket_bytes, group.size,
-                                      torch.empty((), dtype=dtype).element_size())
+        self.on_launch: Callable[[Bucket], None] | None = None
+        element = torch.empty((), dtype=dtype).element_size()
+        if units is None:
+            self.buckets = assign_buckets(list(reversed(params)), bucket_bytes, group.size,
+                                          element)
+        else:  # one or more buckets per unit, never spanning two units
+            self.buckets = []
+            for unit in reversed(units):
+                for bucket in assign_buckets(list(reversed(unit)), 2**62, group.size, element):
+                    bucket.index = len(self.buckets)
+                    self.buckets.append(bucket)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 self._where[id(param)] = (bucket, i)
                 param.register_post_accumulate_grad_hook(self._on_grad)
-            if stage < 2:
+            if stage <= 1:
                 bucket.grad = torch.zeros(bucket.padded, dtype=dtype,
                                           device=bucket.params[0].device)
             else:
@@ -119,8 +133,8 @@ class GradReducer:
     # ------------------------------------------------------------------ per micro-batch
 
     def begin_micro_batch(self, last: bool) -> None:
-        """Stage 0/1 communicate only on the last micro-batch of a step; stage 2 on every one."""
-        self.sync = last or self.stage == 2
+        """Stage 0/1 communicate only on the last micro-batch of a step; 2/3 on every one."""
+        self.sync = last or self.stage >= 2
         for bucket in self.buckets:
             bucket.arrived = 0
             bucket.launched = False
@@ -141,6 +155,8 @@ class GradReducer:
         bucket.launched = True
         if self.on_event:
             self.on_event("reduce", bucket.index)
+        if self.on_launch:
+            self.on_launch(bucket)
         if self.group.pg is None:
             return
         if self.stage == 0:
@@ -165,7 +181,7 @@ class GradReducer:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if self.stage == 2:
+            if self.stage >= 2:
                 start, end = bucket.chunk_range(self.group.size, self.group.rank)
                 summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
                 bucket.shard_grad.add_(summed)
@@ -184,7 +200,7 @@ class GradReducer:
         """The reduced gradient this rank owns: the whole bucket (stage 0) or its chunk."""
         if self.stage == 0:
             return bucket.grad
-        if self.stage == 2:
+        if self.stage >= 2:
             return bucket.shard_grad
         start, end = bucket.chunk_range(self.group.size, self.group.rank)
         return bucket.grad[start:end]
@@ -200,7 +216,7 @@ class GradReducer:
             for i, param in enumerate(bucket.params):
                 group = getattr(param, "grad_sync", None)
                 lo = max(start, bucket.offsets[i])
-                hi = min(end, bucket.offsets[i] + param.numel())
+                hi = min(end, bucket.offsets[i] + bucket.shapes[i].numel())
                 if group is not None and lo < hi:
                     piece = local[lo - start : hi - start]
                     pieces.setdefault(id(group), (group, []))[1].append(piece)

@@ -1,10 +1,10 @@
-"""AdamW over this rank's chunk of every gradient bucket (the distributed optimizer, ZeRO-1/2).
+"""AdamW over this rank's chunk of every gradient bucket (the distributed optimizer, ZeRO-1/2/3).
 
-Each bucket's parameters become views into one flat buffer. A rank keeps fp32 master weights
-and both Adam moments only for its 1/dp chunk of each buffer, updates that chunk from its
-reduce-scattered gradient, and all-gathers the buffer so every rank has every updated weight.
-The update is element for element the one of ``torch.optim.AdamW`` (decoupled weight decay,
-bias-corrected moments).
+A rank keeps fp32 master weights and both Adam moments only for its 1/dp chunk of each bucket's
+flat parameters (:class:`FlatParams`), updates that chunk from its reduce-scattered gradient,
+and hands it back to the flat parameters (which all-gather it under ZeRO-1/2). The update is
+element for element the one of ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
+moments).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 import torch
 
 from meshtron.config import TrainConfig
+from meshtron.optim.flat_params import FlatParams
 from meshtron.optim.grad_buckets import Bucket, GradReducer
 from meshtron.parallel.collectives import start_all_gather
 
@@ -21,29 +22,18 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class ShardedAdamW:
-    def __init__(self, reducer: GradReducer, t: TrainConfig):
+    def __init__(self, reducer: GradReducer, flats: list[FlatParams], t: TrainConfig):
         self.reducer = reducer
         self.group = reducer.group
+        self.flats = flats
         self.t = t
         self.steps = 0
-        self.flat: list[torch.Tensor] = []
-        self.master: list[torch.Tensor] = []
-        self.moments: list[dict[str, torch.Tensor]] = []
-        for bucket in reducer.buckets:
-            first = bucket.params[0]
-            flat = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
-            for i, param in enumerate(bucket.params):
-                view = bucket.view(flat, i)
-                view.copy_(param.data)
-                param.data = view
-            self.flat.append(flat)
-            master = self._chunk(bucket, flat).float().clone()
-            self.master.append(master)
-            self.moments.append({k: torch.zeros_like(master) for k in MOMENTS})
+        self.master = [flat.chunk.float().clone() for flat in flats]
+        self.moments = [{k: torch.zeros_like(m) for k in MOMENTS} for m in self.master]
 
-    def _chunk(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
+    def _chunk(self, bucket: Bucket, full: torch.Tensor) -> torch.Tensor:
         start, end = bucket.chunk_range(self.group.size, self.group.rank)
-        return flat[start:end]
+        return full[start:end]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -52,7 +42,7 @@ class ShardedAdamW:
         bias1 = 1 - t.beta1**self.steps
         bias2_sqrt = math.sqrt(1 - t.beta2**self.steps)
         works = []
-        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flat, self.master,
+        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
                                                  self.moments):
             grad = self.reducer.local_grad(bucket).float()
             if bucket.decay and t.weight_decay:
@@ -62,8 +52,8 @@ class ShardedAdamW:
             exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
             denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(t.eps)
             master.addcdiv_(exp_avg, denom, value=-lr / bias1)
-            self._chunk(bucket, flat).copy_(master)
-            works.append(start_all_gather(flat, self.group))
+            flat.chunk.copy_(master)
+            works.append(flat.after_update())
         for work in works:
             if work is not None:
                 work.wait()
@@ -95,9 +85,9 @@ class ShardedAdamW:
     @torch.no_grad()
     def load_local_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`local_states`; master weights are taken from the parameters."""
-        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flat, self.master,
+        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
                                                  self.moments):
-            master.copy_(self._chunk(bucket, flat))
+            master.copy_(flat.chunk)
             for key, chunk in moments.items():
                 full = torch.zeros(bucket.padded, dtype=chunk.dtype, device=chunk.device)
                 for i, param in enumerate(bucket.params):
