@@ -31,6 +31,7 @@ from meshtron.optim.schedule import learning_rate
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
+from meshtron.training.memory import activation_bytes_per_layer
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
@@ -124,10 +125,26 @@ class Trainer:
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
+        self._log_activation_memory()
         self._maybe_resume()
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
+
+    def _log_activation_memory(self) -> None:
+        """The formula's activation bytes per rank for this layout (llama blocks)."""
+        cfg, p = self.cfg, self.cfg.parallel
+        if cfg.model.arch != "llama":
+            return
+        per_mode = {
+            mode: cfg.model.num_layers * activation_bytes_per_layer(
+                cfg.model, self.micro_batch, cfg.train.seq_len, p.tp, p.sp and p.tp > 1, mode)
+            for mode in ("none", "selective", "full")
+        }
+        others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
+                           if m != cfg.train.recompute)
+        self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per micro-batch "
+                 f"per rank in the blocks (recompute={cfg.train.recompute}; {others} MiB)")
 
     def _build_data(self) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
