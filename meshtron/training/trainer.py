@@ -181,6 +181,9 @@ class Trainer:
         check_resumable(self.cfg, manifest, path)
         train_state.restore(path, self.model, self.optimizer)
         self.step = int(manifest["step"])
+        scaler = self.precision.scaler
+        if scaler is not None and "loss_scale" in manifest:
+            scaler.scale, scaler.clean_steps = manifest["loss_scale"]
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
@@ -192,7 +195,8 @@ class Trainer:
             path = save_checkpoint(
                 cfg.checkpoint_dir, self.step, tensors,
                 meta={"config": cfg.to_dict(),
-                      "data": {"next_batch": self.step, "seed": cfg.train.seed}},
+                      "data": {"next_batch": self.step, "seed": cfg.train.seed},
+                      **self._scaler_meta()},
                 copy_files={"tokenizer.json": Path(self.data.tokenizer.path)},
                 keep_last=cfg.checkpoint.keep_last,
             )
@@ -200,6 +204,10 @@ class Trainer:
             torch.distributed.barrier()
         self.mesh.stats.take()  # the gathers of a save are not a training step's traffic
         return path
+
+    def _scaler_meta(self) -> dict:
+        scaler = self.precision.scaler
+        return {} if scaler is None else {"loss_scale": [scaler.scale, scaler.clean_steps]}
 
     def validation_loss(self) -> float:
         t = self.cfg.train
