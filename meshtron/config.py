@@ -66,6 +66,9 @@ class ParallelConfig:
     vpp: int = 1
     sp: bool = False
     zero: int = 0
+    """ZeRO stage: 0 replicates optimizer state, 1 shards it over dp, 2 also gradients."""
+    bucket_mb: float = 25.0
+    """Gradients are reduced in buckets of about this many MiB, overlapping backward."""
     schedule: str = "1f1b"
 
 
@@ -400,6 +403,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
     _require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     _require(
         m.hidden_size % m.num_heads == 0,
         f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}",

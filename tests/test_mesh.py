@@ -44,7 +44,7 @@ def test_expert_groups_fold_into_dp_times_cp():
 def test_single_process_mesh_has_no_process_groups():
     mesh = ParallelMesh.single()
     for name in ("tp", "cp", "dp", "pp", "dp_cp", "model", "world", "ep", "edp"):
-        group = mesh.group(name)
+        group = getattr(mesh, name)
         assert group.pg is None and group.size == 1 and group.rank == 0
 
 

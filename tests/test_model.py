@@ -8,7 +8,7 @@ from meshtron.config import load_config
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.generation import filter_logits, generate
 from meshtron.models.init import initialize
-from meshtron.models.transformer import Transformer, token_loss_sum
+from meshtron.models.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,18 +112,25 @@ def test_recompute_gives_identical_gradients(mode):
     tokens = torch.randint(0, 300, (2, 17))
     grads = []
     for model in (ref, other):
-        token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:], 300).backward()
+        model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=0, atol=1e-7)
 
 
 def test_padded_vocabulary_never_counts_in_the_loss():
-    logits = torch.randn(2, 5, 384)
+    _, model = build()
+    logits = torch.randn(2, 5, 384, requires_grad=True)
     targets = torch.randint(0, 300, (2, 5))
-    boosted = logits.clone()
+    boosted = logits.detach().clone()
     boosted[..., 300:] = 1e4  # huge logits on padding rows change nothing
-    assert torch.equal(token_loss_sum(logits, targets, 300), token_loss_sum(boosted, targets, 300))
+    loss = model.loss_sum(logits, targets)
+    assert torch.equal(loss, model.loss_sum(boosted, targets))
+    expected = torch.nn.functional.cross_entropy(logits[..., :300].reshape(-1, 300),
+                                                 targets.reshape(-1), reduction="sum")
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert logits.grad[..., 300:].abs().max() == 0
 
 
 def test_init_is_a_function_of_seed_and_name_only():

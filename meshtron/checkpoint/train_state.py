@@ -14,19 +14,15 @@ The step and the data position live in the manifest: the sampler is a pure funct
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from meshtron.checkpoint.store import load_tensors
 from meshtron.errors import MeshtronError
+from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.tensor import gather_full
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
 
 
 def _full(tensor: torch.Tensor, param: nn.Parameter, mesh: ParallelMesh) -> torch.Tensor:
@@ -47,15 +43,14 @@ def model_tensors(model: nn.Module, mesh: ParallelMesh) -> dict[str, torch.Tenso
     return {n: _full(p, p, mesh) for n, p in model.named_parameters()}
 
 
-def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
+def optimizer_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                       mesh: ParallelMesh) -> dict[str, torch.Tensor]:
-    names = _param_names(model)
+    states = optimizer.local_states()  # collective over dp when the state is sharded
     out: dict[str, torch.Tensor] = {}
-    for group in optimizer.param_groups:  # a fixed order: every rank gathers alike
-        for param in group["params"]:
-            for key, value in optimizer.state.get(param, {}).items():
-                tensor = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{names[id(param)]}.{key}"] = _full(tensor, param, mesh)
+    for name, param in model.named_parameters():  # a fixed order: every rank gathers alike
+        for key, value in sorted(states.get(id(param), {}).items()):
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{name}.{key}"] = _full(tensor, param, mesh)
     return out
 
 
@@ -66,11 +61,13 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return states
 
 
-def capture(model: nn.Module, optimizer: torch.optim.Optimizer,
+def capture(model: nn.Module, optimizer: DataParallelOptimizer,
             mesh: ParallelMesh) -> dict[str, dict[str, torch.Tensor]]:
     """Global tensors of the training state (a collective over tp: every rank must call it)."""
+    with optimizer.full_parameters():
+        weights = model_tensors(model, mesh)
     return {
-        "model.safetensors": model_tensors(model, mesh),
+        "model.safetensors": weights,
         "optimizer.safetensors": optimizer_tensors(model, optimizer, mesh),
         "rng.safetensors": rng_tensors(),
     }
@@ -95,25 +92,19 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
             param.copy_(_local(stored[name], param))
 
 
-def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def restore(path: Path, model: nn.Module, optimizer: DataParallelOptimizer) -> None:
     """Load weights, optimizer state and RNG state saved by :func:`capture`."""
-    load_model_weights(path, model)
+    with optimizer.full_parameters(modified=True):
+        load_model_weights(path, model)
     stored = load_tensors(path, "optimizer.safetensors")
-    names = _param_names(model)
-    by_param: dict[str, dict[str, Any]] = {}
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in stored.items():
         name, state_key = key.rsplit(".", 1)
         by_param.setdefault(name, {})[state_key] = tensor
-    state_dict = optimizer.state_dict()
-    index = 0
-    state_dict["state"] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            saved = by_param.get(names[id(param)])
-            if saved is not None:
-                state_dict["state"][index] = {k: _local(v, param) for k, v in saved.items()}
-            index += 1
-    optimizer.load_state_dict(state_dict)
+    optimizer.load_local_states({
+        id(param): {k: _local(v, param) for k, v in by_param[name].items()}
+        for name, param in model.named_parameters() if name in by_param
+    })
     rng = load_tensors(path, "rng.safetensors")
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -297,34 +297,6 @@ class Transformer(nn.Module):
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies in fp32; padded vocabulary entries never count."""
-        if self.region.group.pg is None:
-            flat = logits.reshape(-1, logits.shape[-1])[:, : self.vocab_size]
-            return _CrossEntropySum.apply(flat, targets.reshape(-1))
         start = self.region.group.rank * logits.shape[-1]
         return vocab_parallel_loss_sum(logits, targets, self.region.group, start,
                                        self.vocab_size)
-
-
-class _CrossEntropySum(torch.autograd.Function):
-    """Summed cross-entropy over full logits [tokens, vocab] in fp32: the same values as
-    ``F.cross_entropy(reduction="sum")`` with a backward of one pass (softmax - one-hot)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        ctx.save_for_backward(log_probs, targets)
-        ctx.dtype = logits.dtype
-        return -log_probs.gather(-1, targets.unsqueeze(-1)).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        log_probs, targets = ctx.saved_tensors
-        probs = log_probs.exp_()  # in place (a second backward through it raises)
-        probs.scatter_add_(-1, targets.unsqueeze(-1), probs.new_full((len(targets), 1), -1.0))
-        return probs.mul_(grad).to(ctx.dtype), None
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Sum of token cross-entropies over full (unsplit) logits; padding never counts."""
-    logits = logits[..., :vocab_size].float()
-    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), reduction="sum")

@@ -67,6 +67,38 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return out
 
 
+def start_all_reduce(flat: torch.Tensor, group: Group) -> dist.Work | None:
+    """Begin an in-place sum of ``flat`` over ``group``; wait on the returned handle."""
+    if group.pg is None:
+        return None
+    group.stats.record(group.name, "all_reduce", _wire_bytes(flat, group, passes=2))
+    return dist.all_reduce(flat, group=group.pg, async_op=True)
+
+
+def start_reduce_scatter(flat: torch.Tensor, group: Group,
+                         out: torch.Tensor | None = None) -> dist.Work | None:
+    """Begin summing ``flat`` over ``group`` into this rank's 1/size chunk.
+
+    The result goes to ``out``, by default the rank's own chunk of ``flat`` (in place).
+    """
+    if group.pg is None:
+        return None
+    chunk = flat.numel() // group.size
+    out = flat[group.rank * chunk : (group.rank + 1) * chunk] if out is None else out
+    group.stats.record(group.name, "reduce_scatter", _wire_bytes(flat, group))
+    return _reduce_scatter(out, flat, group=group.pg, async_op=True)
+
+
+def start_all_gather(flat: torch.Tensor, group: Group) -> dist.Work | None:
+    """Begin filling ``flat`` with every rank's chunk, in place from this rank's own chunk."""
+    if group.pg is None:
+        return None
+    chunk = flat.numel() // group.size
+    group.stats.record(group.name, "all_gather", _wire_bytes(flat, group))
+    mine = flat[group.rank * chunk : (group.rank + 1) * chunk]
+    return _all_gather(flat, mine, group=group.pg, async_op=True)
+
+
 def local_chunk(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """This rank's 1/size slice of ``dim`` (no communication)."""
     if group.pg is None:

@@ -49,19 +49,28 @@ class Group:
 
 
 class ParallelMesh:
+    """This rank's coordinates and one :class:`Group` per axis and axis product.
+
+    ``tp``, ``cp``, ``dp``, ``pp``: the four axes; ``dp_cp``: the ranks that hold replicas of
+    the same model slice (gradients are summed over it); ``model``: the tp x pp ranks that
+    together hold one full copy of the model; ``world``: everyone; ``ep`` and ``edp``: the
+    expert-parallel and expert-data-parallel groups folded out of dp x cp.
+    """
+
+    AXES = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
+            "model": ("tp", "pp"), "world": ("tp", "cp", "dp", "pp")}
+
     def __init__(self, layout: MeshLayout, rank: int, stats: CommStats | None = None):
         self.layout = layout
         self.global_rank = rank
         self.stats = stats or CommStats()
         self.coords = layout.coords(rank)
-        self._groups: dict[str, Group] = {}
-        axes = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
-                "dp_cp": ("dp", "cp"), "model": ("tp", "pp"), "world": ("tp", "cp", "dp", "pp")}
-        for name, group_axes in axes.items():
-            self._groups[name] = self._make(name, layout.groups(group_axes))
+        self._subgroups: dict[int, Group] = {}
+        self.tp, self.cp, self.dp, self.pp, self.dp_cp, self.model, self.world = (
+            self._make(name, layout.groups(axes)) for name, axes in self.AXES.items())
         ep_groups, edp_groups = layout.expert_groups()
-        self._groups["ep"] = self._make("ep", ep_groups)
-        self._groups["edp"] = self._make("edp", edp_groups)
+        self.ep = self._make("ep", ep_groups)
+        self.edp = self._make("edp", edp_groups)
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -79,59 +88,14 @@ class ParallelMesh:
                     pg = created
         return Group(name, mine, mine.index(self.global_rank), pg, self.stats)
 
-    def group(self, name: str) -> Group:
-        return self._groups[name]
-
     def tp_subgroup(self, size: int) -> Group:
         """Runs of ``size`` consecutive ranks inside the tp group (e.g. ranks sharing a kv head).
 
         Created on first use; every rank builds the same model, so every rank asks for the same
         subgroups in the same order, as process-group creation requires.
         """
-        name = f"tp{size}"
-        if name not in self._groups:
+        if size not in self._subgroups:
             tp_groups = self.layout.groups(("tp",))
             runs = [g[i : i + size] for g in tp_groups for i in range(0, len(g), size)]
-            self._groups[name] = self._make(name, runs)
-        return self._groups[name]
-
-    @property
-    def tp(self) -> Group:
-        return self._groups["tp"]
-
-    @property
-    def cp(self) -> Group:
-        return self._groups["cp"]
-
-    @property
-    def dp(self) -> Group:
-        return self._groups["dp"]
-
-    @property
-    def pp(self) -> Group:
-        return self._groups["pp"]
-
-    @property
-    def dp_cp(self) -> Group:
-        return self._groups["dp_cp"]
-
-    @property
-    def model(self) -> Group:
-        """The tp x pp ranks that together hold one full copy of the model."""
-        return self._groups["model"]
-
-    @property
-    def world(self) -> Group:
-        return self._groups["world"]
-
-    @property
-    def ep(self) -> Group:
-        return self._groups["ep"]
-
-    @property
-    def edp(self) -> Group:
-        return self._groups["edp"]
-
-    def describe(self) -> str:
-        c, s = self.coords, self.layout.sizes()
-        return " ".join(f"{a}={c[a]}/{s[a]}" for a in ("tp", "cp", "dp", "pp"))
+            self._subgroups[size] = self._make(f"tp{size}", runs)
+        return self._subgroups[size]

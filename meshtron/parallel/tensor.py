@@ -204,13 +204,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None, None
 
 
+class _CrossEntropySum(torch.autograd.Function):
+    """Summed cross-entropy over full logits [tokens, vocab] in fp32: the same values as
+    ``F.cross_entropy(reduction="sum")`` with a backward of one pass (softmax - one-hot)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        ctx.save_for_backward(log_probs, targets)
+        ctx.dtype = logits.dtype
+        return -log_probs.gather(-1, targets.unsqueeze(-1)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        log_probs, targets = ctx.saved_tensors
+        probs = log_probs.exp_()  # in place (a second backward through it raises)
+        probs.scatter_add_(-1, targets.unsqueeze(-1), probs.new_full((len(targets), 1), -1.0))
+        return probs.mul_(grad).to(ctx.dtype), None
+
+
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, group: Group,
                             start: int, vocab_size: int) -> torch.Tensor:
     """Sum of token losses; ``logits`` [.., local vocab] hold columns start..start+local."""
     flat = logits.reshape(-1, logits.shape[-1])
     if group.pg is None:
-        return F.cross_entropy(flat[:, :vocab_size].float(), targets.reshape(-1),
-                               reduction="sum")
+        return _CrossEntropySum.apply(flat[:, :vocab_size], targets.reshape(-1))
     losses = _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), group, start, vocab_size)
     return losses.sum()
 

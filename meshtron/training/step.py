@@ -7,20 +7,16 @@ gradient of the global mean loss whatever the micro-batch and data-parallel spli
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from meshtron.optim.adamw import set_learning_rate
-from meshtron.optim.clip import clip_gradients
-from meshtron.optim.grad_sync import global_grad_norm, sync_gradients
+from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.collectives import all_reduce
 from meshtron.parallel.mesh import ParallelMesh
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from meshtron.precision.policy import Precision
 
 
 @dataclass
@@ -30,30 +26,13 @@ class StepResult:
     skipped: bool = False
 
 
-class Precision:
-    """Autocast for bf16/fp16 compute over fp32 weights; dynamic loss scaling for fp16."""
-
-    def __init__(self, dtype: str, device: torch.device):
-        self.device = device
-        self.dtype = AUTOCAST_DTYPES.get(dtype)
-        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-
 def micro_batches(batch: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
     return list(batch.split(micro_batch))
 
 
 def train_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: DataParallelOptimizer,
     local_batch: torch.Tensor,
     mesh: ParallelMesh,
     *,
@@ -63,32 +42,34 @@ def train_step(
     grad_clip: float,
     precision: Precision,
 ) -> StepResult:
-    """Forward/backward over this rank's micro-batches, reduce, clip, and update the weights."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer.zero_grad(set_to_none=True)
+    """Forward/backward over this rank's micro-batches, reduce, clip, and update the weights.
+
+    Gradient buckets are reduced over dp x cp while backward runs (on the last micro-batch, or on
+    every one under ZeRO-2); a step whose global grad norm is not finite is skipped everywhere.
+    """
+    optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
-    for mb in micro_batches(local_batch, micro_batch):
+    chunks = micro_batches(local_batch, micro_batch)
+    scale = precision.loss_scale
+    for i, mb in enumerate(chunks):
         inputs, targets = mb[:, :-1], mb[:, 1:]
+        optimizer.begin_micro_batch(last=i == len(chunks) - 1)
         with precision.autocast():
             logits = model(inputs)
         loss = model.loss_sum(logits, targets)
-        precision.backward(loss / global_tokens)
+        (loss * (scale / global_tokens)).backward()
+        optimizer.end_micro_batch()
         loss_sum += loss.detach().double()
-    sync_gradients(params, mesh)
+    optimizer.finish_gradients(unscale=1.0 / scale)
     all_reduce(loss_sum, mesh.dp_cp)
+    grad_norm = float(optimizer.grad_norm())
+    skipped = not math.isfinite(grad_norm)
     if precision.scaler is not None:
-        precision.scaler.unscale_(optimizer)
-    grad_norm = global_grad_norm(params, mesh)
-    skipped = not math.isfinite(float(grad_norm))
+        precision.scaler.update(overflow=skipped)
     if not skipped:
-        clip_gradients(params, grad_norm, grad_clip)
-    set_learning_rate(optimizer, lr)
-    if precision.scaler is not None:
-        precision.scaler.step(optimizer)
-        precision.scaler.update()
-    elif not skipped:
-        optimizer.step()
-    return StepResult(float(loss_sum) / global_tokens, float(grad_norm), skipped)
+        optimizer.clip(grad_norm, grad_clip)
+        optimizer.step(lr)
+    return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped)
 
 
 @torch.no_grad()

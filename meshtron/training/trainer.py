@@ -26,14 +26,16 @@ from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from meshtron.optim.adamw import build_adamw
+from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.optim.schedule import learning_rate
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
+from meshtron.training.memory import activation_bytes_per_layer
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
-from meshtron.training.step import Precision, StepResult, evaluate, train_step
+from meshtron.training.step import StepResult, evaluate, train_step
 
 Log = Callable[[str], None]
 
@@ -103,7 +105,12 @@ class Trainer:
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
         self.model.set_recompute(cfg.train.recompute)
-        self.optimizer = build_adamw(self.model, cfg.train)
+        p = cfg.parallel
+        if p.zero and self.mesh.dp_cp.size == 1:
+            self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
+                     "shard, running as zero 0")
+        self.optimizer = DataParallelOptimizer(self.model, self.mesh, cfg.train, zero=p.zero,
+                                               bucket_mb=p.bucket_mb)
         self.precision = Precision(cfg.precision.dtype, self.device)
         world = self.mesh.layout.world_size
         self.micro_batch = micro_batch_size(cfg, world)
@@ -118,10 +125,26 @@ class Trainer:
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
+        self._log_activation_memory()
         self._maybe_resume()
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
+
+    def _log_activation_memory(self) -> None:
+        """The formula's activation bytes per rank for this layout (llama blocks)."""
+        cfg, p = self.cfg, self.cfg.parallel
+        if cfg.model.arch != "llama":
+            return
+        per_mode = {
+            mode: cfg.model.num_layers * activation_bytes_per_layer(
+                cfg.model, self.micro_batch, cfg.train.seq_len, p.tp, p.sp and p.tp > 1, mode)
+            for mode in ("none", "selective", "full")
+        }
+        others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
+                           if m != cfg.train.recompute)
+        self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per micro-batch "
+                 f"per rank in the blocks (recompute={cfg.train.recompute}; {others} MiB)")
 
     def _build_data(self) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
@@ -158,6 +181,9 @@ class Trainer:
         check_resumable(self.cfg, manifest, path)
         train_state.restore(path, self.model, self.optimizer)
         self.step = int(manifest["step"])
+        scaler = self.precision.scaler
+        if scaler is not None and "loss_scale" in manifest:
+            scaler.scale, scaler.clean_steps = manifest["loss_scale"]
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
@@ -169,7 +195,8 @@ class Trainer:
             path = save_checkpoint(
                 cfg.checkpoint_dir, self.step, tensors,
                 meta={"config": cfg.to_dict(),
-                      "data": {"next_batch": self.step, "seed": cfg.train.seed}},
+                      "data": {"next_batch": self.step, "seed": cfg.train.seed},
+                      **self._scaler_meta()},
                 copy_files={"tokenizer.json": Path(self.data.tokenizer.path)},
                 keep_last=cfg.checkpoint.keep_last,
             )
@@ -177,6 +204,10 @@ class Trainer:
             torch.distributed.barrier()
         self.mesh.stats.take()  # the gathers of a save are not a training step's traffic
         return path
+
+    def _scaler_meta(self) -> dict:
+        scaler = self.precision.scaler
+        return {} if scaler is None else {"loss_scale": [scaler.scale, scaler.clean_steps]}
 
     def validation_loss(self) -> float:
         t = self.cfg.train

@@ -1,0 +1,152 @@
+"""The optimizer as the training step sees it: data-parallel gradient reduction + AdamW.
+
+``parallel.zero`` picks what each data-parallel rank keeps (N = parameters of its model slice,
+fp32, Adam; gradient buckets padded to a multiple of dp):
+
+===========  ==========  ==========  ==================  ===================================
+stage        parameters  gradients   optimizer state     communication per step
+===========  ==========  ==========  ==================  ===================================
+0 (DDP)      4N          4N          8N (two moments)    all-reduce of the gradients
+1            4N          4N          12N / dp (+master)  reduce-scatter + all-gather
+2            4N          4N / dp     12N / dp            reduce-scatter per micro-batch + all-gather
+3            4N / dp     4N / dp     12N / dp            + parameter all-gathers per block,
+                                                         forward and backward
+===========  ==========  ==========  ==================  ===================================
+
+With a single data-parallel rank there is nothing to shard: any stage runs as stage 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from meshtron.config import TrainConfig
+from meshtron.optim.adamw import build_adamw, set_learning_rate
+from meshtron.optim.flat_params import FlatParams
+from meshtron.optim.grad_buckets import GradReducer
+from meshtron.optim.param_sharding import ShardedUnits
+from meshtron.optim.sharded_adamw import ShardedAdamW
+from meshtron.parallel.collectives import all_reduce
+from meshtron.parallel.mesh import ParallelMesh
+
+
+class DataParallelOptimizer:
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zero: int,
+                 bucket_mb: float, reduce_dtype: torch.dtype | None = None,
+                 on_event: Callable[[str, int], None] | None = None):
+        self.mesh = mesh
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.stage = zero if mesh.dp_cp.size > 1 else 0
+        blocks = list(model.layers) if self.stage == 3 else []
+        units = None
+        if blocks:
+            in_blocks = {id(p) for block in blocks for p in block.parameters()}
+            units = [list(block.parameters()) for block in blocks]
+            units.append([p for p in self.params if id(p) not in in_blocks])
+        self.reducer = GradReducer(
+            self.params, mesh.dp_cp, stage=self.stage, bucket_bytes=int(bucket_mb * 2**20),
+            dtype=reduce_dtype or self.params[0].dtype, units=units, on_event=on_event,
+        )
+        self.flats: list[FlatParams] = []
+        self.units: ShardedUnits | None = None
+        if self.stage == 0:
+            self.adamw: torch.optim.AdamW | ShardedAdamW = build_adamw(model, t)
+        else:
+            self.flats = [FlatParams(b, mesh.dp_cp, sharded=self.stage == 3)
+                          for b in self.reducer.buckets]
+            self.adamw = ShardedAdamW(self.reducer, self.flats, t)
+        if blocks:
+            self.units = ShardedUnits(model, blocks, self.flats, self.reducer)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+        self.reducer.zero_grad()
+
+    def begin_micro_batch(self, last: bool) -> None:
+        self.reducer.begin_micro_batch(last)
+
+    def end_micro_batch(self) -> None:
+        self.reducer.end_micro_batch()
+
+    def finish_gradients(self, unscale: float = 1.0) -> None:
+        """After the last micro-batch: sum replicated parameters' gradients over their groups
+        and undo the loss scale."""
+        self.reducer.sync_replicated()
+        if unscale != 1.0:
+            self.reducer.scale_(torch.tensor(unscale))
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradient, each replicated copy counted once."""
+        total = self.reducer.grad_norm_squared()
+        group = self.mesh.model if self.stage == 0 else self.mesh.world
+        return all_reduce(total, group).sqrt()
+
+    def clip(self, norm: float, max_norm: float) -> None:
+        """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
+        if max_norm > 0 and norm > max_norm:
+            self.reducer.scale_(torch.tensor(max_norm / (norm + 1e-6)))
+
+    def step(self, lr: float) -> None:
+        if isinstance(self.adamw, ShardedAdamW):
+            self.adamw.step(lr)
+            if self.units is not None:  # nothing gathered before the update may be reused
+                self.units.free_all()
+            return
+        for bucket in self.reducer.buckets:  # torch's AdamW reads .grad: point it at the buffers
+            for i, param in enumerate(bucket.params):
+                param.grad = bucket.view(bucket.grad, i)
+        set_learning_rate(self.adamw, lr)
+        self.adamw.step()
+
+    # ------------------------------------------------------------------ checkpoints, memory
+
+    def local_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Optimizer state per parameter (tp-local shapes), keyed by ``id(param)``."""
+        if isinstance(self.adamw, ShardedAdamW):
+            return self.adamw.local_states()
+        return {id(p): dict(s) for p, s in self.adamw.state.items()}
+
+    def load_local_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        if isinstance(self.adamw, ShardedAdamW):
+            self.adamw.load_local_states(states)
+            return
+        state_dict = self.adamw.state_dict()
+        state_dict["state"] = {}
+        index = 0
+        for group in self.adamw.param_groups:
+            for param in group["params"]:
+                if id(param) in states:
+                    state_dict["state"][index] = states[id(param)]
+                index += 1
+        self.adamw.load_state_dict(state_dict)
+
+    @contextlib.contextmanager
+    def full_parameters(self, modified: bool = False) -> Iterator[None]:
+        """Every parameter whole inside the block (ZeRO-3 gathers, then frees); with
+        ``modified`` the parameters' new values are taken into the owned chunks after."""
+        if self.units is not None:
+            self.units.gather_all()
+        try:
+            yield
+        finally:
+            if modified:
+                for flat in self.flats:
+                    flat.chunk_from_params()
+            if self.units is not None:
+                self.units.free_all()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps for parameters, gradients and optimizer state."""
+        if isinstance(self.adamw, ShardedAdamW):
+            params = sum(flat.nbytes() for flat in self.flats)
+            state = self.adamw.state_bytes()
+        else:
+            params = sum(p.numel() * p.element_size() for p in self.params)
+            state = sum(v.numel() * v.element_size() for s in self.adamw.state.values()
+                        for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        return {"params": params, "grads": self.reducer.grad_bytes(), "optimizer": state}

@@ -1,0 +1,87 @@
+"""The parameters of one gradient bucket as a flat buffer, of which each dp rank owns a chunk.
+
+Under ZeRO-1/2 the full buffer persists and the parameters are views into it; after the
+optimizer updates this rank's chunk, an all-gather refreshes the rest. Under ZeRO-3 only the
+chunk persists: the full buffer is gathered just before its parameters are used and freed
+after, and the parameters point at an empty tensor in between.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtron.optim.grad_buckets import Bucket
+from meshtron.parallel.collectives import start_all_gather
+from meshtron.parallel.mesh import Group
+
+
+class FlatParams:
+    def __init__(self, bucket: Bucket, group: Group, sharded: bool):
+        self.bucket = bucket
+        self.group = group
+        self.sharded = sharded
+        first = bucket.params[0]
+        full = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+        for i, param in enumerate(bucket.params):
+            bucket.view(full, i).copy_(param.data)
+        self.start, self.end = bucket.chunk_range(group.size, group.rank)
+        self.full: torch.Tensor | None = None
+        self.work: dist.Work | None = None
+        if sharded:
+            self.chunk = full[self.start : self.end].clone()
+            self.free()
+        else:
+            self.full = full
+            self.chunk = full[self.start : self.end]
+            self._point_params()
+
+    def _point_params(self) -> None:
+        for i, param in enumerate(self.bucket.params):
+            param.data = self.bucket.view(self.full, i)
+
+    def start_gather(self) -> None:
+        """Begin rebuilding the full buffer from every rank's chunk (ZeRO-3)."""
+        if self.full is not None or self.work is not None:
+            return
+        full = torch.empty(self.bucket.padded, dtype=self.chunk.dtype, device=self.chunk.device)
+        full[self.start : self.end].copy_(self.chunk)
+        self.work = start_all_gather(full, self.group)
+        self._pending = full
+
+    def wait_gather(self) -> None:
+        """Finish :meth:`start_gather` (starting it if needed); parameters become usable."""
+        if self.full is not None:
+            return
+        self.start_gather()
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.full, self._pending = self._pending, None
+        self._point_params()
+
+    def free(self) -> None:
+        """Drop the full buffer and any gather in flight; parameters keep their identity but
+        hold no data (ZeRO-3)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = self._pending = None
+        empty = torch.empty(0, dtype=self.chunk.dtype, device=self.chunk.device)
+        for param in self.bucket.params:
+            param.data = empty
+        self.full = None
+
+    def after_update(self) -> dist.Work | None:
+        """The chunk changed: refresh the full buffer everywhere (ZeRO-1/2; a no-op for 3)."""
+        if self.sharded:
+            return None
+        return start_all_gather(self.full, self.group)
+
+    def chunk_from_params(self) -> None:
+        """Copy this rank's range of the (gathered) parameters into the chunk."""
+        self.chunk.copy_(self.full[self.start : self.end])
+
+    def nbytes(self) -> int:
+        """Bytes kept between steps: the full buffer (ZeRO-1/2) or only the chunk (ZeRO-3)."""
+        kept = self.chunk if self.sharded else self.full
+        return kept.numel() * kept.element_size()

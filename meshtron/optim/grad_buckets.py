@@ -1,0 +1,244 @@
+"""Gradient buckets: filled during backward, reduced over data-parallel ranks as each completes.
+
+Parameters are grouped into buckets of about ``bucket_bytes``, in the order backward produces
+their gradients (the reverse of the forward order). A hook after each gradient's accumulation
+adds it into its bucket's flat buffer; when a bucket's last gradient arrives, its reduction is
+launched asynchronously, so communication overlaps the rest of the backward pass.
+
+What the reduction is depends on the ZeRO stage:
+
+- stage 0: all-reduce (sum) of the whole bucket; every rank keeps every gradient.
+- stage 1: reduce-scatter in place; each rank keeps the summed gradient of its 1/dp chunk. The
+  full buffer persists, so micro-batches accumulate locally and only the last one communicates.
+- stage 2: as stage 1, but after every micro-batch, accumulating into a persistent chunk-sized
+  buffer; the full bucket buffer exists only while that micro-batch's backward runs.
+- stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
+  (one transformer block each), so a unit can be freed as soon as its gradients are out.
+
+Buckets never mix parameters with different weight decay or replication, so the optimizer and
+the grad norm can treat a bucket's chunk as one flat tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.parallel.collectives import all_reduce, start_all_reduce, start_reduce_scatter
+from meshtron.parallel.mesh import Group
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
+    """Sum ``tensors`` over ``group`` with one collective on a flat buffer."""
+    if group.pg is None or not tensors:
+        return
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    for t, reduced in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(reduced.view_as(t))
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    shapes: list[torch.Size]
+    """Shapes of the parameters (kept: ZeRO-3 empties parameters between uses)."""
+    numel: int
+    """Elements of all its parameters."""
+    padded: int
+    """``numel`` rounded up so that it splits evenly over the data-parallel ranks."""
+    decay: bool
+    replicas: int
+    grad: torch.Tensor | None = None
+    """Flat gradient buffer [padded] while it exists."""
+    shard_grad: torch.Tensor | None = None
+    """Stage 2: the persistent summed gradient of this rank's chunk."""
+    arrived: int = 0
+    work: dist.Work | None = None
+    launched: bool = False
+    scratch: torch.Tensor | None = field(default=None, repr=False)
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slice of a flat [padded] tensor, shaped like the parameter."""
+        shape = self.shapes[i]
+        return flat[self.offsets[i] : self.offsets[i] + shape.numel()].view(shape)
+
+    def chunk_range(self, shards: int, rank: int) -> tuple[int, int]:
+        size = self.padded // shards
+        return rank * size, (rank + 1) * size
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, shards: int,
+                   element_size: int) -> list[Bucket]:
+    """Group ``params`` (given in gradient-ready order) into buckets of similar parameters."""
+    buckets: list[Bucket] = []
+    open_: dict[tuple[bool, int], Bucket] = {}
+    for param in params:
+        key = (param.dim() >= 2, getattr(param, "replicas", 1))
+        bucket = open_.get(key)
+        if bucket is None or bucket.numel * element_size >= bucket_bytes:
+            bucket = Bucket(len(buckets), [], [], [], 0, 0, *key)
+            buckets.append(bucket)
+            open_[key] = bucket
+        bucket.params.append(param)
+        bucket.offsets.append(bucket.numel)
+        bucket.shapes.append(param.shape)
+        bucket.numel += param.numel()
+    for bucket in buckets:
+        bucket.padded = math.ceil(bucket.numel / shards) * shards
+    return buckets
+
+
+class GradReducer:
+    """Owns the gradient buffers of ``params`` and their reduction over ``group`` (dp x cp)."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group, *, stage: int,
+                 bucket_bytes: int, dtype: torch.dtype,
+                 units: list[list[nn.Parameter]] | None = None,
+                 on_event: Callable[[str, int], None] | None = None):
+        self.group = group
+        self.stage = stage
+        self.dtype = dtype
+        self.on_event = on_event
+        self.on_launch: Callable[[Bucket], None] | None = None
+        element = torch.empty((), dtype=dtype).element_size()
+        if units is None:
+            self.buckets = assign_buckets(list(reversed(params)), bucket_bytes, group.size,
+                                          element)
+        else:  # one or more buckets per unit, never spanning two units
+            self.buckets = []
+            for unit in reversed(units):
+                for bucket in assign_buckets(list(reversed(unit)), 2**62, group.size, element):
+                    bucket.index = len(self.buckets)
+                    self.buckets.append(bucket)
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                self._where[id(param)] = (bucket, i)
+                param.register_post_accumulate_grad_hook(self._on_grad)
+            if stage <= 1:
+                bucket.grad = torch.zeros(bucket.padded, dtype=dtype,
+                                          device=bucket.params[0].device)
+            else:
+                bucket.shard_grad = torch.zeros(bucket.padded // group.size, dtype=dtype,
+                                                device=bucket.params[0].device)
+        self.sync = True
+
+    # ------------------------------------------------------------------ per micro-batch
+
+    def begin_micro_batch(self, last: bool) -> None:
+        """Stage 0/1 communicate only on the last micro-batch of a step; 2/3 on every one."""
+        self.sync = last or self.stage >= 2
+        for bucket in self.buckets:
+            bucket.arrived = 0
+            bucket.launched = False
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        bucket, i = self._where[id(param)]
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype, device=param.device)
+        bucket.view(bucket.grad, i).add_(param.grad)
+        param.grad = None
+        bucket.arrived += 1
+        if self.on_event:
+            self.on_event("grad", bucket.index)
+        if self.sync and bucket.arrived == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        if self.on_event:
+            self.on_event("reduce", bucket.index)
+        if self.on_launch:
+            self.on_launch(bucket)
+        if self.group.pg is None:
+            return
+        if self.stage == 0:
+            bucket.work = start_all_reduce(bucket.grad, self.group)
+        elif self.stage == 1:
+            bucket.work = start_reduce_scatter(bucket.grad, self.group)
+        else:
+            bucket.scratch = torch.empty_like(bucket.shard_grad)
+            bucket.work = start_reduce_scatter(bucket.grad, self.group, out=bucket.scratch)
+
+    def end_micro_batch(self) -> None:
+        """Launch what did not complete (parameters without gradient) and wait for all."""
+        if not self.sync:
+            return
+        for bucket in self.buckets:
+            if bucket.grad is None:  # stage 2: nothing of this bucket arrived
+                bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype,
+                                          device=bucket.params[0].device)
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            if self.stage >= 2:
+                start, end = bucket.chunk_range(self.group.size, self.group.rank)
+                summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
+                bucket.shard_grad.add_(summed)
+                bucket.grad = bucket.scratch = None
+
+    # ------------------------------------------------------------------ after the step's backward
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            if bucket.grad is not None:
+                bucket.grad.zero_()
+            if bucket.shard_grad is not None:
+                bucket.shard_grad.zero_()
+
+    def local_grad(self, bucket: Bucket) -> torch.Tensor:
+        """The reduced gradient this rank owns: the whole bucket (stage 0) or its chunk."""
+        if self.stage == 0:
+            return bucket.grad
+        if self.stage >= 2:
+            return bucket.shard_grad
+        start, end = bucket.chunk_range(self.group.size, self.group.rank)
+        return bucket.grad[start:end]
+
+    def sync_replicated(self) -> None:
+        """Sum gradients of parameters with ``grad_sync`` over that group (e.g. norm weights
+        under sequence parallelism): the part of each that lies in this rank's gradient."""
+        pieces: dict[int, tuple[Group, list[torch.Tensor]]] = {}
+        for bucket in self.buckets:
+            start, end = ((0, bucket.padded) if self.stage == 0
+                          else bucket.chunk_range(self.group.size, self.group.rank))
+            local = self.local_grad(bucket)
+            for i, param in enumerate(bucket.params):
+                group = getattr(param, "grad_sync", None)
+                lo = max(start, bucket.offsets[i])
+                hi = min(end, bucket.offsets[i] + bucket.shapes[i].numel())
+                if group is not None and lo < hi:
+                    piece = local[lo - start : hi - start]
+                    pieces.setdefault(id(group), (group, []))[1].append(piece)
+        for group, tensors in pieces.values():
+            all_reduce_coalesced(tensors, group)
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Sum of squared gradients held here, each replicated copy counted once."""
+        total = torch.zeros((), dtype=torch.float32, device=self.buckets[0].params[0].device)
+        for bucket in self.buckets:
+            total += self.local_grad(bucket).float().square().sum() / bucket.replicas
+        return total
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        for bucket in self.buckets:
+            self.local_grad(bucket).mul_(factor)
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage that persist between steps on this rank."""
+        total = 0
+        for bucket in self.buckets:
+            for buffer in (bucket.grad, bucket.shard_grad):
+                if buffer is not None:
+                    total += buffer.numel() * buffer.element_size()
+        return total

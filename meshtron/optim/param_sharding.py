@@ -1,0 +1,84 @@
+"""ZeRO-3: each unit's parameters exist in full only while the unit runs.
+
+Units are the transformer blocks, plus a root unit holding everything else (embedding, final
+norm, output layer). Before a block's forward its flat parameters are all-gathered (the next
+block's gather is started at the same time, so it overlaps this block's compute) and after the
+forward they are freed. Backward gathers them again, prefetching the block before, and frees
+them once all of the unit's gradients have been handed to the reduce-scatter. The root unit
+stays gathered from the start of the forward pass to the end of the backward pass, as the
+embedding is used at both ends when weights are tied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtron.optim.flat_params import FlatParams
+from meshtron.optim.grad_buckets import Bucket, GradReducer
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ShardedUnits:
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], flats: list[FlatParams],
+                 reducer: GradReducer):
+        block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+        root = len(blocks)
+        self.units: list[list[FlatParams]] = [[] for _ in range(root + 1)]
+        self.unit_of_bucket: dict[int, int] = {}
+        for flat in flats:
+            unit = block_of.get(id(flat.bucket.params[0]), root)
+            self.units[unit].append(flat)
+            self.unit_of_bucket[flat.bucket.index] = unit
+        self.pending = [0] * (root + 1)
+        self.root = root
+        reducer.on_launch = self._bucket_launched
+        model.register_forward_pre_hook(lambda m, args: self._enter(root, prefetch=0))
+        # a forward recomputed inside backward (activation recompute) must not prefetch
+        # the next block: backward walks the other way
+        model.register_forward_hook(self._after_model)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(
+                lambda m, args, i=i: self._enter(i, prefetch=-1 if _in_backward() else i + 1))
+            block.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i))
+            block.register_full_backward_pre_hook(
+                lambda m, grad, i=i: self._enter(i, prefetch=i - 1))
+
+    def _enter(self, unit: int, prefetch: int) -> None:
+        for flat in self.units[unit]:
+            flat.wait_gather()
+        self.pending[unit] = len(self.units[unit])
+        if 0 <= prefetch < self.root:
+            for flat in self.units[prefetch]:
+                flat.start_gather()
+
+    def _after_forward(self, unit: int) -> None:
+        if not _in_backward():  # a recomputed forward inside backward keeps its parameters
+            self.free(unit)
+
+    def _after_model(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():  # no backward follows (evaluation)
+            self.free(self.root)
+
+    def _bucket_launched(self, bucket: Bucket) -> None:
+        unit = self.unit_of_bucket[bucket.index]
+        self.pending[unit] -= 1
+        if self.pending[unit] == 0:
+            self.free(unit)
+
+    def free(self, unit: int) -> None:
+        for flat in self.units[unit]:
+            flat.free()
+
+    def gather_all(self) -> None:
+        for unit in self.units:
+            for flat in unit:
+                flat.wait_gather()
+
+    def free_all(self) -> None:
+        """Free every unit, dropping prefetches (called after the optimizer changed chunks)."""
+        for unit in range(len(self.units)):
+            self.free(unit)

@@ -1,0 +1,103 @@
+"""AdamW over this rank's chunk of every gradient bucket (the distributed optimizer, ZeRO-1/2/3).
+
+A rank keeps fp32 master weights and both Adam moments only for its 1/dp chunk of each bucket's
+flat parameters (:class:`FlatParams`), updates that chunk from its reduce-scattered gradient,
+and hands it back to the flat parameters (which all-gather it under ZeRO-1/2). The update is
+element for element the one of ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
+moments).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtron.config import TrainConfig
+from meshtron.optim.flat_params import FlatParams
+from meshtron.optim.grad_buckets import Bucket, GradReducer
+from meshtron.parallel.collectives import start_all_gather
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ShardedAdamW:
+    def __init__(self, reducer: GradReducer, flats: list[FlatParams], t: TrainConfig):
+        self.reducer = reducer
+        self.group = reducer.group
+        self.flats = flats
+        self.t = t
+        self.steps = 0
+        self.master = [flat.chunk.float().clone() for flat in flats]
+        self.moments = [{k: torch.zeros_like(m) for k in MOMENTS} for m in self.master]
+
+    def _chunk(self, bucket: Bucket, full: torch.Tensor) -> torch.Tensor:
+        start, end = bucket.chunk_range(self.group.size, self.group.rank)
+        return full[start:end]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        t = self.t
+        self.steps += 1
+        bias1 = 1 - t.beta1**self.steps
+        bias2_sqrt = math.sqrt(1 - t.beta2**self.steps)
+        works = []
+        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
+                                                 self.moments):
+            grad = self.reducer.local_grad(bucket).float()
+            if bucket.decay and t.weight_decay:
+                master.mul_(1 - lr * t.weight_decay)
+            exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+            exp_avg.lerp_(grad, 1 - t.beta1)
+            exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
+            denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(t.eps)
+            master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+            flat.chunk.copy_(master)
+            works.append(flat.after_update())
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _gathered(self, chunk: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        full = torch.zeros(bucket.padded, dtype=chunk.dtype, device=chunk.device)
+        self._chunk(bucket, full).copy_(chunk)
+        work = start_all_gather(full, self.group)
+        if work is not None:
+            work.wait()
+        return full
+
+    @torch.no_grad()
+    def local_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every parameter's moments as whole (tp-local) tensors, keyed by ``id(param)``.
+
+        A collective over the data-parallel group: every rank must call it.
+        """
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for bucket, moments in zip(self.reducer.buckets, self.moments):
+            full = {k: self._gathered(v, bucket) for k, v in moments.items()}
+            for i, param in enumerate(bucket.params):
+                out[id(param)] = {k: bucket.view(v, i).clone() for k, v in full.items()}
+                out[id(param)]["step"] = torch.tensor(float(self.steps))
+        return out
+
+    @torch.no_grad()
+    def load_local_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`local_states`; master weights are taken from the parameters."""
+        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
+                                                 self.moments):
+            master.copy_(flat.chunk)
+            for key, chunk in moments.items():
+                full = torch.zeros(bucket.padded, dtype=chunk.dtype, device=chunk.device)
+                for i, param in enumerate(bucket.params):
+                    saved = states.get(id(param))
+                    if saved is not None:
+                        bucket.view(full, i).copy_(saved[key])
+                        self.steps = int(saved["step"])
+                chunk.copy_(self._chunk(bucket, full))
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 master weights and two moments."""
+        tensors = self.master + [m for ms in self.moments for m in ms.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)

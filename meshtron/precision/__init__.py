@@ -1,0 +1,1 @@
+"""Mixed precision: autocast policy and dynamic loss scaling."""

@@ -1,0 +1,67 @@
+"""Activation memory: what one transformer block keeps for backward, by formula and measured.
+
+The formula counts the tensors this implementation saves per block and micro-batch (the
+analogue of Korthikanti et al.'s 34·sbh + 5·as²b for Megatron's GPT in fp16), with b·s = N
+tokens, h hidden, a/t query and k kv heads of size d on this rank, f/t FFN units, in elements:
+
+- each of the two norms: its normalised input, the 1/rms per token, and its output as saved by
+  the projections that read it — under sequence parallelism the first two hold N/t tokens and
+  the third is the all-gathered full sequence;
+- attention: rotated q and k, the kv projection output (v lives in it), the output and the
+  log-sum-exp of each query row: N·(a/t)·d·2 + N·k·d·3 + N·a/t (the s×s score matrix is never
+  stored: SDPA's flash kernels recompute it);
+- SwiGLU: gate, up, silu(gate) and their product: 4·N·f/t.
+
+``selective`` recompute drops the log-sum-exp (the attention core is recomputed; its inputs
+and output stay alive anyway), ``full`` keeps only each block's input: N/t·h under SP, N·h
+without. The test suite checks the formula against :func:`measure_saved_bytes`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtron.config import ModelConfig
+
+
+def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1,
+                               sp: bool = False, recompute: str = "none",
+                               element_size: int = 4) -> int:
+    """Bytes one llama block keeps for backward per micro-batch on one tensor-parallel rank."""
+    n = micro_batch * seq_len
+    h = cfg.hidden_size
+    d = h // cfg.num_heads
+    heads = cfg.num_heads // tp
+    kv_heads = cfg.num_kv_heads // min(tp, cfg.num_kv_heads)
+    ffn = cfg.ffn_hidden_size // tp
+    local = n // tp if sp else n  # tokens of the residual stream held on this rank
+    if recompute == "full":
+        return element_size * local * h
+    norm = local * h + local + n * h
+    attention = 2 * n * heads * d + 3 * n * kv_heads * d + n * heads
+    if recompute == "selective":
+        attention -= n * heads
+    mlp = 4 * n * ffn
+    return element_size * (2 * norm + attention + mlp)
+
+
+def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes of distinct storages autograd keeps for backward in one forward + loss.
+
+    Parameters and buffers are not activations and are left out. Tensors saved inside an
+    activation-checkpointed region are invisible here, so measure with recompute off.
+    """
+    skip = {t.untyped_storage().data_ptr()
+            for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
+    return sum(seen.values())
