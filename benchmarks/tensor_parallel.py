@@ -16,8 +16,8 @@ megatron-core (about 5 s and 100 MB).
    ``meshtron`` / ``meshtron+sp``
        ``meshtron.models.transformer.Transformer(cfg, ParallelMesh(MeshLayout(2, tp=2), rank),
        sequence_parallel=...)`` trained by ``meshtron.training.step.train_step`` (forward,
-       vocab-parallel loss sum / tokens, backward, ``sync_gradients``, global grad norm, clip to
-       ``train.grad_clip``, AdamW from ``build_adamw``).
+       vocab-parallel loss sum / tokens, backward, gradient sync, global grad norm, clip to
+       ``train.grad_clip``, AdamW through ``DataParallelOptimizer`` with zero 0).
    ``dtensor`` / ``dtensor+sp`` / ``dtensor-per-linear``
        the same network written as a plain single-device module (:class:`Llama` below,
        the PyTorch TP tutorial's module names, ``nn.RMSNorm``, SDPA with ``enable_gqa`` as
@@ -126,10 +126,12 @@ from meshtron.config import Config, ModelConfig, load_config
 from meshtron.models.init import initial_value, initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.adamw import build_adamw
+from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.layout import MeshLayout
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPRegion
-from meshtron.training.step import Precision, train_step
+from meshtron.precision.policy import Precision
+from meshtron.training.step import train_step
 
 TP = 2
 VARIANTS = ("meshtron", "dtensor", "dtensor-per-linear", "meshtron+sp", "dtensor+sp")
@@ -391,7 +393,8 @@ def build_meshtron(rank: int, s: Shape, sp: bool) -> tuple[nn.Module, Callable[[
     model = Transformer(cfg.model, mesh, sequence_parallel=sp)
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     model.train()
-    optimizer = build_adamw(model, cfg.train)
+    optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0,
+                                      bucket_mb=cfg.parallel.bucket_mb)
     batch, precision = _tokens(s), Precision("fp32", torch.device("cpu"))
 
     def step() -> float:
