@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 
 train: setup
 	$(PY) -m meshtron train --config configs/default.yaml
+	@echo "--- a sample from the trained model:"
+	$(PY) -m meshtron generate --checkpoint runs/default --prompt "def " --max-new-tokens 120
 
 test: setup
 	$(PY) -m pytest -q
