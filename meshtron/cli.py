@@ -1,7 +1,7 @@
 """``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
 
-Commands: ``train``, ``preprocess``, ``generate``, ``plot``. Heavy imports (torch and friends)
-happen inside each command so that ``meshtron --help`` and config errors are instant.
+Commands: ``train``, ``preprocess``, ``generate``, ``plot``, ``schedule``. Heavy imports (torch
+and friends) happen inside each command so that ``meshtron --help`` and config errors are instant.
 """
 
 from __future__ import annotations
@@ -139,6 +139,32 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    from meshtron.parallel.schedule_plot import plot_schedule
+    from meshtron.parallel.schedules import COMM_KINDS, build_schedule
+
+    schedule = build_schedule(args.schedule, args.pp, args.vpp, args.microbatches)
+    print(f"schedule {schedule.name}: pp={schedule.pp} vpp={schedule.vpp} "
+          f"micro-batches={schedule.microbatches}")
+    print("\n".join(schedule.table()))
+    comm = [a for row in schedule.stages for a in row if a.kind in COMM_KINDS]
+    sends = sum(a.kind.startswith("SEND") for a in comm)
+    print(f"communication: {sends} sends and {len(comm) - sends} receive posts "
+          "(not shown above)")
+    costs = ", ".join(f"{k}={v:g}" for k, v in schedule.default_costs().items())
+    print(f"bubble fraction ({costs}): theory {schedule.theoretical_bubble():.4f}, "
+          f"simulated {schedule.bubble_fraction():.4f}")
+    unit = "(micro-batch, chunk) pairs" if schedule.vpp > 1 else "micro-batches"
+    print(f"peak in-flight {unit} per stage: "
+          + " ".join(str(n) for n in schedule.peak_in_flight()))
+    default = (f"schedule-{schedule.name}-pp{schedule.pp}-vpp{schedule.vpp}"
+               f"-m{schedule.microbatches}.png")
+    print(f"timeline: {plot_schedule(schedule, Path(args.out or default))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshtron",
@@ -180,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
     p.add_argument("--output", help="PNG path (default: RUN/loss.png, or ./loss.png for several)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("schedule", help="show a pipeline schedule, its bubble, and a timeline PNG")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zb-h1")
+    p.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="model chunks per stage, >= 2 for interleaved (default 1)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    p.add_argument("--out", help="PNG path (default: ./schedule-S-ppP-vppV-mM.png)")
+    p.set_defaults(func=cmd_schedule)
     return parser
 
 

@@ -1,0 +1,292 @@
+"""Pipeline schedules as data: the ordered actions of every stage, and their simulated timeline.
+
+A generator only decides the order of the compute actions (``F``, ``B``, ``W``) on each stage;
+one shared pass (:func:`add_communication`) then inserts the sends and the receive posts, so
+every schedule obeys the same matching rule and one executor runs them all. The timeline
+simulation turns an order into start and end times, from which the bubble fraction follows;
+tests compare it with the closed-form theory of each schedule.
+
+Virtual stages follow Megatron's interleaving: chunk ``c`` of stage ``s`` is virtual stage
+``c * pp + s``; a forward flows from virtual stage ``k`` to ``k + 1``, a backward back.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from meshtron.config import SCHEDULES
+from meshtron.errors import MeshtronError
+
+COMPUTE_KINDS = ("F", "B", "W")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a stage: compute on (micro-batch, local chunk), or a send / receive post.
+
+    For ``SEND_*`` the micro-batch and chunk are the sender's producing ones, for ``RECV_*`` the
+    receiver's consuming ones; ``peer`` is the pipeline stage at the other end.
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int
+    peer: int | None = None
+
+    def label(self, show_chunk: bool = False) -> str:
+        """Short name such as ``F3``, or ``F3.1`` with the chunk."""
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if show_chunk else "")
+
+
+Slot = tuple[float, float, Action]
+
+
+@dataclass
+class Schedule:
+    """The per-stage action lists of one pipeline schedule, in execution order."""
+
+    name: str
+    pp: int
+    vpp: int
+    microbatches: int
+    stages: list[list[Action]]
+
+    @property
+    def split_backward(self) -> bool:
+        """True when ``B`` computes input gradients only and ``W`` the weight gradients."""
+        return self.name == "zb-h1"
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def compute_actions(self, stage: int) -> list[Action]:
+        """The stage's ``F``/``B``/``W`` actions in order, without communication."""
+        return [a for a in self.stages[stage] if a.kind in COMPUTE_KINDS]
+
+    def default_costs(self) -> dict[str, float]:
+        """Unit costs: F=1, B=2 (full backward), or F=B=W=1 when the backward is split."""
+        return {"F": 1.0, "B": 1.0, "W": 1.0} if self.split_backward else {"F": 1.0, "B": 2.0}
+
+    def dependencies(self, stage: int, action: Action) -> list[tuple[int, Action]]:
+        """The (stage, compute action) pairs that must finish before ``action`` can start."""
+        k, last, m = action.chunk * self.pp + stage, self.num_virtual_stages - 1, action.microbatch
+
+        def at(kind: str, virtual: int) -> tuple[int, Action]:
+            return virtual % self.pp, Action(kind, m, virtual // self.pp)
+
+        if action.kind == "F":
+            return [at("F", k - 1)] if k > 0 else []
+        if action.kind == "B":
+            return [at("B", k + 1)] if k < last else [at("F", k)]
+        if action.kind == "W":
+            return [at("B", k)]
+        raise MeshtronError(f"'{action.kind}' is not a compute action; use one of F, B, W")
+
+    def timeline(self, costs: dict[str, float] | None = None) -> list[list[Slot]]:
+        """(start, end, action) of every compute action per stage, each stage in list order.
+
+        An action starts when its stage is free and the actions it depends on have ended;
+        communication takes no time.
+        """
+        cost = {**self.default_costs(), **(costs or {})}
+        orders = [self.compute_actions(s) for s in range(self.pp)]
+        ends: dict[tuple[int, Action], float] = {}
+        rows: list[list[Slot]] = [[] for _ in range(self.pp)]
+        clock = [0.0] * self.pp
+        progressed = True
+        while progressed:
+            progressed = False
+            for s, order in enumerate(orders):
+                while len(rows[s]) < len(order):
+                    action = order[len(rows[s])]
+                    deps = self.dependencies(s, action)
+                    if any(d not in ends for d in deps):
+                        break
+                    start = max([clock[s], *(ends[d] for d in deps)])
+                    clock[s] = ends[(s, action)] = start + cost[action.kind]
+                    rows[s].append((start, clock[s], action))
+                    progressed = True
+        for s, order in enumerate(orders):
+            if len(rows[s]) < len(order):
+                stuck = order[len(rows[s])].label(self.vpp > 1)
+                raise MeshtronError(f"schedule '{self.name}' deadlocks: stage {s} waits forever "
+                                    f"before {stuck}")
+        return rows
+
+    def bubble_fraction(self, costs: dict[str, float] | None = None) -> float:
+        """Idle time over pp × makespan in the simulated timeline."""
+        rows = self.timeline(costs)
+        makespan = max(row[-1][1] for row in rows if row)
+        busy = sum(end - start for row in rows for start, end, _ in row)
+        return (self.pp * makespan - busy) / (self.pp * makespan)
+
+    def theoretical_bubble(self) -> float:
+        """Closed-form bubble fraction under the default unit costs.
+
+        gpipe, 1f1b: (p-1)/(m+p-1); interleaved: (p-1)/(v·m+p-1); zb-h1: (p-1)/(3m+p-1), the
+        (p-1)·(F+B-W) idle time per stage of Qi et al. over a makespan of 3m+p-1.
+        """
+        p, m = self.pp, self.microbatches
+        if self.name == "interleaved":
+            return (p - 1) / (self.vpp * m + p - 1)
+        if self.name == "zb-h1":
+            return (p - 1) / (3 * m + p - 1)
+        return (p - 1) / (m + p - 1)
+
+    def peak_in_flight(self) -> list[int]:
+        """Per stage, the most (micro-batch, chunk) pairs whose forward ran and gradient did not.
+
+        A pair leaves with its last gradient action: ``W`` when the backward is split, else ``B``.
+        """
+        done = "W" if self.split_backward else "B"
+        peaks = []
+        for s in range(self.pp):
+            live = peak = 0
+            for action in self.compute_actions(s):
+                live += (action.kind == "F") - (action.kind == done)
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+    def table(self) -> list[str]:
+        """One line per stage listing its compute actions, e.g. ``stage 0: F0 F1 B0 ...``."""
+        return [f"stage {s}: " + " ".join(a.label(self.vpp > 1) for a in self.compute_actions(s))
+                for s in range(self.pp)]
+
+
+def add_communication(pp: int, vpp: int, compute: list[list[Action]]) -> list[list[Action]]:
+    """Insert sends after producers and receive posts before consumers, matched in order.
+
+    Every (sender, receiver) pair carries one ordered stream of messages; the receiver posts
+    them in exactly the sender's order, each as late as possible: right before a consumer it
+    posts every not-yet-posted message of that sender up to the one consumed. Chunks on the
+    same stage (pp=1) hand activations over locally and get no actions.
+    """
+    last = pp * vpp - 1
+    streams: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    sent: list[list[Action]] = []
+    for s, actions in enumerate(compute):
+        row: list[Action] = []
+        for a in actions:
+            row.append(a)
+            target = _neighbour(a, a.chunk * pp + s, last)
+            if target is None or target % pp == s:
+                continue
+            direction = a.kind  # "F" or "B"
+            row.append(Action(f"SEND_{direction}", a.microbatch, a.chunk, target % pp))
+            streams.setdefault((s, target % pp), []).append(
+                (direction, a.microbatch, target // pp))
+        sent.append(row)
+
+    index = {pair: {msg: i for i, msg in enumerate(msgs)} for pair, msgs in streams.items()}
+    result: list[list[Action]] = []
+    for r, actions in enumerate(sent):
+        posted: dict[int, int] = {}
+        row = []
+        for a in actions:
+            source = _neighbour(a, a.chunk * pp + r, last, consumed=True)
+            if source is not None and source % pp != r:
+                src = source % pp
+                stream, first = streams[(src, r)], posted.get(src, 0)
+                upto = index[(src, r)][(a.kind, a.microbatch, a.chunk)]
+                row += [Action(f"RECV_{kind}", m, c, src) for kind, m, c in stream[first:upto + 1]]
+                posted[src] = max(first, upto + 1)
+            row.append(a)
+        result.append(row)
+    return result
+
+
+def _neighbour(action: Action, virtual: int, last: int, consumed: bool = False) -> int | None:
+    """The virtual stage that ``action`` sends to (or, with ``consumed``, receives from)."""
+    if action.kind == "F":
+        other = virtual - 1 if consumed else virtual + 1
+    elif action.kind == "B":
+        other = virtual + 1 if consumed else virtual - 1
+    else:
+        return None
+    return other if 0 <= other <= last else None
+
+
+def _interleaved_order(pp: int, vpp: int, microbatches: int, backward: bool) -> list[Action]:
+    """Megatron's virtual micro-batch order: groups of pp micro-batches, chunk by chunk."""
+    kind, order = ("B" if backward else "F"), []
+    for k in range(microbatches * vpp):
+        group, within = divmod(k, pp * vpp)
+        chunk = within // pp
+        order.append(Action(kind, group * pp + within % pp, vpp - 1 - chunk if backward else chunk))
+    return order
+
+
+def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int,
+                 weight_delay: int | None = None) -> list[Action]:
+    """Warm-up forwards, then alternate one forward and one backward, then the last backwards.
+
+    With ``weight_delay`` (split backward) the ``W`` of each backward follows it, except that the
+    first ``weight_delay`` of them are held back and run, oldest first, after later backwards
+    and at the very end, where they fill what would be idle time.
+    """
+    order = forwards[:warmup]
+    weights = [Action("W", b.microbatch, b.chunk) for b in backwards]
+    pending = 0
+    for i, backward in enumerate(backwards):
+        if warmup + i < len(forwards):
+            order.append(forwards[warmup + i])
+        order.append(backward)
+        if weight_delay is not None and i >= weight_delay:
+            order.append(weights[pending])
+            pending += 1
+    if weight_delay is not None:
+        order += weights[pending:]
+    return order
+
+
+def _generate(name: str, pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
+    forwards = [Action("F", m, 0) for m in range(microbatches)]
+    backwards = [Action("B", m, 0) for m in range(microbatches)]
+    if name == "gpipe":
+        return [forwards + backwards for _ in range(pp)]
+    if name == "1f1b":
+        return [_one_f_one_b(forwards, backwards, pp - s - 1) for s in range(pp)]
+    if name == "zb-h1":
+        return [_one_f_one_b(forwards, backwards, pp - s - 1, weight_delay=s) for s in range(pp)]
+    forwards = _interleaved_order(pp, vpp, microbatches, backward=False)
+    backwards = _interleaved_order(pp, vpp, microbatches, backward=True)
+    return [_one_f_one_b(forwards, backwards, min((pp - s - 1) * 2 + (vpp - 1) * pp,
+                                                  len(forwards)))
+            for s in range(pp)]
+
+
+def _validate(name: str, pp: int, vpp: int, microbatches: int) -> None:
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(name, SCHEDULES, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise MeshtronError(f"unknown pipeline schedule '{name}'; choose one of "
+                            f"{', '.join(SCHEDULES)}{hint}")
+    for label, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if value < 1:
+            raise MeshtronError(f"{label} must be at least 1, got {value}")
+    if name == "interleaved":
+        if vpp < 2:
+            raise MeshtronError(f"schedule 'interleaved' needs vpp >= 2 model chunks per stage, "
+                                f"got vpp={vpp}; use schedule 1f1b for one chunk")
+        if pp < 2:
+            raise MeshtronError("schedule 'interleaved' needs pp >= 2 pipeline stages, got pp=1")
+    elif vpp > 1:
+        raise MeshtronError(f"vpp={vpp} needs schedule 'interleaved', got schedule '{name}'")
+    if name != "gpipe" and microbatches < pp:
+        raise MeshtronError(f"schedule '{name}' needs at least pp={pp} micro-batches, got "
+                            f"{microbatches}; raise train.global_batch or lower train.micro_batch")
+    if name == "interleaved" and microbatches % pp:
+        raise MeshtronError(f"schedule 'interleaved' needs the micro-batch count to be a multiple "
+                            f"of pp={pp}, got {microbatches}; change train.global_batch or "
+                            "train.micro_batch")
+
+
+def build_schedule(name: str, pp: int, vpp: int, microbatches: int) -> Schedule:
+    """The named schedule for pp stages with vpp chunks each, communication included."""
+    _validate(name, pp, vpp, microbatches)
+    compute = _generate(name, pp, vpp, microbatches)
+    return Schedule(name, pp, vpp, microbatches, add_communication(pp, vpp, compute))

@@ -1,0 +1,279 @@
+"""Pipeline schedules as data: completeness, matched communication, bubble and memory theory."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import pytest
+
+from meshtron.errors import MeshtronError
+from meshtron.parallel.schedules import (
+    COMM_KINDS,
+    Action,
+    Schedule,
+    add_communication,
+    build_schedule,
+)
+
+
+def grid() -> list[tuple[str, int, int, int]]:
+    """Every schedule over small layouts, with M == pp and M > pp where the schedule allows."""
+    cases = []
+    for pp in range(1, 5):
+        for m in sorted({pp, pp + 1, 2 * pp, 8}):
+            cases += [("gpipe", pp, 1, m), ("1f1b", pp, 1, m), ("zb-h1", pp, 1, m)]
+        if pp >= 2:
+            cases += [("interleaved", pp, v, m) for v in (2, 3) for m in (pp, 2 * pp, 3 * pp)]
+    cases += [("gpipe", 4, 1, 2), ("gpipe", 3, 1, 1)]  # GPipe allows fewer micro-batches than pp
+    return cases
+
+
+GRID = grid()
+IDS = [f"{n}-pp{p}-vpp{v}-m{m}" for n, p, v, m in GRID]
+
+
+def virtual(schedule: Schedule, stage: int, action: Action) -> int:
+    return action.chunk * schedule.pp + stage
+
+
+@pytest.mark.parametrize("case", GRID, ids=IDS)
+def test_every_compute_action_exactly_once(case):
+    s = build_schedule(*case)
+    kinds = ("F", "B", "W") if s.split_backward else ("F", "B")
+    expected = Counter(Action(k, m, c) for k in kinds for m in range(s.microbatches)
+                       for c in range(s.vpp))
+    for stage in range(s.pp):
+        assert Counter(s.compute_actions(stage)) == expected
+        assert all(a.peer is None for a in s.compute_actions(stage))
+        assert all(a.kind in kinds or a.kind in COMM_KINDS for a in s.stages[stage])
+
+
+def streams(s: Schedule, kind: str) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+    """Per (sender, receiver): the messages in the order the sender sends or the receiver posts.
+
+    Each message is (direction, micro-batch, chunk at the receiver).
+    """
+    out: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for stage, row in enumerate(s.stages):
+        for a in row:
+            if a.kind == f"SEND_{kind[-1]}" and kind.startswith("SEND"):
+                k = virtual(s, stage, a) + (1 if a.kind == "SEND_F" else -1)
+                assert k % s.pp == a.peer
+                out.setdefault((stage, a.peer), []).append((a.kind[-1], a.microbatch, k // s.pp))
+            if a.kind == f"RECV_{kind[-1]}" and kind.startswith("RECV"):
+                out.setdefault((a.peer, stage), []).append((a.kind[-1], a.microbatch, a.chunk))
+    return out
+
+
+@pytest.mark.parametrize("case", GRID, ids=IDS)
+def test_sends_and_receives_match_in_order_per_pair(case):
+    s = build_schedule(*case)
+    for direction in ("F", "B"):
+        assert streams(s, f"SEND_{direction}") == streams(s, f"RECV_{direction}")
+    if s.pp == 1:
+        assert all(a.kind not in COMM_KINDS for a in s.stages[0])
+    last = s.pp * s.vpp - 1
+    sends = Counter()
+    for stage, row in enumerate(s.stages):
+        for i, a in enumerate(row):
+            k = virtual(s, stage, a)
+            if a.kind in ("F", "B"):
+                produces = (a.kind == "F" and k < last) or (a.kind == "B" and k > 0)
+                following = row[i + 1] if i + 1 < len(row) else None
+                assert (following == Action(f"SEND_{a.kind}", a.microbatch, a.chunk,
+                                            (k + (1 if a.kind == "F" else -1)) % s.pp)) == (
+                    produces and s.pp > 1)
+            sends[a.kind] += a.kind.startswith("SEND")
+    # one message per boundary between virtual stages, per micro-batch, each way
+    assert sends["SEND_F"] == sends["SEND_B"] == (last * s.microbatches if s.pp > 1 else 0)
+
+
+def consumed(s: Schedule, stage: int, a: Action) -> tuple[int, tuple[str, int, int]] | None:
+    """(sender stage, message) that compute action ``a`` needs from another stage, if any."""
+    k, last = virtual(s, stage, a), s.pp * s.vpp - 1
+    source = k - 1 if a.kind == "F" else k + 1 if a.kind == "B" else -1
+    if not 0 <= source <= last or source % s.pp == stage:
+        return None
+    return source % s.pp, (a.kind, a.microbatch, a.chunk)
+
+
+@pytest.mark.parametrize("case", GRID, ids=IDS)
+def test_receives_are_posted_before_their_consumers_and_as_late_as_allowed(case):
+    s = build_schedule(*case)
+    for stage, row in enumerate(s.stages):
+        posted: set[tuple[int, tuple[str, int, int]]] = set()
+        run: list[Action] = []  # receive posts since the last other action
+        for a in row:
+            if a.kind.startswith("RECV"):
+                run.append(a)
+                posted.add((a.peer, (a.kind[-1], a.microbatch, a.chunk)))
+                continue
+            need = consumed(s, stage, a)
+            assert need is None or need in posted, (stage, a)
+            if run:
+                # posts come only right before a consumer, from its sender, ending with the
+                # message it consumes (earlier ones are required by the sender's order)
+                assert need is not None and all(r.peer == need[0] for r in run)
+                assert (run[-1].kind[-1], run[-1].microbatch, run[-1].chunk) == need[1]
+            run = []
+        assert not run
+
+
+def run_globally(s: Schedule) -> list[list[tuple[float, float, Action]]]:
+    """Execute all stages together: sends are non-blocking and matched in order per pair;
+    a compute action waits for its received input and for the stage; F=1, B=2 (or 1, W=1).
+
+    Returns per-stage (start, end, compute action); fails on a deadlock or a mismatch.
+    """
+    cost = s.default_costs()
+    wire: dict[tuple[int, int], deque] = {}  # sent, not yet matched to a post: (msg, time)
+    posts: dict[tuple[int, int], deque] = {}  # posted receives not yet matched
+    arrived: dict[tuple[int, tuple], float] = {}  # (receiver, msg) -> time available
+    clock, pos = [0.0] * s.pp, [0] * s.pp
+    rows: list[list] = [[] for _ in range(s.pp)]
+    last = s.pp * s.vpp - 1
+
+    def match(pair: tuple[int, int]) -> None:
+        while wire.get(pair) and posts.get(pair):
+            msg, t = wire[pair].popleft()
+            assert posts[pair].popleft() == msg, "receive posted out of the sender's order"
+            arrived[(pair[1], msg)] = t
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, row in enumerate(s.stages):
+            while pos[stage] < len(row):
+                a = row[pos[stage]]
+                k = virtual(s, stage, a)
+                if a.kind.startswith("SEND"):
+                    target = k + (1 if a.kind == "SEND_F" else -1)
+                    msg = (a.kind[-1], a.microbatch, target // s.pp)
+                    wire.setdefault((stage, a.peer), deque()).append((msg, clock[stage]))
+                    match((stage, a.peer))
+                elif a.kind.startswith("RECV"):
+                    posts.setdefault((a.peer, stage), deque()).append(
+                        (a.kind[-1], a.microbatch, a.chunk))
+                    match((a.peer, stage))
+                else:
+                    ready, need = clock[stage], consumed(s, stage, a)
+                    if need is not None:
+                        if (stage, need[1]) not in arrived:
+                            break
+                        ready = max(ready, arrived.pop((stage, need[1])))
+                    if a.kind == "B" and k == last:
+                        assert any(x == Action("F", a.microbatch, a.chunk) for *_, x in rows[stage])
+                    if a.kind == "W":
+                        assert any(x == Action("B", a.microbatch, a.chunk) for *_, x in rows[stage])
+                    rows[stage].append((ready, ready + cost[a.kind], a))
+                    clock[stage] = ready + cost[a.kind]
+                pos[stage] += 1
+                progressed = True
+    stuck = {st: s.stages[st][pos[st]] for st in range(s.pp) if pos[st] < len(s.stages[st])}
+    assert not stuck, f"deadlock at {stuck}"
+    assert not arrived and all(not q for q in wire.values()) and all(not q for q in posts.values())
+    return rows
+
+
+@pytest.mark.parametrize("case", GRID, ids=IDS)
+def test_global_execution_respects_dependencies_and_agrees_with_the_timeline(case):
+    s = build_schedule(*case)
+    rows = run_globally(s)
+    assert rows == s.timeline()
+
+
+@pytest.mark.parametrize("case", GRID, ids=IDS)
+def test_simulated_bubble_equals_theory(case):
+    s = build_schedule(*case)
+    p, m, v = s.pp, s.microbatches, s.vpp
+    formula = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
+               "interleaved": (p - 1) / (v * m + p - 1), "zb-h1": (p - 1) / (3 * m + p - 1)}
+    assert s.theoretical_bubble() == pytest.approx(formula[s.name], abs=1e-15)
+    assert s.bubble_fraction() == pytest.approx(s.theoretical_bubble(), abs=1e-12)
+
+
+@pytest.mark.parametrize("case", [c for c in GRID if c[0] == "zb-h1" and c[1] > 1],
+                         ids=[i for c, i in zip(GRID, IDS) if c[0] == "zb-h1" and c[1] > 1])
+def test_zero_bubble_h1_has_a_third_of_the_1f1b_bubble_at_the_same_peak(case):
+    _, p, _, m = case
+    zb, one = build_schedule(*case), build_schedule("1f1b", p, 1, m)
+    # idle time per stage: (p-1)·(F+B-W) = p-1 against 1F1B's (p-1)·(F+B) = 3(p-1)
+    idle_zb = zb.bubble_fraction() * (3 * m + p - 1)
+    idle_one = one.bubble_fraction() * 3 * (m + p - 1)
+    assert idle_zb == pytest.approx(p - 1) and idle_one == pytest.approx(3 * (p - 1))
+    # so the fraction is a third of 1F1B's, up to the shorter makespan it divides by
+    ratio = zb.bubble_fraction() / one.bubble_fraction()
+    assert ratio == pytest.approx((m + p - 1) / (3 * m + p - 1))
+    assert 1 / 3 < ratio <= 1 / 3 + 2 * (p - 1) / (3 * (3 * m + p - 1)) + 1e-12
+    # the memory bound of 1F1B (p micro-batches on its fullest stage) holds on every stage
+    assert max(zb.peak_in_flight()) == max(one.peak_in_flight()) == p
+
+
+@pytest.mark.parametrize("case", GRID, ids=IDS)
+def test_peak_in_flight_equals_theory(case):
+    s = build_schedule(*case)
+    p, m, v = s.pp, s.microbatches, s.vpp
+    if s.name == "gpipe":
+        expected = [m] * p
+    elif s.name == "1f1b":
+        expected = [min(p - st, m) for st in range(p)]
+    elif s.name == "zb-h1":
+        expected = [min(p, m)] * p
+    else:
+        expected = [min((p - st - 1) * 2 + (v - 1) * p + 1, m * v) for st in range(p)]
+    assert s.peak_in_flight() == expected
+
+
+def test_costs_change_the_timeline():
+    s = build_schedule("1f1b", 2, 1, 4)
+    assert s.bubble_fraction({"B": 1.0}) == pytest.approx(1 / 5)
+    assert s.timeline({"F": 2.0, "B": 4.0})[-1][-1][1] == 2 * s.timeline()[-1][-1][1]
+
+
+def test_table_shows_chunks_only_when_interleaved():
+    assert build_schedule("1f1b", 2, 1, 3).table() == ["stage 0: F0 F1 B0 F2 B1 B2",
+                                                       "stage 1: F0 B0 F1 B1 F2 B2"]
+    assert build_schedule("interleaved", 2, 2, 2).table()[1].startswith("stage 1: F0.0 F1.0 F0.1")
+
+
+def test_split_backward_only_for_zero_bubble():
+    assert build_schedule("zb-h1", 2, 1, 2).split_backward
+    assert not any(build_schedule(n, 2, v, 2).split_backward
+                   for n, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)))
+
+
+@pytest.mark.parametrize("args, words", [
+    (("1fb1", 2, 1, 4), ["unknown pipeline schedule '1fb1'", "gpipe, 1f1b, interleaved, zb-h1",
+                         "did you mean '1f1b'"]),
+    (("pipedream", 2, 1, 4), ["unknown pipeline schedule 'pipedream'", "choose one of"]),
+    (("1f1b", 0, 1, 4), ["pp must be at least 1, got 0"]),
+    (("1f1b", 2, 0, 4), ["vpp must be at least 1, got 0"]),
+    (("gpipe", 2, 1, 0), ["microbatches must be at least 1, got 0"]),
+    (("1f1b", 4, 1, 3), ["needs at least pp=4 micro-batches, got 3", "train.global_batch",
+                         "train.micro_batch"]),
+    (("zb-h1", 3, 1, 2), ["needs at least pp=3 micro-batches, got 2"]),
+    (("interleaved", 4, 2, 2), ["needs at least pp=4 micro-batches, got 2"]),
+    (("interleaved", 4, 2, 6), ["multiple of pp=4, got 6"]),
+    (("interleaved", 2, 1, 4), ["needs vpp >= 2", "got vpp=1"]),
+    (("interleaved", 1, 2, 4), ["needs pp >= 2"]),
+    (("1f1b", 2, 2, 4), ["vpp=2 needs schedule 'interleaved'"]),
+    (("gpipe", 2, 3, 4), ["vpp=3 needs schedule 'interleaved'"]),
+])
+def test_bad_input_raises_one_clear_sentence(args, words):
+    with pytest.raises(MeshtronError) as err:
+        build_schedule(*args)
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_receives_posted_in_the_senders_order_when_consumed_out_of_order():
+    f, b = (lambda m: Action("F", m, 0)), (lambda m: Action("B", m, 0))
+    stages = add_communication(2, 1, [[f(0), f(1), b(1), b(0)], [f(1), b(1), f(0), b(0)]])
+    assert stages[1] == [Action("RECV_F", 0, 0, 0), Action("RECV_F", 1, 0, 0), f(1), b(1),
+                         Action("SEND_B", 1, 0, 0), f(0), b(0), Action("SEND_B", 0, 0, 0)]
+    assert stages[0] == [f(0), Action("SEND_F", 0, 0, 1), f(1), Action("SEND_F", 1, 0, 1),
+                         Action("RECV_B", 1, 0, 1), b(1), Action("RECV_B", 0, 0, 1), b(0)]
+    schedule = Schedule("1f1b", 2, 1, 2, stages)
+    assert run_globally(schedule) == schedule.timeline()
