@@ -70,6 +70,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     """Gradients are reduced in buckets of about this many MiB, overlapping backward."""
     schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs vpp >= 2) or zb-h1."""
+    pp_layers: list[int] | None = None
+    """Layers per virtual pipeline stage (pp * vpp counts in model order); unset: balanced."""
 
 
 @dataclass
@@ -468,6 +471,8 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             t.seq_len % p.tp == 0,
             f"parallel.sp needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}",
         )
+    if p.pp > 1 or p.vpp > 1:
+        _validate_pipeline(cfg, world_size)
     per_step = t.global_batch
     _require(
         per_step % dp == 0,
@@ -478,4 +483,23 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         (per_step // dp) % mb == 0,
         f"train.global_batch={per_step} is not a multiple of train.micro_batch={mb} x "
         f"data-parallel size {dp}",
+    )
+
+
+def _validate_pipeline(cfg: Config, world_size: int) -> None:
+    """The layer split and the schedule must exist for this micro-batch count."""
+    # imported here: the pipeline modules import this one
+    from meshtron.parallel.partition import check_layer_split
+    from meshtron.parallel.schedules import build_schedule
+
+    p, t = cfg.parallel, cfg.train
+    check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers)
+    dp = data_parallel_size(cfg, world_size)
+    mb = micro_batch_size(cfg, world_size)
+    if t.global_batch % dp == 0 and (t.global_batch // dp) % mb == 0:
+        build_schedule(p.schedule, p.pp, p.vpp, t.global_batch // dp // mb)
+    _require(
+        not (p.schedule == "zb-h1" and p.zero == 3 and dp * p.cp > 1),
+        "parallel.schedule=zb-h1 computes weight gradients after the block's backward has "
+        "released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with zb-h1",
     )

@@ -39,15 +39,32 @@ def _local(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     return shard.take(full)
 
 
+def global_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """This rank's parameters under their global names (a pipeline stage's copy of a tied
+    embedding is named after the embedding)."""
+    return {getattr(p, "global_name", n): p for n, p in model.named_parameters()}
+
+
+def merge_stages(tensors: dict[str, torch.Tensor], mesh: ParallelMesh) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's tensors, on the first stage (others get their own back)."""
+    if mesh.pp.pg is None:
+        return tensors
+    parts: list[dict[str, torch.Tensor]] | None = [{}] * mesh.pp.size if mesh.pp.rank == 0 else None
+    torch.distributed.gather_object(tensors, parts, dst=mesh.pp.ranks[0], group=mesh.pp.pg)
+    if parts is None:
+        return tensors
+    return {name: t for part in parts for name, t in part.items()}
+
+
 def model_tensors(model: nn.Module, mesh: ParallelMesh) -> dict[str, torch.Tensor]:
-    return {n: _full(p, p, mesh) for n, p in model.named_parameters()}
+    return {n: _full(p, p, mesh) for n, p in global_parameters(model).items()}
 
 
 def optimizer_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                       mesh: ParallelMesh) -> dict[str, torch.Tensor]:
     states = optimizer.local_states()  # collective over dp when the state is sharded
     out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():  # a fixed order: every rank gathers alike
+    for name, param in global_parameters(model).items():  # every rank gathers in this order
         for key, value in sorted(states.get(id(param), {}).items()):
             tensor = value if torch.is_tensor(value) else torch.tensor(value)
             out[f"{name}.{key}"] = _full(tensor, param, mesh)
@@ -63,12 +80,13 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 def capture(model: nn.Module, optimizer: DataParallelOptimizer,
             mesh: ParallelMesh) -> dict[str, dict[str, torch.Tensor]]:
-    """Global tensors of the training state (a collective over tp: every rank must call it)."""
+    """Global tensors of the training state, complete on the first pipeline stage (a
+    collective over tp, dp and pp: every rank must call it)."""
     with optimizer.full_parameters():
         weights = model_tensors(model, mesh)
     return {
-        "model.safetensors": weights,
-        "optimizer.safetensors": optimizer_tensors(model, optimizer, mesh),
+        "model.safetensors": merge_stages(weights, mesh),
+        "optimizer.safetensors": merge_stages(optimizer_tensors(model, optimizer, mesh), mesh),
         "rng.safetensors": rng_tensors(),
     }
 
@@ -76,7 +94,7 @@ def capture(model: nn.Module, optimizer: DataParallelOptimizer,
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Copy the checkpoint's weights into ``model``, checking every name and shape first."""
     stored = load_tensors(path, "model.safetensors")
-    params = dict(model.named_parameters())
+    params = global_parameters(model)
     missing = sorted(set(params) - set(stored))
     if missing:
         raise MeshtronError(f"checkpoint {path} lacks parameter {missing[0]} of this model")
@@ -103,7 +121,7 @@ def restore(path: Path, model: nn.Module, optimizer: DataParallelOptimizer) -> N
         by_param.setdefault(name, {})[state_key] = tensor
     optimizer.load_local_states({
         id(param): {k: _local(v, param) for k, v in by_param[name].items()}
-        for name, param in model.named_parameters() if name in by_param
+        for name, param in global_parameters(model).items() if name in by_param
     })
     rng = load_tensors(path, "rng.safetensors")
     torch.set_rng_state(rng["torch"])

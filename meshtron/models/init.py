@@ -50,6 +50,7 @@ def initialize(model: nn.Module, *, seed: int, std: float, num_layers: int) -> N
     (see :mod:`meshtron.parallel.tensor`) and keeps only its slice of the full value.
     """
     for name, param in model.named_parameters():
+        name = getattr(param, "global_name", name)  # a pipeline's copy of a tied weight
         shape = tuple(getattr(param, "global_shape", param.shape))
         full = initial_value(name, shape, seed=seed, std=std, num_layers=num_layers)
         shard = getattr(param, "shard", None)

@@ -17,6 +17,7 @@ heads are replicated when tp > num_kv_heads).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,10 @@ from meshtron.parallel.tensor import (
     replicated,
     vocab_parallel_loss_sum,
 )
+from meshtron.parallel.weight_grad import WeightGradStore, linear
+
+if TYPE_CHECKING:
+    from meshtron.parallel.partition import PipelinePlan
 
 _SDPA_GQA = torch.__version__ >= "2.5"
 """``scaled_dot_product_attention`` takes ``enable_gqa`` (shares kv heads without copies)."""
@@ -206,7 +211,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.region.enter(x)
-        if self.gated:
+        if self.gated and self.gate_up.grad_store is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.gated:
             # Two products with the [gate | up] halves of the weight: contiguous outputs, and
             # backward concatenates weight-sized gradients rather than activation-sized ones.
             gate, up = (F.linear(x, w) for w in self.gate_up.weight.chunk(2))
@@ -235,48 +243,104 @@ class Transformer(nn.Module):
 
     Under sequence parallelism the residual stream between blocks holds seq / tp positions per
     rank; the embedding reduce-scatters into it and the output layer gathers out of it.
+
+    With a :class:`PipelinePlan` the module holds only this pipeline stage's chunks of layers
+    (``layers`` is keyed by the global layer index), the embedding only on the first stage and
+    the final norm and output layer only on the last; ``forward(x, chunk=c)`` runs one chunk,
+    taking token ids into the first chunk of the model and hidden states into the others.
+    With tied embeddings and several stages the last stage keeps a copy of the embedding as its
+    output weight (global name ``embed.weight``); the two copies' gradients are summed over
+    ``mesh.pipeline_ends`` so they stay equal.
     """
 
     def __init__(self, cfg: ModelConfig, mesh: ParallelMesh | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, plan: PipelinePlan | None = None):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         region = TPRegion(mesh.tp, sequence_parallel and mesh.tp.size > 1)
+        stage = mesh.pp.rank
         self.cfg = cfg
         self.region = region
         self.vocab_size = cfg.vocab_size
         self.padded_vocab = padded_vocab_size(cfg)
+        self.chunks = plan.chunks_of(stage) if plan else [list(range(cfg.num_layers))]
+        self.has_embedding = plan is None or plan.holds_embedding(stage)
+        self.has_head = plan is None or plan.holds_head(stage)
         head_dim = cfg.hidden_size // cfg.num_heads
-        self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
+        if self.has_embedding:
+            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         self.rotary = None
         if cfg.arch == "gpt2":
-            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
-            replicated(self.pos_embed.weight, region)
+            if self.has_embedding:
+                self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
+                replicated(self.pos_embed.weight, region)
         else:
             self.rotary = Rotary(head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(Block(cfg, i, region, mesh) for i in range(cfg.num_layers))
-        self.final_norm = make_norm(cfg, region)
-        if not cfg.tie_embeddings:
-            self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, False, region)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, region, mesh)
+                                     for chunk in self.chunks for i in chunk})
+        if self.has_head:
+            self.final_norm = make_norm(cfg, region)
+            if not cfg.tie_embeddings or not self.has_embedding:
+                self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, False,
+                                                   region)
+        if cfg.tie_embeddings and mesh.pp.size > 1 and (self.has_embedding or self.has_head):
+            tied = self.embed.weight if self.has_embedding else self.output.weight
+            tied.global_name = "embed.weight"
+            tied.replicas = 2  # counted once in the grad norm
+            tied.grad_sync = mesh.pipeline_ends
         self.recompute = "none"
+        self.grad_store: WeightGradStore | None = None
+
+    def split_weight_grads(self, store: WeightGradStore | None) -> None:
+        """Let every linear layer (and the output layer) defer its weight gradient to
+        ``store`` while the store is deferring (zero-bubble schedules); None undoes it."""
+        self.grad_store = store
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.grad_store = store
+
+    def blocks(self) -> list[Block]:
+        """This rank's transformer blocks in the order its forward passes run them."""
+        return [self.layers[str(i)] for chunk in self.chunks for i in chunk]
 
     @property
     def output_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.cfg.tie_embeddings else self.output.weight
+        if self.cfg.tie_embeddings and self.has_embedding:
+            return self.embed.weight
+        return self.output.weight
 
     def set_recompute(self, mode: str) -> None:
         """``full`` recomputes whole layers in backward, ``selective`` only attention cores."""
         self.recompute = mode
-        for block in self.layers:
+        for block in self.layers.values():
             block.attn.selective_recompute = mode == "selective"
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.output_weight
-        return KVCache(len(self.layers), batch, self.layers[0].attn.num_kv_heads, max_len,
+        return KVCache(self.cfg.num_layers, batch, self.blocks()[0].attn.num_kv_heads, max_len,
                        self.cfg.hidden_size // self.cfg.num_heads, p.dtype, p.device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        start = cache.length if cache is not None else 0
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                chunk: int = 0) -> torch.Tensor:
+        """Logits of token ids ``x``; in a pipeline, chunk ``chunk`` of this stage: token ids
+        or hidden states in, hidden states or (from the model's last chunk) logits out."""
+        new_tokens = x.shape[1]
+        if self.has_embedding and chunk == 0:
+            x = self.embed_tokens(x, cache.length if cache is not None else 0)
+        for i in self.chunks[chunk]:
+            block = self.layers[str(i)]
+            if self.recompute == "full" and self.training:
+                x = checkpoint(block, x, self.rotary, use_reentrant=False)
+            else:
+                x = block(x, self.rotary, cache)
+        if not (self.has_head and chunk == len(self.chunks) - 1):
+            return x
+        if cache is not None:  # generation: one process, one chunk
+            cache.length += new_tokens
+        x = self.region.enter(self.final_norm(x))
+        return linear(x, self.output_weight, None, self.grad_store)
+
+    def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         x = self.embed(tokens)
         if self.rotary is None:
             positions = self.pos_embed(
@@ -284,16 +348,7 @@ class Transformer(nn.Module):
             if self.region.sequence_parallel:
                 positions = local_chunk(positions, self.region.group, dim=0)
             x = x + positions
-        x = F.dropout(x, self.cfg.dropout, self.training)
-        for block in self.layers:
-            if self.recompute == "full" and self.training:
-                x = checkpoint(block, x, self.rotary, use_reentrant=False)
-            else:
-                x = block(x, self.rotary, cache)
-        if cache is not None:
-            cache.length += tokens.shape[1]
-        x = self.region.enter(self.final_norm(x))
-        return F.linear(x, self.output_weight)
+        return F.dropout(x, self.cfg.dropout, self.training)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies in fp32; padded vocabulary entries never count."""

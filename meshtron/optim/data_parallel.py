@@ -41,12 +41,12 @@ class DataParallelOptimizer:
         self.mesh = mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.stage = zero if mesh.dp_cp.size > 1 else 0
-        blocks = list(model.layers) if self.stage == 3 else []
+        blocks = model.blocks() if self.stage == 3 else []
         units = None
         if blocks:
             in_blocks = {id(p) for block in blocks for p in block.parameters()}
             units = [list(block.parameters()) for block in blocks]
-            units.append([p for p in self.params if id(p) not in in_blocks])
+            units.append([p for p in self.params if id(p) not in in_blocks])  # may be empty
         self.reducer = GradReducer(
             self.params, mesh.dp_cp, stage=self.stage, bucket_bytes=int(bucket_mb * 2**20),
             dtype=reduce_dtype or self.params[0].dtype, units=units, on_event=on_event,

@@ -140,6 +140,8 @@ class GradReducer:
             bucket.launched = False
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a backward that deferred this weight's gradient (zb-h1)
+            return
         bucket, i = self._where[id(param)]
         if bucket.grad is None:
             bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype, device=param.device)

@@ -71,6 +71,11 @@ class ParallelMesh:
         ep_groups, edp_groups = layout.expert_groups()
         self.ep = self._make("ep", ep_groups)
         self.edp = self._make("edp", edp_groups)
+        pp_groups = layout.groups(("pp",))
+        self.pipeline_ends = self._make(
+            "pp_ends", [[g[0], g[-1]] for g in pp_groups] if layout.pp > 1 else [])
+        """First and last stage of this rank's pipeline (they share tied embeddings); just this
+        rank, without a process group, on the stages between."""
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -78,8 +83,9 @@ class ParallelMesh:
         return cls(MeshLayout(world_size=1), rank=0)
 
     def _make(self, name: str, all_groups: list[list[int]]) -> Group:
-        """Create the groups of one kind (collectively, on every rank) and keep ours."""
-        mine = next(g for g in all_groups if self.global_rank in g)
+        """Create the groups of one kind (collectively, on every rank) and keep ours (a group of
+        this rank alone when it is in none)."""
+        mine = next((g for g in all_groups if self.global_rank in g), [self.global_rank])
         pg = None
         if len(mine) > 1:
             for members in all_groups:  # every rank must create every group, in order

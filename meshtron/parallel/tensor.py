@@ -31,6 +31,7 @@ from meshtron.parallel.collectives import (
     reduce_scatter_sp,
 )
 from meshtron.parallel.mesh import Group
+from meshtron.parallel.weight_grad import WeightGradStore, linear
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class ColumnParallelLinear(nn.Module):
     gradient over ``share_group``.
     """
 
+    grad_store: WeightGradStore | None = None
+    """Set by :meth:`Transformer.split_weight_grads` for zero-bubble pipelines."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, region: TPRegion,
                  parts: int = 1, pieces: int | None = None, share_group: Group | None = None):
         super().__init__()
@@ -129,12 +133,14 @@ class ColumnParallelLinear(nn.Module):
                                  bias_spec, replicas, share_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.grad_store)
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; the output leaves the region (sum over tp),
     then the replicated bias is added once."""
+
+    grad_store: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, region: TPRegion):
         super().__init__()
@@ -146,7 +152,7 @@ class RowParallelLinear(nn.Module):
         self.bias = replicated(nn.Parameter(torch.empty(out_features)), region) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.region.exit(F.linear(x, self.weight))
+        y = self.region.exit(linear(x, self.weight, None, self.grad_store))
         return y if self.bias is None else y + self.bias
 
 

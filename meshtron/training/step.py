@@ -16,6 +16,7 @@ from torch import nn
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.collectives import all_reduce
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.pipeline import PipelineExecutor
 from meshtron.precision.policy import Precision
 
 
@@ -41,27 +42,34 @@ def train_step(
     lr: float,
     grad_clip: float,
     precision: Precision,
+    pipeline: PipelineExecutor | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, reduce, clip, and update the weights.
 
     Gradient buckets are reduced over dp x cp while backward runs (on the last micro-batch, or on
     every one under ZeRO-2); a step whose global grad norm is not finite is skipped everywhere.
+    With a ``pipeline`` the micro-batches run through its schedule instead.
     """
     optimizer.zero_grad()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
     chunks = micro_batches(local_batch, micro_batch)
     scale = precision.loss_scale
-    for i, mb in enumerate(chunks):
-        inputs, targets = mb[:, :-1], mb[:, 1:]
-        optimizer.begin_micro_batch(last=i == len(chunks) - 1)
-        with precision.autocast():
-            logits = model(inputs)
-        loss = model.loss_sum(logits, targets)
-        (loss * (scale / global_tokens)).backward()
-        optimizer.end_micro_batch()
-        loss_sum += loss.detach().double()
+    if pipeline is not None:
+        loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens,
+                                  precision=precision)
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
+        for i, mb in enumerate(chunks):
+            inputs, targets = mb[:, :-1], mb[:, 1:]
+            optimizer.begin_micro_batch(last=i == len(chunks) - 1)
+            with precision.autocast():
+                logits = model(inputs)
+            loss = model.loss_sum(logits, targets)
+            (loss * (scale / global_tokens)).backward()
+            optimizer.end_micro_batch()
+            loss_sum += loss.detach().double()
     optimizer.finish_gradients(unscale=1.0 / scale)
     all_reduce(loss_sum, mesh.dp_cp)
+    all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
     grad_norm = float(optimizer.grad_norm())
     skipped = not math.isfinite(grad_norm)
     if precision.scaler is not None:
@@ -74,15 +82,21 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, local_batches: list[torch.Tensor], micro_batch: int,
-             global_tokens: int, mesh: ParallelMesh, precision: Precision) -> float:
+             global_tokens: int, mesh: ParallelMesh, precision: Precision,
+             pipeline: PipelineExecutor | None = None) -> float:
     """Mean token loss over the validation batches (this rank holds its dp share of each)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=local_batches[0].device)
     for batch in local_batches:
-        for mb in micro_batches(batch, micro_batch):
+        chunks = micro_batches(batch, micro_batch)
+        if pipeline is not None:
+            total += pipeline.evaluate(chunks, precision)
+            continue
+        for mb in chunks:
             with precision.autocast():
                 logits = model(mb[:, :-1])
             total += model.loss_sum(logits, mb[:, 1:]).double()
     model.train(was_training)
+    all_reduce(total, mesh.pp)
     return float(all_reduce(total, mesh.dp_cp)) / global_tokens

@@ -29,6 +29,9 @@ from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.optim.schedule import learning_rate
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.partition import plan_pipeline
+from meshtron.parallel.pipeline import PipelineExecutor
+from meshtron.parallel.schedules import build_schedule
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
 from meshtron.training.memory import activation_bytes_per_layer
@@ -100,12 +103,15 @@ class Trainer:
         self.data = self._build_data()
         resolve_vocab(cfg, self.data)
 
-        self.model = Transformer(cfg.model, self.mesh, sequence_parallel=cfg.parallel.sp)
+        p = cfg.parallel
+        self.plan = None
+        if p.pp > 1:
+            self.plan = plan_pipeline(cfg.model, p.pp, p.vpp, cfg.train.seq_len, p.pp_layers)
+        self.model = Transformer(cfg.model, self.mesh, sequence_parallel=p.sp, plan=self.plan)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
         self.model.set_recompute(cfg.train.recompute)
-        p = cfg.parallel
         if p.zero and self.mesh.dp_cp.size == 1:
             self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
                      "shard, running as zero 0")
@@ -115,6 +121,11 @@ class Trainer:
         world = self.mesh.layout.world_size
         self.micro_batch = micro_batch_size(cfg, world)
         self.dp_share = cfg.train.global_batch // self.mesh.dp.size
+        self.pipeline = None
+        if self.plan is not None:
+            schedule = build_schedule(p.schedule, p.pp, p.vpp, self.dp_share // self.micro_batch)
+            self.pipeline = PipelineExecutor(self.model, self.mesh, self.plan, schedule,
+                                             cfg.model.hidden_size)
         self.step = 0
         size = model_size(cfg.model)
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
@@ -125,6 +136,10 @@ class Trainer:
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
+        if self.pipeline is not None:
+            schedule = self.pipeline.schedule
+            self.log(f"pipeline: {p.schedule}, layers per stage {self.plan.describe()}; "
+                     f"bubble {100 * schedule.theoretical_bubble():.1f}% in theory")
         self._log_activation_memory()
         self._maybe_resume()
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
@@ -214,7 +229,8 @@ class Trainer:
         batches = [self.local_share(self.data.valid_batch(i, t.global_batch))
                    for i in range(t.eval_batches)]
         return evaluate(self.model, batches, self.micro_batch,
-                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.precision)
+                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.precision,
+                        self.pipeline)
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
@@ -238,7 +254,7 @@ class Trainer:
                     self.model, self.optimizer, batch, self.mesh,
                     global_tokens=tokens_per_step, micro_batch=self.micro_batch,
                     lr=lr, grad_clip=t.grad_clip,
-                    precision=self.precision,
+                    precision=self.precision, pipeline=self.pipeline,
                 )
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

@@ -1,0 +1,184 @@
+"""The pipeline executor: runs one stage's actions of any :class:`Schedule`.
+
+Activations and their gradients travel between stages with non-blocking point-to-point
+messages over this rank's pipeline group: a send is started as soon as its tensor exists and
+waited for at the end of the step; a receive is posted where the schedule says and waited for
+just before the action that consumes it. Every message carries a tag naming (direction,
+micro-batch, receiving virtual stage), and the schedule posts receives in the order the peer
+sends, so matching is unambiguous for transports that match by tag (gloo) or by order (NCCL).
+
+Gradient reduction over data-parallel ranks is driven the same way as without a pipeline: each
+action that produces weight gradients (B, and W under a split backward) is one "micro-batch" of
+the optimizer's reducer, and the last of them on this stage is the one that communicates
+(every one under ZeRO-2/3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.optim.data_parallel import DataParallelOptimizer
+from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.partition import PipelinePlan
+from meshtron.parallel.schedules import Schedule
+from meshtron.parallel.weight_grad import WeightGradStore
+from meshtron.precision.policy import Precision
+
+_DIRECTIONS = {"F": 0, "B": 1}
+
+
+class PipelineExecutor:
+    """Runs ``schedule``'s actions for this rank's stage on ``model`` (built for ``plan``)."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, plan: PipelinePlan,
+                 schedule: Schedule, hidden_size: int):
+        self.model = model
+        self.mesh = mesh
+        self.plan = plan
+        self.schedule = schedule
+        self.stage = mesh.pp.rank
+        self.actions = schedule.stages[self.stage]
+        self.hidden_size = hidden_size
+        self.store = WeightGradStore() if schedule.split_backward else None
+        model.split_weight_grads(self.store)
+        grad_actions = [i for i, a in enumerate(self.actions) if a.kind in ("B", "W")]
+        self.last_grad_action = grad_actions[-1] if grad_actions else -1
+
+    # ------------------------------------------------------------------ messages
+
+    def _tag(self, direction: str, microbatch: int, virtual_stage: int) -> int:
+        per_direction = self.schedule.microbatches * self.plan.virtual_stages
+        return (_DIRECTIONS[direction] * per_direction
+                + microbatch * self.plan.virtual_stages + virtual_stage)
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        tensor = tensor.detach().contiguous()
+        self.mesh.stats.record(self.mesh.pp.name, "send", tensor.numel() * tensor.element_size())
+        return dist.isend(tensor, group=self.mesh.pp.pg, group_dst=peer, tag=tag)
+
+    def _post_receive(self, shape: torch.Size, dtype: torch.dtype, peer: int,
+                      tag: int) -> tuple[dist.Work, torch.Tensor]:
+        buffer = torch.empty(shape, dtype=dtype, device=self._device())
+        return dist.irecv(buffer, group=self.mesh.pp.pg, group_src=peer, tag=tag), buffer
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _hidden_shape(self, micro_batch: torch.Tensor) -> torch.Size:
+        seq = micro_batch.shape[1] - 1
+        region = self.model.region
+        if region.sequence_parallel:
+            seq //= region.size
+        return torch.Size((micro_batch.shape[0], seq, self.hidden_size))
+
+    # ------------------------------------------------------------------ training step
+
+    def train(self, micro_batches: list[torch.Tensor], optimizer: DataParallelOptimizer, *,
+              loss_weight: float, precision: Precision) -> torch.Tensor:
+        """Forward and backward of every micro-batch through this stage; returns the sum of
+        token losses (non-zero on the last stage only). ``loss_weight`` multiplies each
+        micro-batch's loss before backward (loss scale / global token count)."""
+        plan, model = self.plan, self.model
+        dtype = next(model.parameters()).dtype
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device())
+        receives: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
+        stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        deferred: dict[tuple[int, int], list] = {}
+        sends: list[dist.Work] = []
+        last_virtual = plan.virtual_stages - 1
+
+        for index, action in enumerate(self.actions):
+            m, c = action.microbatch, action.chunk
+            vstage = plan.virtual_stage(self.stage, c)
+            kind = action.kind
+            if kind == "RECV_F":
+                receives["F", m, c] = self._post_receive(
+                    self._hidden_shape(micro_batches[m]), dtype, action.peer,
+                    self._tag("F", m, vstage))
+            elif kind == "RECV_B":
+                receives["B", m, c] = self._post_receive(
+                    self._hidden_shape(micro_batches[m]), dtype, action.peer,
+                    self._tag("B", m, vstage))
+            elif kind == "F":
+                if vstage == 0:
+                    x = micro_batches[m][:, :-1]
+                else:
+                    work, x = receives.pop(("F", m, c))
+                    work.wait()
+                    x.requires_grad_(True)
+                with precision.autocast():
+                    out = model(x, chunk=c)
+                if vstage == last_virtual:
+                    loss = model.loss_sum(out, micro_batches[m][:, 1:])
+                    loss_sum += loss.detach().double()
+                    out = loss * loss_weight
+                elif out.dtype != dtype:
+                    out = out.to(dtype)
+                stash[m, c] = (x, out)
+            elif kind == "SEND_F":
+                sends.append(self._send(stash[m, c][1], action.peer,
+                                        self._tag("F", m, vstage + 1)))
+            elif kind == "B":
+                x, out = stash.pop((m, c))
+                optimizer.begin_micro_batch(last=index == self.last_grad_action)
+                if self.store is not None:
+                    self.store.deferring = True
+                if vstage == last_virtual:
+                    out.backward()
+                else:
+                    work, grad = receives.pop(("B", m, c))
+                    work.wait()
+                    torch.autograd.backward(out, grad)
+                if self.store is not None:
+                    self.store.deferring = False
+                    deferred[m, c] = self.store.take()
+                optimizer.end_micro_batch()
+                if vstage > 0:
+                    input_grads[m, c] = x.grad
+            elif kind == "SEND_B":
+                sends.append(self._send(input_grads.pop((m, c)), action.peer,
+                                        self._tag("B", m, vstage - 1)))
+            elif kind == "W":
+                optimizer.begin_micro_batch(last=index == self.last_grad_action)
+                WeightGradStore.run(deferred.pop((m, c)))
+                optimizer.end_micro_batch()
+            else:
+                raise ValueError(f"unknown pipeline action {action}")
+        for work in sends:
+            work.wait()
+        assert not (receives or stash or input_grads or deferred), "schedule left work undone"
+        return loss_sum
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[torch.Tensor], precision: Precision) -> torch.Tensor:
+        """Sum of token losses of forward passes only (non-zero on the last stage only):
+        micro-batch by micro-batch, each through the virtual stages in order."""
+        plan, model = self.plan, self.model
+        dtype = next(model.parameters()).dtype
+        total = torch.zeros((), dtype=torch.float64, device=self._device())
+        sends: list[dist.Work] = []
+        pp = self.mesh.pp.size
+        for m, micro_batch in enumerate(micro_batches):
+            for c in range(plan.vpp):
+                vstage = plan.virtual_stage(self.stage, c)
+                if vstage == 0:
+                    x = micro_batch[:, :-1]
+                else:
+                    work, x = self._post_receive(self._hidden_shape(micro_batch), dtype,
+                                                 (self.stage - 1) % pp, self._tag("F", m, vstage))
+                    work.wait()
+                with precision.autocast():
+                    out = model(x, chunk=c)
+                if vstage == plan.virtual_stages - 1:
+                    total += model.loss_sum(out, micro_batch[:, 1:]).double()
+                else:
+                    sends.append(self._send(out.to(dtype), (self.stage + 1) % pp,
+                                            self._tag("F", m, vstage + 1)))
+        for work in sends:
+            work.wait()
+        return total
