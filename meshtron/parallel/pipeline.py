@@ -15,6 +15,8 @@ the optimizer's reducer, and the last of them on this stage is the one that comm
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +24,7 @@ from torch import nn
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.partition import PipelinePlan
-from meshtron.parallel.schedules import Schedule
+from meshtron.parallel.schedules import Action, Schedule
 from meshtron.parallel.weight_grad import WeightGradStore
 from meshtron.precision.policy import Precision
 
@@ -45,6 +47,9 @@ class PipelineExecutor:
         model.split_weight_grads(self.store)
         grad_actions = [i for i, a in enumerate(self.actions) if a.kind in ("B", "W")]
         self.last_grad_action = grad_actions[-1] if grad_actions else -1
+        self.trace: list[tuple[Action, float, float]] | None = None
+        """When a list: (action, start, end) of each compute action, ``perf_counter`` seconds
+        (waiting for its input included in neither: a receive is waited for before start)."""
 
     # ------------------------------------------------------------------ messages
 
@@ -94,6 +99,7 @@ class PipelineExecutor:
             m, c = action.microbatch, action.chunk
             vstage = plan.virtual_stage(self.stage, c)
             kind = action.kind
+            started = None
             if kind == "RECV_F":
                 receives["F", m, c] = self._post_receive(
                     self._hidden_shape(micro_batches[m]), dtype, action.peer,
@@ -109,6 +115,7 @@ class PipelineExecutor:
                     work, x = receives.pop(("F", m, c))
                     work.wait()
                     x.requires_grad_(True)
+                started = time.perf_counter()
                 with precision.autocast():
                     out = model(x, chunk=c)
                 if vstage == last_virtual:
@@ -123,15 +130,15 @@ class PipelineExecutor:
                                         self._tag("F", m, vstage + 1)))
             elif kind == "B":
                 x, out = stash.pop((m, c))
+                grad = None
+                if vstage != last_virtual:
+                    work, grad = receives.pop(("B", m, c))
+                    work.wait()
+                started = time.perf_counter()
                 optimizer.begin_micro_batch(last=index == self.last_grad_action)
                 if self.store is not None:
                     self.store.deferring = True
-                if vstage == last_virtual:
-                    out.backward()
-                else:
-                    work, grad = receives.pop(("B", m, c))
-                    work.wait()
-                    torch.autograd.backward(out, grad)
+                torch.autograd.backward(out, grad)
                 if self.store is not None:
                     self.store.deferring = False
                     deferred[m, c] = self.store.take()
@@ -142,11 +149,14 @@ class PipelineExecutor:
                 sends.append(self._send(input_grads.pop((m, c)), action.peer,
                                         self._tag("B", m, vstage - 1)))
             elif kind == "W":
+                started = time.perf_counter()
                 optimizer.begin_micro_batch(last=index == self.last_grad_action)
                 WeightGradStore.run(deferred.pop((m, c)))
                 optimizer.end_micro_batch()
             else:
                 raise ValueError(f"unknown pipeline action {action}")
+            if started is not None and self.trace is not None:
+                self.trace.append((action, started, time.perf_counter()))
         for work in sends:
             work.wait()
         assert not (receives or stash or input_grads or deferred), "schedule left work undone"
