@@ -62,6 +62,12 @@ class DataParallelOptimizer:
         if blocks:
             self.units = ShardedUnits(model, blocks, self.flats, self.reducer)
 
+    def hold_shared_parameters(self) -> None:
+        """ZeRO-3 under a pipeline schedule: keep the parameters outside the blocks (embedding,
+        final norm, output layer) gathered for the whole step, as micro-batches interleave."""
+        if self.units is not None:
+            self.units.hold_root = True
+
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None

@@ -35,6 +35,9 @@ class ShardedUnits:
             self.unit_of_bucket[flat.bucket.index] = unit
         self.pending = [0] * (root + 1)
         self.root = root
+        self.hold_root = False
+        """Keep the root unit gathered until :meth:`free_all` (pipeline schedules interleave
+        micro-batches, so a later backward may still need it after an earlier one ended)."""
         reducer.on_launch = self._bucket_launched
         model.register_forward_pre_hook(lambda m, args: self._enter(root, prefetch=0))
         # a forward recomputed inside backward (activation recompute) must not prefetch
@@ -66,7 +69,7 @@ class ShardedUnits:
     def _bucket_launched(self, bucket: Bucket) -> None:
         unit = self.unit_of_bucket[bucket.index]
         self.pending[unit] -= 1
-        if self.pending[unit] == 0:
+        if self.pending[unit] == 0 and not (unit == self.root and self.hold_root):
             self.free(unit)
 
     def free(self, unit: int) -> None:

@@ -86,6 +86,7 @@ class PipelineExecutor:
         token losses (non-zero on the last stage only). ``loss_weight`` multiplies each
         micro-batch's loss before backward (loss scale / global token count)."""
         plan, model = self.plan, self.model
+        optimizer.hold_shared_parameters()
         dtype = next(model.parameters()).dtype
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device())
         receives: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
