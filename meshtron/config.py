@@ -28,6 +28,7 @@ from meshtron.models.presets import MODEL_PRESETS
 
 ARCHS = ("llama", "gpt2")
 DTYPES = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -119,6 +120,8 @@ class DataConfig:
 @dataclass
 class PrecisionConfig:
     dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    """Gradient buckets and their data-parallel reduction: fp32, or bf16 (half the bytes)."""
 
 
 @dataclass
@@ -372,6 +375,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     _choice(m.arch, ARCHS, "model.arch")
     _choice(cfg.precision.dtype, DTYPES, "precision.dtype")
+    _choice(cfg.precision.reduce_dtype, REDUCE_DTYPES, "precision.reduce_dtype")
     _choice(p.schedule, SCHEDULES, "parallel.schedule")
     _choice(t.recompute, RECOMPUTE, "train.recompute")
     positive = {

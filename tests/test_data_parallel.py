@@ -46,11 +46,11 @@ def test_data_parallel_parity(world_size, data_cache, tmp_path):
 def one_step_accounting(rank: int, world_size: int, cache_dir: str, root: str) -> list[dict]:
     """Per zero stage: bytes kept per rank, and (rank 0) the bytes sent in one step."""
     out = []
-    for zero in (0, 1, 2, 3):
-        run_dir = f"{root}/z{zero}"
+    for zero, reduce_dtype in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16")):
+        run_dir = f"{root}/z{zero}{reduce_dtype}"
         overrides = test_overrides(cache_dir, run_dir, steps=1) + [
             f"--parallel.zero={zero}", "--train.micro_batch=1", "--train.log_every=1",
-            SMALL_BUCKETS]
+            f"--precision.reduce_dtype={reduce_dtype}", SMALL_BUCKETS]
         trainer = Trainer(load_config(overrides=overrides),
                           ParallelMesh(MeshLayout(world_size), rank), log=lambda m: None)
         trainer.run()
@@ -71,7 +71,7 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
     dp, fp32 = 4, 4
     results = run_distributed(one_step_accounting, dp, data_cache, str(tmp_path))
     for rank, per_stage in enumerate(results):
-        for zero, r in enumerate(per_stage):
+        for zero, r in enumerate(per_stage[:4]):
             n, padded = r["params"], sum(r["padded"])
             if zero == 0:
                 expected = {"params": fp32 * n, "grads": fp32 * padded,
@@ -83,7 +83,12 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
             assert r["memory"] == expected, (rank, zero)
     loss_sum = 2 * 8 * (dp - 1) // dp  # the fp64 loss all-reduced over dp
     norm = 2 * fp32 * (dp - 1) // dp  # the grad-norm scalar over the whole world
-    for zero, r in enumerate(results[0]):
+    bf16 = results[0][4]  # zero 0 with precision.reduce_dtype=bf16: half the gradient bytes
+    assert bf16["memory"]["grads"] == 2 * sum(bf16["padded"])
+    ring_bf16 = sum(2 * p * (dp - 1) // dp for p in bf16["padded"])
+    assert {k: v for k, v in bf16["comm"].items() if v} == {
+        "dp_cp/all_reduce": 2 * ring_bf16 + loss_sum}
+    for zero, r in enumerate(results[0][:4]):
         ring = sum(fp32 * p * (dp - 1) // dp for p in r["padded"])  # one ring pass, all buckets
         comm = {k: v for k, v in r["comm"].items() if v}
         if zero == 0:

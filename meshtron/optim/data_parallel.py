@@ -105,7 +105,7 @@ class DataParallelOptimizer:
             return
         for bucket in self.reducer.buckets:  # torch's AdamW reads .grad: point it at the buffers
             for i, param in enumerate(bucket.params):
-                param.grad = bucket.view(bucket.grad, i)
+                param.grad = bucket.view(bucket.grad, i).to(param.dtype)  # a copy if bf16
         set_learning_rate(self.adamw, lr)
         self.adamw.step()
 

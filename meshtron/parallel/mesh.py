@@ -87,7 +87,7 @@ class ParallelMesh:
         this rank alone when it is in none)."""
         mine = next((g for g in all_groups if self.global_rank in g), [self.global_rank])
         pg = None
-        if len(mine) > 1:
+        if any(len(members) > 1 for members in all_groups):
             for members in all_groups:  # every rank must create every group, in order
                 created = dist.new_group(members)
                 if members == mine:

@@ -115,8 +115,9 @@ class Trainer:
         if p.zero and self.mesh.dp_cp.size == 1:
             self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
                      "shard, running as zero 0")
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.precision.reduce_dtype]
         self.optimizer = DataParallelOptimizer(self.model, self.mesh, cfg.train, zero=p.zero,
-                                               bucket_mb=p.bucket_mb)
+                                               bucket_mb=p.bucket_mb, reduce_dtype=reduce_dtype)
         self.precision = Precision(cfg.precision.dtype, self.device)
         world = self.mesh.layout.world_size
         self.micro_batch = micro_batch_size(cfg, world)

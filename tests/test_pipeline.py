@@ -1,0 +1,212 @@
+"""Pipeline parallelism: layer split, bad input, parity with one process, activation memory."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from meshtron.config import load_config, validate
+from meshtron.errors import MeshtronError
+from meshtron.parallel.layout import MeshLayout
+from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.partition import balanced_counts, plan_pipeline
+from meshtron.parallel.schedules import build_schedule
+from meshtron.training.trainer import Trainer
+from tests.distributed import run_distributed
+from tests.parity import assert_parity, model_overrides, run_layouts, run_training, test_overrides
+
+# ------------------------------------------------------------------ layer split (no processes)
+
+
+def test_balanced_split_charges_the_output_layer():
+    assert balanced_counts(8, 2, layer_cost=1.0, head_cost=0.0) == [4, 4]
+    assert balanced_counts(8, 2, layer_cost=1.0, head_cost=2.0) == [5, 3]
+    assert balanced_counts(5, 2, layer_cost=1.0, head_cost=0.0) == [3, 2]
+    assert balanced_counts(4, 4, layer_cost=1.0, head_cost=9.0) == [1, 1, 1, 1]
+
+
+def test_plan_chunks_interleave_over_stages():
+    cfg = load_config(overrides=["--model.num_layers=8", "--model.vocab_size=512"]).model
+    plan = plan_pipeline(cfg, pp=2, vpp=2, seq_len=64)
+    assert plan.chunks_of(0) == [[0, 1], [4, 5]]
+    assert plan.chunks_of(1) == [[2, 3], [6, 7]]
+    explicit = plan_pipeline(cfg, pp=2, vpp=1, seq_len=64, explicit=[3, 5])
+    assert explicit.chunks_of(1) == [[3, 4, 5, 6, 7]]
+
+
+def test_stage_builds_only_its_layers():
+    cfg = load_config(overrides=["--model.num_layers=3", "--model.vocab_size=512",
+                                 "--model.tie_embeddings=true"]).model
+    plan = plan_pipeline(cfg, pp=1, vpp=1, seq_len=64, explicit=[3])
+    from meshtron.models.transformer import Transformer
+
+    model = Transformer(cfg, plan=plan)
+    assert sorted(model.layers) == ["0", "1", "2"] and model.has_embedding and model.has_head
+
+
+BAD_LAYOUTS = [
+    (["--parallel.pp=4", "--model.num_layers=2"], 4, "needs at least 4 layers"),
+    (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved",
+      "--model.num_layers=6"], 2, "divisible by pp*vpp = 4"),
+    (["--parallel.pp=4", "--model.num_layers=4", "--train.global_batch=2"], 4,
+     "needs at least pp=4 micro-batches"),
+    (["--parallel.pp=2", "--parallel.schedule=1f1b1", "--model.num_layers=2"], 2,
+     "not one of"),
+    (["--parallel.pp=2", "--parallel.pp_layers=1,2", "--model.num_layers=2"], 2,
+     "sum to model.num_layers=2"),
+    (["--parallel.pp=2", "--parallel.vpp=2", "--model.num_layers=4"], 2, "interleaved"),
+    (["--parallel.pp=2", "--parallel.schedule=zb-h1", "--parallel.zero=3",
+      "--model.num_layers=2"], 4, "zb-h1"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,expected", BAD_LAYOUTS)
+def test_bad_pipeline_layouts_are_refused(overrides, world, expected, tmp_path):
+    with pytest.raises(MeshtronError, match=re.escape(expected)) as err:
+        cfg = load_config(overrides=test_overrides(str(tmp_path), str(tmp_path)) + overrides)
+        validate(cfg, world_size=world)
+    assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ parity with one process
+
+SCHEDULES = [
+    ["--parallel.schedule=gpipe"],
+    ["--parallel.schedule=1f1b"],
+    ["--parallel.schedule=zb-h1"],
+    ["--parallel.schedule=interleaved", "--parallel.vpp=2", "--model.num_layers=4"],
+]
+LAYOUTS = {
+    2: [["--parallel.pp=2", "--train.micro_batch=2", *s] for s in SCHEDULES]
+    + [
+        # uneven split, tied embeddings across the two ends, gpt2 (learned positions, biases)
+        ["--parallel.pp=2", "--model.num_layers=3", "--train.micro_batch=1",
+         "--model.tie_embeddings=true", "--parallel.schedule=zb-h1"],
+        ["--parallel.pp=2", "--model.num_layers=3", "--parallel.pp_layers=2,1",
+         "--model.arch=gpt2", "--model.tie_embeddings=true", "--train.micro_batch=2",
+         "--train.eval_every=10"],
+    ],
+    4: [["--parallel.pp=4", "--model.num_layers=4", "--train.micro_batch=1", *s]
+        for s in SCHEDULES[:3]]
+    + [["--parallel.pp=4", "--parallel.vpp=2", "--parallel.schedule=interleaved",
+        "--model.num_layers=8", "--train.micro_batch=2"]]
+    + [["--parallel.pp=2", f"--parallel.zero={z}", "--train.micro_batch=1",
+        "--parallel.bucket_mb=0.02", "--model.tie_embeddings=true"] for z in (0, 1, 2, 3)],
+    8: [["--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1",
+         "--parallel.sp=true", "--parallel.bucket_mb=0.02"]],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS))
+def test_pipeline_parity(world_size, data_cache, tmp_path):
+    layouts = LAYOUTS[world_size]
+    results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
+                              timeout=900)
+    references: dict[tuple[str, ...], dict] = {}
+    for i, layout in enumerate(layouts):
+        key = tuple(model_overrides(layout))
+        if key not in references:
+            references[key] = run_training(
+                test_overrides(data_cache, str(tmp_path / f"ref{i}")) + list(key))
+        for rank, per_rank in enumerate(results):
+            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})")
+
+
+# ------------------------------------------------------------------ activation memory
+
+
+class LiveActivations:
+    """Bytes of distinct storages autograd holds for backward (parameters excluded)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.params or storage.nbytes() == 0:
+            return tensor
+        if self.refs.get(ptr, 0) == 0:
+            self.sizes[ptr] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return _Saved(tensor, ptr, self)
+
+    def release(self, ptr: int) -> None:
+        self.refs[ptr] -= 1
+        if self.refs[ptr] == 0:
+            self.live -= self.sizes.pop(ptr)
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    def __init__(self, tensor: torch.Tensor, ptr: int, owner: LiveActivations):
+        self.tensor, self.ptr, self.owner = tensor, ptr, owner
+
+    def __del__(self):
+        self.owner.release(self.ptr)
+
+
+def peak_activations(rank: int, world_size: int, cache_dir: str, root: str) -> dict:
+    """Per (schedule, micro-batches): this stage's peak of live saved activation bytes."""
+    out = {}
+    for schedule, microbatches in (("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 4)):
+        overrides = test_overrides(cache_dir, f"{root}/{schedule}{microbatches}", steps=1) + [
+            "--parallel.pp=2", "--model.num_layers=4", f"--parallel.schedule={schedule}",
+            "--train.micro_batch=1", f"--train.global_batch={microbatches}"]
+        trainer = Trainer(load_config(overrides=overrides),
+                          ParallelMesh(MeshLayout(world_size, pp=2), rank), log=lambda m: None)
+        live = LiveActivations(trainer.model)
+        with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+            trainer.run()
+        out[schedule, microbatches] = live.peak
+    return out
+
+
+@pytest.mark.slow
+def test_peak_activation_memory_follows_schedule_theory(data_cache, tmp_path):
+    """Peak = constant + in-flight micro-batches x one micro-batch's activations, where
+    in-flight is M for GPipe and min(pp - stage, M) for 1F1B."""
+    results = run_distributed(peak_activations, 2, data_cache, str(tmp_path))
+    for stage, peaks in enumerate(results):
+        per_micro_batch = peaks["gpipe", 2] - peaks["gpipe", 1]
+        constant = peaks["gpipe", 1] - per_micro_batch
+        assert per_micro_batch > 0
+        in_flight = build_schedule("1f1b", 2, 1, 4).peak_in_flight()[stage]
+        assert in_flight == min(2 - stage, 4)
+        assert peaks["gpipe", 4] == constant + 4 * per_micro_batch, (stage, peaks)
+        assert peaks["1f1b", 4] == constant + in_flight * per_micro_batch, (stage, peaks)
+
+
+# ------------------------------------------------------------------ checkpoints across layouts
+
+
+def train_pipeline_half(rank: int, world_size: int, cache_dir: str, root: str) -> list[float]:
+    overrides = test_overrides(cache_dir, f"{root}/pp", steps=10) + [
+        "--parallel.pp=2", "--model.num_layers=3", "--model.tie_embeddings=true",
+        "--train.micro_batch=2", "--parallel.schedule=zb-h1",
+        f"--checkpoint.dir={root}/ckpt"]
+    return run_training(overrides, rank, world_size)["loss"]
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_resumes_in_one_process(data_cache, tmp_path):
+    """Stages' tensors are merged under global names: pp=2 saves, one process resumes."""
+    model = ["--model.num_layers=3", "--model.tie_embeddings=true"]
+    first_half = run_distributed(train_pipeline_half, 2, data_cache, str(tmp_path))[0]
+    resumed = run_training(test_overrides(data_cache, str(tmp_path / "resumed"), steps=20) + model
+                           + ["--checkpoint.resume=true", f"--checkpoint.dir={tmp_path}/ckpt"])
+    reference = run_training(test_overrides(data_cache, str(tmp_path / "ref")) + model)
+    assert len(resumed["loss"]) == 10
+    for step, (a, b) in enumerate(zip(reference["loss"], first_half + resumed["loss"]), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: {b} vs one process {a}"
