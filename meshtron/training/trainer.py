@@ -148,19 +148,27 @@ class Trainer:
             cfg.save(self.run_dir / "config.yaml")
 
     def _log_activation_memory(self) -> None:
-        """The formula's activation bytes per rank for this layout (llama blocks)."""
+        """The formula's activation bytes on this rank (llama blocks): one micro-batch through
+        its layers, or under a pipeline the peak number of micro-batches its schedule keeps in
+        flight through one chunk each."""
         cfg, p = self.cfg, self.cfg.parallel
         if cfg.model.arch != "llama":
             return
+        layers, held = len(self.model.blocks()), 1
+        if self.pipeline is not None:
+            layers //= p.vpp
+            held = self.pipeline.schedule.peak_in_flight()[self.mesh.pp.rank]
         per_mode = {
-            mode: cfg.model.num_layers * activation_bytes_per_layer(
+            mode: held * layers * activation_bytes_per_layer(
                 cfg.model, self.micro_batch, cfg.train.seq_len, p.tp, p.sp and p.tp > 1, mode)
             for mode in ("none", "selective", "full")
         }
         others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
                            if m != cfg.train.recompute)
-        self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per micro-batch "
-                 f"per rank in the blocks (recompute={cfg.train.recompute}; {others} MiB)")
+        in_flight = f" x {held} micro-batches in flight" if self.pipeline is not None else ""
+        self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per rank in the "
+                 f"blocks ({layers} layers{in_flight}; recompute={cfg.train.recompute}; "
+                 f"{others} MiB)")
 
     def _build_data(self) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
