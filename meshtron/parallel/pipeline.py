@@ -140,6 +140,7 @@ class PipelineExecutor:
                 if self.store is not None:
                     self.store.deferring = True
                 torch.autograd.backward(out, grad)
+                del out, grad  # nothing of this micro-batch's graph may outlive its backward
                 if self.store is not None:
                     self.store.deferring = False
                     deferred[m, c] = self.store.take()
