@@ -81,9 +81,9 @@ class PipelinePlan:
         return stage == self.pp - 1
 
     def describe(self) -> str:
-        return " | ".join(
-            f"stage {s}: " + " + ".join(f"{len(c)}" for c in self.chunks_of(s))
-            for s in range(self.pp))
+        """Layers per stage, e.g. ``3 | 1`` (``2+2 | 2+2`` with chunks)."""
+        return " | ".join("+".join(str(len(c)) for c in self.chunks_of(s))
+                          for s in range(self.pp))
 
 
 def check_layer_split(cfg: ModelConfig, pp: int, vpp: int, explicit: list[int] | None) -> None:

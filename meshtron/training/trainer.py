@@ -139,8 +139,9 @@ class Trainer:
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
         if self.pipeline is not None:
             schedule = self.pipeline.schedule
-            self.log(f"pipeline: {p.schedule}, layers per stage {self.plan.describe()}; "
-                     f"bubble {100 * schedule.theoretical_bubble():.1f}% in theory")
+            self.log(f"pipeline: {p.schedule} over {p.pp} stages with layers "
+                     f"{self.plan.describe()}, {schedule.microbatches} micro-batches; bubble "
+                     f"{100 * schedule.theoretical_bubble():.1f}% in theory")
         self._log_activation_memory()
         self._maybe_resume()
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
