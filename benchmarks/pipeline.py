@@ -1,0 +1,593 @@
+"""Pipeline parallelism (pp=2, pp=4, gloo, CPU): meshtron against ``torch.distributed.pipelining``.
+
+Run from the repository root::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline.py [--steps N] [--rounds R] [--json OUT]
+
+(``--pp 2 4``, ``--warmup``, ``--configs NAME ...``, ``--timeout``: see ``--help``.)
+
+**What runs.** Every configuration trains the same model, meshtron's ``Transformer`` of the
+``tiny`` preset shape with ``--layers`` 8 layers (llama: hidden 256, 8 heads / 4 kv heads, ffn
+768, vocab 4096, untied output; 8.4M parameters), seq 128, global batch 16 split into
+micro-batches of 2 (M = 8), fp32, on ``pp`` spawned gloo processes (one per pipeline stage,
+``MeshLayout(pp, tp=1, cp=1, pp=pp)``, no data parallelism) with one torch thread each. The
+layers are split evenly, as torch's stages are: ``plan_pipeline(..., explicit=[L / (pp * vpp)]
+* (pp * vpp))``; virtual stage ``c * pp + s`` (chunk ``c`` of stage ``s``) holds the embedding
+when it is the first and the final norm, output layer and loss when it is the last. Weights come
+from meshtron's seeded ``initialize``, so every configuration starts from the same weights, and
+step ``i`` trains on the same random global batch everywhere. AdamW with meshtron's parameter
+groups and training defaults (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on matrices) and
+gradient clipping at 1.0 over the whole pipeline:
+
+- ``meshtron <schedule>``: ``build_schedule(schedule, pp, vpp, 8)``, ``PipelineExecutor``,
+  ``DataParallelOptimizer(zero=0)`` (``torch.optim.AdamW(foreach=True)``) and ``train_step``
+  (fp32 ``Precision``): loss sum / global tokens per micro-batch, backward, global grad norm
+  (all-reduce over the model group), clip, update, loss all-reduced over pp.
+- ``torch <schedule>``: ``torch.distributed.pipelining.PipelineStage`` around each of this
+  rank's chunks of an identical meshtron ``Transformer`` (:class:`StageChunk`: the chunk's own
+  layers as the stage module, ``forward`` = ``Transformer.forward(x, chunk=c)``), so the compute
+  is the same and only scheduling and communication differ; ``loss_fn`` = token-CE sum / global
+  tokens (``scale_grads=False``); ``build_adamw`` (``foreach=True``); grad norm = sqrt of the
+  all-reduce (over pp) of each stage's squared ``get_total_norm``, ``clip_grads_with_norm_``;
+  loss all-reduced over pp, as meshtron does.
+
+Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
+(vpp=2) / ``ScheduleInterleaved1F1B`` (two stages per rank); ``zb-h1`` /
+``ScheduleInterleavedZeroBubble`` with one stage per rank (torch's ZB1P; it splits backward
+into input and weight gradients itself). The torch zero-bubble schedule is optional: if a round
+fails with it, the round is rerun without it and the error is printed. The first step's loss
+(initial weights, batch 0) and the last warm-up step's loss (after ``--warmup`` - 1 updates:
+gradients, clipping and optimizer included) must agree across all configurations of a pp to
+1e-4 relative (checked and printed).
+
+**How it is timed.** For each pp, ``--rounds`` fresh process groups each build every
+configuration, run ``--warmup`` steps of each, then ``--steps`` timed steps per configuration,
+every configuration taking one step in turn and the order rotating every step (and every
+round), so drifting load from other jobs hits all alike. Every rank waits at a barrier before
+each step; a step's time is the slowest rank's wall time of the whole step (zero grad, the
+pipeline's forwards and backwards, grad norm, clip, update, loss reduction). s/step = median over
+all timed steps of all rounds; ratio = meshtron / torch of those medians; pair ratio = median
+over (round, step) of the ratio of the two configurations' times in the same step.
+
+**Idle time (meshtron only).** During every timed step ``PipelineExecutor.trace`` records the
+``perf_counter`` start and end of each compute action (``F``, ``B``, ``W``; waiting for a
+received input is not included). The step's pipeline span runs from the first action's start on
+any stage to the last action's end on any stage (the span of the slowest stage: ``perf_counter``
+is the system-wide monotonic clock, so the stages' times compare). Idle of stage s = 1 - (sum of
+its action durations) / span; "measured" = the mean over stages, which is what
+``schedule.bubble_fraction()`` computes for the simulated timeline; medians over the timed steps.
+Beside it: ``schedule.theoretical_bubble()`` (closed form, unit costs F=1, B=2 or F=B=W=1,
+equal stages), ``schedule.bubble_fraction()`` (its simulated timeline, unit costs), measured /
+theory, and the same timeline simulated with the measured costs (:func:`simulated_idle`: every
+action takes its stage's median duration of that kind and chunk, communication is free). The
+stages are not equally loaded even with equal layer counts (the last also runs the output layer
+and the loss, the first the embedding), which the closed form ignores and the measured-cost
+simulation includes; measured minus that simulation is what communication and waiting add.
+
+With pp=4 there are 4 processes on this machine's cores: on 2 cores they time-share, an
+action's duration includes time its process waited for a core, and the measured idle fraction
+(and pipelining's overlap) is distorted; the script says so when pp exceeds the core count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+from meshtron.config import Config, load_config
+from meshtron.models.init import initialize
+from meshtron.models.transformer import Transformer
+from meshtron.optim.adamw import build_adamw
+from meshtron.optim.data_parallel import DataParallelOptimizer
+from meshtron.parallel.layout import MeshLayout
+from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.partition import PipelinePlan, plan_pipeline
+from meshtron.parallel.pipeline import PipelineExecutor
+from meshtron.parallel.schedules import Schedule, build_schedule
+from meshtron.precision.policy import Precision
+from meshtron.training.step import train_step
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 8
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 4
+    ffn: int = 768
+    vocab: int = 4096
+    seq: int = 128
+    global_batch: int = 16
+    micro_batch: int = 2
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    def config(self) -> Config:
+        return load_config(overrides=[
+            "--model.preset=tiny", f"--model.num_layers={self.layers}",
+            f"--model.hidden_size={self.hidden}", f"--model.num_heads={self.heads}",
+            f"--model.num_kv_heads={self.kv_heads}", f"--model.ffn_hidden_size={self.ffn}",
+            f"--model.vocab_size={self.vocab}", f"--train.seq_len={self.seq}",
+            f"--train.global_batch={self.global_batch}",
+            f"--train.micro_batch={self.micro_batch}",
+        ])
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    family: str
+    """meshtron or torch."""
+    schedule: str
+    """A meshtron schedule name, or a ``torch.distributed.pipelining`` schedule class."""
+    vpp: int
+    optional: bool = False
+    """Dropped (and the error reported) when a round fails with it."""
+
+
+SETUPS = {s.name: s for s in (
+    Setup("meshtron gpipe", "meshtron", "gpipe", 1),
+    Setup("torch GPipe", "torch", "ScheduleGPipe", 1),
+    Setup("meshtron 1f1b", "meshtron", "1f1b", 1),
+    Setup("torch 1F1B", "torch", "Schedule1F1B", 1),
+    Setup("meshtron interleaved", "meshtron", "interleaved", 2),
+    Setup("torch Interleaved1F1B", "torch", "ScheduleInterleaved1F1B", 2),
+    Setup("meshtron zb-h1", "meshtron", "zb-h1", 1),
+    Setup("torch InterleavedZB", "torch", "ScheduleInterleavedZeroBubble", 1, optional=True),
+)}
+PAIRS = [("meshtron gpipe", "torch GPipe"), ("meshtron 1f1b", "torch 1F1B"),
+         ("meshtron interleaved", "torch Interleaved1F1B"),
+         ("meshtron zb-h1", "torch InterleavedZB")]
+
+
+# ------------------------------------------------------------------------------ the models
+
+
+class StageChunk(nn.Module):
+    """Chunk ``chunk`` of a stage-local meshtron ``Transformer`` as a torch pipelining stage
+    module: it owns only that chunk's parameters and runs ``model.forward(x, chunk=chunk)``."""
+
+    def __init__(self, model: Transformer, chunk: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(model.layers[str(i)] for i in model.chunks[chunk])
+        if model.has_embedding and chunk == 0:
+            self.embed = model.embed
+        if model.has_head and chunk == len(model.chunks) - 1:
+            self.final_norm = model.final_norm
+            self.output = model.output
+        self._model = [model]  # a list: not registered, so not counted as this module's
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model[0](x, chunk=self.chunk)
+
+
+def _plan(s: Shape, pp: int, vpp: int) -> PipelinePlan:
+    cfg = s.config()
+    stages = pp * vpp
+    return plan_pipeline(cfg.model, pp, vpp, s.seq, explicit=[s.layers // stages] * stages)
+
+
+def _model(s: Shape, mesh: ParallelMesh, plan: PipelinePlan) -> Transformer:
+    cfg = s.config()
+    model = Transformer(cfg.model, mesh, sequence_parallel=False, plan=plan)
+    initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
+    model.train()
+    return model
+
+
+Step = Callable[[torch.Tensor], float]
+
+
+def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh
+                   ) -> tuple[Step, PipelineExecutor, Schedule]:
+    cfg = s.config()
+    plan = _plan(s, mesh.pp.size, setup.vpp)
+    model = _model(s, mesh, plan)
+    schedule = build_schedule(setup.schedule, mesh.pp.size, setup.vpp, s.microbatches)
+    executor = PipelineExecutor(model, mesh, plan, schedule, cfg.model.hidden_size)
+    optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
+    precision = Precision("fp32", torch.device("cpu"))
+
+    def step(batch: torch.Tensor) -> float:
+        return train_step(model, optimizer, batch, mesh, global_tokens=s.global_batch * s.seq,
+                          micro_batch=s.micro_batch, lr=cfg.train.lr,
+                          grad_clip=cfg.train.grad_clip, precision=precision,
+                          pipeline=executor).loss
+
+    return step, executor, schedule
+
+
+def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
+    cfg = s.config()
+    pp, rank = mesh.pp.size, mesh.pp.rank
+    plan = _plan(s, pp, setup.vpp)
+    model = _model(s, mesh, plan)
+    count = plan.virtual_stages
+    stages = [pipelining.PipelineStage(StageChunk(model, c), plan.virtual_stage(rank, c), count,
+                                       torch.device("cpu"))
+              for c in range(setup.vpp)]
+    global_tokens = s.global_batch * s.seq
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return model.loss_sum(logits, targets) / global_tokens
+
+    schedule_type = getattr(pipelining, setup.schedule)
+    single = issubclass(schedule_type, pipelining.schedules.PipelineScheduleSingle)
+    schedule = schedule_type(stages[0] if single else stages, s.microbatches, loss_fn=loss_fn,
+                             scale_grads=False)
+    first = any(st.stage_index == 0 for st in stages)
+    last = any(st.stage_index == count - 1 for st in stages)
+    optimizer = build_adamw(model, cfg.train)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = cfg.train.grad_clip
+
+    def step(batch: torch.Tensor) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        schedule.step(*([batch[:, :-1]] if first else []),
+                      target=batch[:, 1:] if last else None, losses=losses if last else None)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm_sq = torch.nn.utils.get_total_norm(grads, foreach=True) ** 2
+        dist.all_reduce(norm_sq, group=mesh.pp.pg)
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm_sq.sqrt(), foreach=True)
+        optimizer.step()
+        loss = torch.stack(losses).detach().sum() if last else torch.zeros(())
+        dist.all_reduce(loss, group=mesh.pp.pg)
+        return float(loss)
+
+    return step
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+def _trace_summary(trace: list[tuple[Any, float, float]]) -> dict[str, Any]:
+    """One stage's step: first start, last end, busy seconds, and [seconds, count] per action
+    kind and chunk (keys such as ``F0``, ``B1``, ``W0``)."""
+    kinds: dict[str, list[float]] = {}
+    for action, start, end in trace:
+        total = kinds.setdefault(f"{action.kind}{action.chunk}", [0.0, 0])
+        total[0] += end - start
+        total[1] += 1
+    return {"start": min(t[1] for t in trace), "end": max(t[2] for t in trace),
+            "busy": sum(t[2] - t[1] for t in trace), "kinds": kinds}
+
+
+def steps_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration in this process group: warm-up, then timed steps interleaved with a
+    rotating order; for meshtron, the trace summary of every timed step."""
+    s = Shape(**args["shape"])
+    pp = dist.get_world_size()
+    mesh = ParallelMesh(MeshLayout(pp, tp=1, cp=1, pp=pp), rank)
+    names: list[str] = args["configs"]
+    steps: dict[str, Step] = {}
+    executors: dict[str, PipelineExecutor] = {}
+    for name in names:
+        setup = SETUPS[name]
+        if setup.family == "meshtron":
+            steps[name], executors[name], _ = build_meshtron(setup, s, mesh)
+        else:
+            steps[name] = build_torch(setup, s, mesh)
+    total = args["warmup"] + args["steps"]
+    gen = torch.Generator().manual_seed(1000)
+    batches = [torch.randint(0, s.vocab, (s.global_batch, s.seq + 1), generator=gen)
+               for _ in range(total)]
+
+    def timed(name: str, i: int) -> tuple[float, float]:
+        dist.barrier()
+        start = time.perf_counter()
+        loss = steps[name](batches[i])
+        return time.perf_counter() - start, loss
+
+    losses = {n: [timed(n, i)[1] for i in range(args["warmup"])] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    traces: dict[str, list[dict[str, Any]]] = {n: [] for n in executors}
+    for i in range(args["steps"]):
+        k = (i + args["offset"]) % len(names)
+        for name in names[k:] + names[:k]:
+            if name in executors:
+                executors[name].trace = []
+            times[name].append(timed(name, args["warmup"] + i)[0])
+            if name in executors:
+                traces[name].append(_trace_summary(executors[name].trace or []))
+                executors[name].trace = None
+    return {"times": times, "traces": traces,
+            "first_loss": {n: x[0] for n, x in losses.items()},
+            "last_warmup_loss": {n: x[-1] for n, x in losses.items()}}
+
+
+def _worker(rank: int, world: int, rendezvous: str, out_dir: str, args: dict[str, Any]) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+        result: Any = ("ok", steps_task(rank, args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+        code = 1
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+    from meshtron.parallel.runtime import exit_process
+
+    exit_process(code)  # destroy the group and os._exit: avoids gloo's abort at shutdown
+
+
+def spawn(world: int, args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """``steps_task(rank, args)`` in ``world`` fresh processes; the results in rank order."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = f"file://{tmp}/rendezvous"
+        procs = [ctx.Process(target=_worker, args=(r, world, rendezvous, tmp, args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r, p in enumerate(procs):
+            path = Path(tmp) / f"rank{r}.pkl"
+            if not path.exists():
+                errors.append(f"rank {r} returned nothing (exit code {p.exitcode}; killed "
+                              f"after the {timeout:.0f} s timeout if -9)")
+                continue
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                errors.append(f"rank {r} failed:\n{value}")
+            results.append(value)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def machine() -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in
+              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if line.startswith("model name")]
+    return {
+        "cpu": models[0] if models else platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_average": os.getloadavg(),
+    }
+
+
+def _check_losses(losses: dict[str, float], what: str) -> None:
+    reference = next(iter(losses.values()))
+    if any(abs(v - reference) > 1e-4 * abs(reference) for v in losses.values()):
+        raise AssertionError(f"{what} losses differ by more than 1e-4 relative: {losses}")
+
+
+def simulated_idle(schedule: Schedule, cost: dict[tuple[int, int, str], float]) -> list[float]:
+    """Idle fraction of each stage in ``schedule``'s timeline when action (stage, chunk, kind)
+    takes ``cost[stage, chunk, kind]`` and communication is free (as ``Schedule.timeline``)."""
+    orders = [schedule.compute_actions(s) for s in range(schedule.pp)]
+    ends: dict[tuple[int, Any], float] = {}
+    clock, done = [0.0] * schedule.pp, [0] * schedule.pp
+    progressed = True
+    while progressed:
+        progressed = False
+        for s, order in enumerate(orders):
+            while done[s] < len(order):
+                action = order[done[s]]
+                deps = schedule.dependencies(s, action)
+                if any(d not in ends for d in deps):
+                    break
+                start = max([clock[s], *(ends[d] for d in deps)])
+                clock[s] = ends[s, action] = start + cost[s, action.chunk, action.kind]
+                done[s] += 1
+                progressed = True
+    span = max(clock)
+    return [1 - sum(cost[s, a.chunk, a.kind] for a in order) / span
+            for s, order in enumerate(orders)]
+
+
+def idle_figures(pp: int, setup: Setup, s: Shape, runs: list[list[dict[str, Any]]]
+                 ) -> dict[str, Any]:
+    """Measured idle fractions (per stage and mean) against the schedule's theory."""
+    per_stage: list[list[float]] = [[] for _ in range(pp)]
+    means, spans = [], []
+    durations: dict[tuple[int, int, str], list[float]] = {}
+    for run in runs:
+        for step in zip(*(rank["traces"][setup.name] for rank in run)):
+            span = max(t["end"] for t in step) - min(t["start"] for t in step)
+            spans.append(span)
+            idle = [1 - t["busy"] / span for t in step]
+            for stage, value in enumerate(idle):
+                per_stage[stage].append(value)
+            means.append(statistics.mean(idle))
+            for stage, t in enumerate(step):
+                for key, (seconds, count) in t["kinds"].items():
+                    durations.setdefault((stage, int(key[1:]), key[0]), []).append(
+                        seconds / count)
+    schedule = build_schedule(setup.schedule, pp, setup.vpp, s.microbatches)
+    cost = {key: statistics.median(v) for key, v in durations.items()}
+    simulated = simulated_idle(schedule, cost)
+    measured = statistics.median(means)
+    theory = schedule.theoretical_bubble()
+    per_kind = {kind: statistics.mean(v for (_, _, k), v in cost.items() if k == kind)
+                for kind in sorted({k for _, _, k in cost}, key="FBW".index)}
+    return {"idle_per_stage": [statistics.median(v) for v in per_stage],
+            "idle": measured, "theory": theory, "simulated_unit": schedule.bubble_fraction(),
+            "simulated_measured_costs": statistics.mean(simulated),
+            "simulated_measured_costs_per_stage": simulated,
+            "action_seconds": {f"{k}{c}@{st}": v for (st, c, k), v in cost.items()},
+            "mean_action_seconds": per_kind, "span_s": statistics.median(spans),
+            "measured_over_theory": measured / theory}
+
+
+def slowest_rank_times(run: list[dict[str, Any]], name: str) -> list[float]:
+    return [max(ts) for ts in zip(*(rank["times"][name] for rank in run))]
+
+
+def bench_pp(pp: int, args: argparse.Namespace, s: Shape) -> dict[str, Any]:
+    """All rounds for one pipeline size; every figure of its tables."""
+    names = [n for n in args.configs if not (SETUPS[n].vpp > 1 and s.layers % (pp * 2))]
+    dropped: dict[str, str] = {}
+    runs: list[list[dict[str, Any]]] = []
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        while True:
+            task = {"shape": asdict(s), "configs": names, "warmup": args.warmup,
+                    "steps": args.steps, "offset": r}
+            started = time.perf_counter()
+            try:
+                run = spawn(pp, task, args.timeout)
+                break
+            except RuntimeError as err:
+                optional = [n for n in names if SETUPS[n].optional]
+                if not optional:
+                    raise
+                for n in optional:
+                    dropped[n] = str(err).strip().splitlines()[-1]
+                    names.remove(n)
+                print(f"  pp={pp} round {r + 1} failed with {', '.join(optional)}; rerun "
+                      f"without: {dropped[optional[0]]}", flush=True)
+        runs.append(run)
+        print(f"  pp={pp} round {r + 1}/{args.rounds} ({time.perf_counter() - started:.0f} s, "
+              f"load {os.getloadavg()[0]:.1f}): "
+              + ", ".join(f"{n} {statistics.median(slowest_rank_times(run, n)):.3f}"
+                          for n in names), flush=True)
+    load.append(os.getloadavg()[0])
+    for key, what in (("first_loss", "first-step"), ("last_warmup_loss", "last warm-up step")):
+        for run in runs:
+            _check_losses({n: run[0][key][n] for n in names}, f"pp={pp} {what}")
+    times = {n: [slowest_rank_times(run, n) for run in runs] for n in names}
+    rows = {n: {"s_per_step": statistics.median(itertools.chain(*times[n])),
+                "round_medians": [statistics.median(t) for t in times[n]], "steps": times[n]}
+            for n in names}
+    pairs = []
+    for ours, theirs in PAIRS:
+        if ours not in rows or theirs not in rows:
+            continue
+        paired = [a / b for ra, rb in zip(times[ours], times[theirs]) for a, b in zip(ra, rb)]
+        pairs.append({"meshtron": ours, "torch": theirs,
+                      "ratio": rows[ours]["s_per_step"] / rows[theirs]["s_per_step"],
+                      "pair_ratio": statistics.median(paired)})
+    bubbles = {n: idle_figures(pp, SETUPS[n], s, runs) for n in names
+               if SETUPS[n].family == "meshtron"}
+    return {"pp": pp, "configs": rows, "pairs": pairs, "bubbles": bubbles, "dropped": dropped,
+            "load_average": load, "first_loss": runs[0][0]["first_loss"],
+            "last_warmup_loss": runs[0][0]["last_warmup_loss"]}
+
+
+def print_pp(result: dict[str, Any], args: argparse.Namespace) -> None:
+    pp, cores = result["pp"], os.cpu_count() or 1
+    first = result["first_loss"]
+    last = result["last_warmup_loss"]
+    print(f"\n## pp={pp} ({pp} processes on {cores} cores; load average "
+          f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f})")
+    if pp > cores:
+        print(f"NOTE: {pp} processes on {cores} cores oversubscribe the machine: stages "
+              "time-share cores, action durations include waiting for a core, and the idle "
+              "fractions below are distorted.")
+    print(f"loss check (1e-4 relative, every round): first step "
+          f"{min(first.values()):.6f}..{max(first.values()):.6f}, last warm-up step "
+          f"{min(last.values()):.6f}..{max(last.values()):.6f} over {len(first)} "
+          "configurations: agree")
+    for name, error in result["dropped"].items():
+        print(f"{name}: does not run on CPU gloo here, left out: {error}")
+    print(f"\ns/step: median of {args.rounds} rounds x {args.steps} steps (slowest rank); "
+          "ratio = meshtron / torch; pair = median of per-step ratios\n")
+    print("| schedule | meshtron s/step | torch s/step | ratio | pair ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    rows = result["configs"]
+    for pair in result["pairs"]:
+        print(f"| {pair['meshtron'].removeprefix('meshtron ')} vs {pair['torch']} | "
+              f"{rows[pair['meshtron']]['s_per_step']:.3f} | "
+              f"{rows[pair['torch']]['s_per_step']:.3f} | {pair['ratio']:.2f} | "
+              f"{pair['pair_ratio']:.2f} |")
+    for name, row in rows.items():
+        if not any(name in (p["meshtron"], p["torch"]) for p in result["pairs"]):
+            print(f"| {name} (unpaired) | {row['s_per_step']:.3f} | | | |")
+    print("\nmeshtron idle fraction (1 - busy / pipeline span; median over timed steps) against "
+          "the schedule's closed form and simulation\n")
+    print("| schedule | pipeline span s | idle per stage | measured | theory | sim. unit "
+          "| sim. measured costs (per stage) | measured / theory | mean F / B / W ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, b in result["bubbles"].items():
+        ms = " / ".join(f"{1e3 * v:.0f}" for v in b["mean_action_seconds"].values())
+        sim = " / ".join(f"{v:.2f}" for v in b["simulated_measured_costs_per_stage"])
+        print(f"| {name.removeprefix('meshtron ')} | {b['span_s']:.3f} | "
+              f"{' / '.join(f'{v:.2f}' for v in b['idle_per_stage'])} | {b['idle']:.3f} | "
+              f"{b['theory']:.3f} | {b['simulated_unit']:.3f} | "
+              f"{b['simulated_measured_costs']:.3f} ({sim}) | {b['measured_over_theory']:.2f} "
+              f"| {ms} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="timed steps per configuration and round")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (>= 2)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fresh process groups per pipeline size")
+    parser.add_argument("--layers", type=int, default=Shape.layers,
+                        help="transformer layers (divisible by 2 * pp for interleaved)")
+    parser.add_argument("--configs", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per round")
+    parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    args = parser.parse_args()
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2 (the loss check compares two warm-up steps)")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
+    shape = Shape(layers=args.layers)
+    info = machine()
+    print(f"{info['date']}  {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+          f"Python {info['python']}; gloo, 1 thread per process; load average "
+          f"{' '.join(f'{x:.1f}' for x in info['load_average'])}", flush=True)
+    print(f"llama {shape.layers} x {shape.hidden} (ffn {shape.ffn}, vocab {shape.vocab}), seq "
+          f"{shape.seq}, global batch {shape.global_batch} = {shape.microbatches} micro-batches "
+          f"of {shape.micro_batch}, fp32 AdamW, clip 1.0; {args.rounds} rounds x "
+          f"({args.warmup} warm-up + {args.steps} timed steps) per pp", flush=True)
+    results = []
+    for pp in args.pp:
+        results.append(bench_pp(pp, args, shape))
+        print_pp(results[-1], args)
+    end_load = os.getloadavg()
+    print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in end_load)}")
+    if args.json:
+        out = {"machine": info, "command": " ".join(sys.argv), "shape": asdict(shape),
+               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "results": results, "load_average_end": end_load}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
