@@ -1,7 +1,8 @@
 """``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
 
-Commands: ``train``, ``preprocess``, ``generate``, ``plot``, ``schedule``. Heavy imports (torch
-and friends) happen inside each command so that ``meshtron --help`` and config errors are instant.
+Commands: ``train``, ``preprocess``, ``generate``, ``plot``, ``schedule``, ``convert``. Heavy
+imports (torch and friends) happen inside each command so that ``meshtron --help`` and config
+errors are instant.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from meshtron.errors import MeshtronError
 
 def _config_reference() -> str:
     """Every config field as '--section.field (default ...)', for `meshtron train --help`."""
-    from meshtron.config import Config
+    from meshtron.config import Config, config_key
 
     lines = ["config fields (set in --config YAML or as --section.field=value):"]
     defaults = Config()
     for section in dataclasses.fields(Config):
         obj = getattr(defaults, section.name)
         lines.append(f"  {section.name}:")
-        lines += [f"    --{section.name}.{f.name} (default {getattr(obj, f.name)!r})"
+        lines += [f"    --{section.name}.{config_key(f.name)} (default {getattr(obj, f.name)!r})"
                   for f in dataclasses.fields(obj)]
     return "\n".join(lines)
 
@@ -165,6 +166,18 @@ def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    from meshtron.checkpoint.hf_convert import convert
+
+    result = convert(Path(args.src), Path(args.dst), args.format)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"wrote {result.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshtron",
@@ -215,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
     p.add_argument("--out", help="PNG path (default: ./schedule-S-ppP-vppV-mM.png)")
     p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser(
+        "convert", help="convert between meshtron checkpoints and Hugging Face models",
+        description="Convert a Hugging Face model folder (config.json + safetensors; Llama, "
+        "Mistral, GPT-2) to a meshtron checkpoint, or a meshtron run or checkpoint to a Hugging "
+        "Face folder. The kind of --from is detected.",
+    )
+    p.add_argument("--from", dest="src", required=True,
+                   help="a Hugging Face model folder, or a meshtron run / checkpoint directory")
+    p.add_argument("--to", dest="dst", required=True, help="output folder (new or empty)")
+    p.add_argument("--format", default="meshtron",
+                   help="output format: meshtron (default) or hf")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from dataclasses import dataclass, field
@@ -133,6 +134,9 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: bool = True
     """Resume from the newest complete checkpoint in checkpoint.dir when there is one."""
+    async_: bool = False
+    """``checkpoint.async``: copy the state to host memory and write it while training goes
+    on (at most one save in flight; a failed save is reported at the next step)."""
 
 
 @dataclass
@@ -157,7 +161,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return {section: {config_key(k): v for k, v in values.items()}
+                for section, values in dataclasses.asdict(self).items()}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
@@ -168,6 +173,16 @@ class Config:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def config_key(attr: str) -> str:
+    """A field's name in YAML and overrides (``async_`` is ``async``: Python keywords cannot
+    be attribute names)."""
+    return attr[:-1] if attr.endswith("_") and keyword.iskeyword(attr[:-1]) else attr
+
+
+def _attr(key: str) -> str:
+    return f"{key}_" if keyword.iskeyword(key) else key
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -233,12 +248,12 @@ def _set_field(cfg: Config, section: str, key: str, value: Any) -> None:
     if section not in SECTIONS:
         raise MeshtronError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
     sec_obj = getattr(cfg, section)
-    hints = typing.get_type_hints(type(sec_obj))
+    hints = {config_key(k): v for k, v in typing.get_type_hints(type(sec_obj)).items()}
     if key not in hints:
         raise MeshtronError(
             f"unknown config key '{section}.{key}'" + _suggest_dotted(section, key, hints)
         )
-    setattr(sec_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
+    setattr(sec_obj, _attr(key), _coerce(value, hints[key], f"{section}.{key}"))
 
 
 def _suggest_dotted(section: str, key: str, hints: dict[str, Any]) -> str:

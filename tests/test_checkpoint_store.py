@@ -1,24 +1,32 @@
-"""Crash safety of the checkpoint directory format."""
+"""The checkpoint directory format: crash safety, the tensor index, refusing bad files."""
 
+import hashlib
 import json
 import os
+import pickle
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from meshtron.checkpoint.boxes import flat_range_boxes, local_to_global, volume
+from meshtron.checkpoint.shards import Piece, write_shard
 from meshtron.checkpoint.store import (
+    finalize_checkpoint,
     find_latest,
-    load_tensors,
+    open_checkpoint,
     read_manifest,
-    save_checkpoint,
+    save_tensors,
+    temp_dir,
     verify_checkpoint,
 )
 from meshtron.errors import MeshtronError
+from meshtron.parallel.tensor import ShardSpec
 
 
 def save(root, step, value=1.0, keep_last=0):
-    tensors = {"model.safetensors": {"w": torch.full((3, 2), value), "s": torch.tensor(2.0)}}
-    return save_checkpoint(root, step, tensors, meta={"note": "x"}, keep_last=keep_last)
+    tensors = {"model/w": torch.full((3, 2), value), "model/b": torch.arange(4.0)}
+    return save_tensors(root, step, tensors, meta={"note": "x"}, keep_last=keep_last)
 
 
 def test_save_then_load(tmp_path):
@@ -27,16 +35,51 @@ def test_save_then_load(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step_00000010"
     manifest = verify_checkpoint(path)
     assert manifest["step"] == 10 and manifest["note"] == "x"
-    loaded = load_tensors(path, "model.safetensors")
-    assert torch.equal(loaded["w"], torch.full((3, 2), 4.0)) and loaded["s"].item() == 2.0
+    _, reader = open_checkpoint(path)
+    assert torch.equal(reader.read("model/w"), torch.full((3, 2), 4.0))
+    part = torch.empty(2)
+    reader.read_into("model/b", ((1,), (2,)), part)
+    assert part.tolist() == [1.0, 2.0]
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_pieces_from_several_ranks_assemble_into_global_tensors(tmp_path):
+    """Two ranks each write half of a tensor; the index stitches them; a box across the
+    seam reads from both files."""
+    full = torch.arange(24.0).view(4, 6)
+    tmp = temp_dir(tmp_path, 3, "tok")
+    tmp.mkdir(parents=True)
+    for rank in (0, 1):
+        box = ((2 * rank, 0), (2, 6))
+        write_shard(tmp, rank, [Piece("model/x", (4, 6), box, full[2 * rank : 2 * rank + 2])],
+                    torch.get_rng_state())
+    path = finalize_checkpoint(tmp, tmp_path, 3, 2, meta={})
+    _, reader = open_checkpoint(path)
+    out = torch.empty(2, 3)
+    reader.read_into("model/x", ((1, 2), (2, 3)), out)
+    assert torch.equal(out, full[1:3, 2:5])
+    assert torch.equal(reader.read("model/x"), full)
+
+
+def test_flat_ranges_and_tp_slices_map_to_global_boxes():
+    shape = (3, 4, 5)
+    for start, end in ((0, 60), (7, 8), (3, 47), (20, 40), (19, 41)):
+        boxes = flat_range_boxes(shape, start, end)
+        assert sum(volume(b) for b in boxes) == end - start
+        marked = torch.zeros(shape)
+        for offset, size in boxes:
+            marked[tuple(slice(o, o + s) for o, s in zip(offset, size))] += 1
+        assert torch.equal(marked.view(-1), (torch.arange(60) >= start).float()
+                           * (torch.arange(60) < end).float())
+    # [gate | up] split over 2 ranks, rank 1: local rows 0-1 are global 2-3, local 2-3 global 6-7
+    spec = ShardSpec(dim=0, index=1, count=2, parts=2)
+    pairs = local_to_global(((0, 0), (4, 3)), spec, (8, 3))
+    assert pairs == [(((0, 0), (2, 3)), ((2, 0), (2, 3))), (((2, 0), (2, 3)), ((6, 0), (2, 3)))]
 
 
 def test_newest_complete_checkpoint_wins_and_half_written_ones_are_skipped(tmp_path):
     save(tmp_path, 10)
     save(tmp_path, 20)
-    # A crash mid-save leaves a temporary directory; a crash between rename and manifest
-    # cannot happen, but a step directory without a manifest must still be ignored.
     (tmp_path / ".tmp-step_00000030-999").mkdir()
     (tmp_path / "step_00000040").mkdir()
     warnings = []
@@ -45,17 +88,19 @@ def test_newest_complete_checkpoint_wins_and_half_written_ones_are_skipped(tmp_p
     assert any("step_00000040 is incomplete" in w for w in warnings)
 
 
-def test_corrupt_file_is_named_and_skipped(tmp_path):
-    save(tmp_path, 10)
-    newest = save(tmp_path, 20)
-    data = bytearray((newest / "model.safetensors").read_bytes())
-    data[-1] ^= 0xFF
-    (newest / "model.safetensors").write_bytes(bytes(data))
-    with pytest.raises(MeshtronError, match=r"step_00000020/model.safetensors is corrupt"):
-        verify_checkpoint(newest)
-    warnings = []
-    assert find_latest(tmp_path, warn=warnings.append).name == "step_00000010"
-    assert warnings
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_shard_is_named_when_read(tmp_path, damage):
+    path = save(tmp_path, 10)
+    shard = path / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[-1] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    _, reader = open_checkpoint(path)
+    with pytest.raises(MeshtronError, match=r"step_00000010/shard-00000.safetensors is corrupt"):
+        reader.read("model/w")
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
@@ -64,28 +109,76 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000004"]
 
 
+def _edit_manifest(path, edit):
+    manifest = json.loads((path / "meta.json").read_text())
+    edit(manifest)
+    (path / "meta.json").write_text(json.dumps(manifest))
+
+
 def test_manifest_cannot_point_outside_its_directory(tmp_path):
     path = save(tmp_path, 1)
-    manifest = json.loads((path / "meta.json").read_text())
-    manifest["files"]["../../etc/passwd"] = "0" * 64
-    (path / "meta.json").write_text(json.dumps(manifest))
+    _edit_manifest(path, lambda m: m["files"].update({"../../etc/passwd": "0" * 64}))
     with pytest.raises(MeshtronError, match="names a file outside itself"):
         read_manifest(path)
+
+
+def test_pickled_files_are_refused_unopened(tmp_path):
+    """A checkpoint whose index lists a pickle (or whose shard is one) never unpickles it."""
+    marker = tmp_path / "exploited"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = save(tmp_path / "a", 1)
+    (path / "model.bin").write_bytes(pickle.dumps(Payload()))
+    _edit_manifest(path, lambda m: m["files"].update({"model.bin": "0" * 64}))
+    with pytest.raises(MeshtronError, match="never pickled"):
+        read_manifest(path)
+    path = save(tmp_path / "b", 1)
+    shard = path / "shard-00000.safetensors"
+    shard.write_bytes(pickle.dumps(Payload()))
+    _edit_manifest(path, lambda m: m["files"].update(
+        {"shard-00000.safetensors": hashlib.sha256(shard.read_bytes()).hexdigest()}))
+    _, reader = open_checkpoint(path)
+    with pytest.raises(MeshtronError, match="cannot be read"):
+        reader.read("model/w")
+    assert not marker.exists()
+
+
+def test_index_shape_and_box_mismatches_are_refused_before_reading(tmp_path):
+    path = save(tmp_path, 1)
+    _edit_manifest(path, lambda m: m["tensors"]["model/w"]["pieces"][0].update(size=[9, 2]))
+    with pytest.raises(MeshtronError, match="lies outside shape"):
+        open_checkpoint(path)
+    path = save(tmp_path / "b", 1)
+
+    def grow(m):
+        m["tensors"]["model/w"]["shape"] = [4, 2]
+        m["tensors"]["model/w"]["pieces"][0]["size"] = [4, 2]
+
+    _edit_manifest(path, grow)
+    _, reader = open_checkpoint(path)
+    with pytest.raises(MeshtronError, match=r"has shape \[3, 2\], the index says \[4, 2\]"):
+        reader.read("model/w")
+    path = save(tmp_path / "c", 1)
+    _edit_manifest(path, lambda m: m["tensors"]["model/w"].update(dtype="object"))
+    with pytest.raises(MeshtronError, match="no valid dtype"):
+        open_checkpoint(path)
+
+
+def test_a_foreign_safetensors_key_is_named(tmp_path):
+    path = save(tmp_path, 1)
+    save_file({"other": torch.zeros(1)}, str(path / "shard-00000.safetensors"))
+    _edit_manifest(path, lambda m: m["files"].update(
+        {"shard-00000.safetensors": hashlib.sha256(
+            (path / "shard-00000.safetensors").read_bytes()).hexdigest()}))
+    _, reader = open_checkpoint(path)
+    with pytest.raises(MeshtronError, match="key 'p0' is missing"):
+        reader.read("model/w")
 
 
 def test_empty_or_missing_root_has_no_checkpoint(tmp_path):
     assert find_latest(tmp_path / "nothing") is None
     os.makedirs(tmp_path / "empty")
     assert find_latest(tmp_path / "empty") is None
-
-
-def test_a_run_directory_finds_its_checkpoints_from_anywhere(tmp_path):
-    from meshtron.checkpoint.loading import run_checkpoint_root
-
-    run = tmp_path / "proj" / "runs" / "x"
-    saved = {"run": {"dir": "runs/x"}, "checkpoint": {"dir": "ckpts/x"}}
-    assert run_checkpoint_root(run, saved) == tmp_path / "proj" / "ckpts" / "x"
-    saved["checkpoint"]["dir"] = None
-    assert run_checkpoint_root(run, saved) == run / "checkpoints"
-    saved["checkpoint"]["dir"] = str(tmp_path / "abs")
-    assert run_checkpoint_root(run, saved) == tmp_path / "abs"

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from meshtron.checkpoint.store import verify_checkpoint
+from meshtron.checkpoint.store import open_checkpoint, verify_checkpoint
 from meshtron.config import Config, load_config
 from meshtron.errors import MeshtronError
 from meshtron.training.metrics import REQUIRED_FIELDS, read_metrics
@@ -117,12 +116,12 @@ def _complete_run_with_checkpoints(data_cache: str, run_dir: Path) -> Path:
     return root
 
 
-def test_half_written_and_corrupt_checkpoints_are_skipped_on_resume(data_cache, tmp_path):
+def test_half_written_checkpoints_are_skipped_and_corrupt_ones_named(data_cache, tmp_path):
     run_dir = tmp_path / "run"
     root = _complete_run_with_checkpoints(data_cache, run_dir)
     good = root / "step_00000005"
-    # The newest step directory has a damaged tensor file (its checksum no longer matches).
-    corrupt = root / "step_00000010" / "model.safetensors"
+    # The newest step directory has a damaged shard (its checksum no longer matches).
+    corrupt = root / "step_00000010" / "shard-00000.safetensors"
     data = bytearray(corrupt.read_bytes())
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
@@ -131,6 +130,9 @@ def test_half_written_and_corrupt_checkpoints_are_skipped_on_resume(data_cache, 
     (root / "step_00000015" / "meta.json").unlink()
     shutil.copytree(good, root / ".tmp-step_00000020-4242")
 
+    with pytest.raises(MeshtronError, match=r"step_00000010/shard-00000.safetensors is corrupt"):
+        Trainer(config(data_cache, run_dir, 12, "--checkpoint.resume=true"), log=print)
+    shutil.rmtree(root / "step_00000010")
     logs: list[str] = []
     trainer = Trainer(config(data_cache, run_dir, 12, "--checkpoint.resume=true"),
                       log=logs.append)
@@ -138,11 +140,10 @@ def test_half_written_and_corrupt_checkpoints_are_skipped_on_resume(data_cache, 
     warnings = [line for line in logs if line.startswith("warning:")]
     assert any(".tmp-step_00000020-4242" in w for w in warnings), warnings
     assert any("step_00000015" in w and "meta.json" in w for w in warnings), warnings
-    assert any("step_00000010" in w and "corrupt" in w for w in warnings), warnings
     assert any("resumed from" in line and "step_00000005" in line for line in logs)
-    stored = load_file(str(good / "model.safetensors"))
+    _, reader = open_checkpoint(good)
     for name, param in trainer.model.named_parameters():
-        assert torch.equal(param.detach(), stored[name]), f"{name} not restored from step 5"
+        assert torch.equal(param.detach(), reader.read(f"model/{name}")), f"{name} not restored"
 
 
 @pytest.mark.parametrize(
@@ -202,16 +203,17 @@ def test_run_directory_contract(data_cache, tmp_path):
 
     ckpt = run_dir / "checkpoints" / "step_00000004"
     assert result.checkpoint == ckpt
-    for name in ("meta.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors",
-                 "tokenizer.json"):
+    for name in ("meta.json", "shard-00000.safetensors", "shard-00000.json", "tokenizer.json"):
         assert (ckpt / name).is_file(), f"checkpoint lacks {name}"
     manifest = verify_checkpoint(ckpt)
-    assert manifest["step"] == 4
+    assert manifest["step"] == 4 and manifest["optimizer"]["steps"] == 4
     assert manifest["config"] == trainer.cfg.to_dict()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-    stored = load_file(str(ckpt / "model.safetensors"))
+    _, reader = open_checkpoint(ckpt)
     for name, param in trainer.model.named_parameters():
-        assert torch.equal(param.detach(), stored[name])
+        assert torch.equal(param.detach(), reader.read(f"model/{name}"))
+        state = trainer.optimizer.adamw.state[param]
+        assert torch.equal(state["exp_avg"], reader.read(f"optim/{name}/exp_avg"))
 
 
 def test_no_plot_when_disabled(data_cache, tmp_path):

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from meshtron.checkpoint.store import find_latest, read_manifest
-from meshtron.checkpoint.train_state import load_model_weights
+from meshtron.checkpoint.train_state import load_weights
 from meshtron.config import config_from_dict
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
@@ -45,6 +45,8 @@ def load_for_inference(path: Path, device: str = "cpu") -> tuple[Transformer, To
     ckpt = resolve_checkpoint(path)
     cfg = config_from_dict(read_manifest(ckpt)["config"])
     model = Transformer(cfg.model)
-    load_model_weights(ckpt, model)
+    load_weights(ckpt, model)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise MeshtronError(f"checkpoint {ckpt} has no tokenizer.json to turn text into tokens")
     tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
     return model.to(torch.device(device)).eval(), tokenizer

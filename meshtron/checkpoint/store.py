@@ -1,52 +1,66 @@
-"""Crash-safe checkpoint directories of safetensors files plus one JSON manifest.
+"""Crash-safe checkpoint directories: per-rank shard files plus one JSON manifest.
 
 Layout under a checkpoint root::
 
-    step_00000100/            a complete checkpoint
-        meta.json             manifest: step, config, sha256 of every file, user metadata
-        model.safetensors ... tensors (never pickled)
-    latest                    name of the newest complete checkpoint, updated last
-    .tmp-step_00000200-1234/  a save in progress (or a crashed one): never loaded
+    step_00000100/              a complete checkpoint
+        meta.json               manifest: step, config, sha256 of every file, the tensor index
+                                (global name -> shape, dtype, pieces), RNG keys, user metadata
+        shard-00000.safetensors one per rank that holds something; never pickled
+        shard-00000.json        that rank's part of the index (merged into meta.json)
+        tokenizer.json
+    latest                      name of the newest complete checkpoint, updated last
+    .tmp-step_00000200-<token>/ a save in progress (or a crashed one): never loaded
 
-A save writes everything into a temporary directory, fsyncs it, renames it into place and only
-then updates ``latest``; a checkpoint whose manifest is missing or whose files fail their
-checksum is skipped in favour of an older complete one.
+Every rank writes its shard into the temporary directory; the first rank waits for all shard
+indexes, writes the manifest, fsyncs, renames the directory into place and only then updates
+``latest``. A step directory exists only complete; its files are verified against their
+checksums when read (see :mod:`meshtron.checkpoint.shards`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
+import time
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from meshtron.checkpoint.shards import (
+    Piece,
+    ShardReader,
+    fsync_file,
+    merge_shard_indexes,
+    sha256,
+    shard_name,
+    write_shard,
+)
 from meshtron.errors import MeshtronError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "meta.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+READABLE_FILES = re.compile(r"^(shard-\d{5}\.(safetensors|json)|tokenizer\.json)$")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def temp_dir(root: Path, step: int, token: str) -> Path:
+    """Where a save of ``step`` is assembled; ``token`` is shared by the ranks of one run."""
+    return root / f".tmp-{step_dir_name(step)}-{token}"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -57,50 +71,59 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def save_checkpoint(
-    root: Path,
-    step: int,
-    tensor_files: dict[str, dict[str, torch.Tensor]],
-    meta: dict[str, Any],
-    copy_files: dict[str, Path] | None = None,
-    keep_last: int = 0,
-) -> Path:
-    """Write a complete checkpoint for ``step`` atomically; return its directory."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    checksums: dict[str, str] = {}
-    for filename, tensors in tensor_files.items():
-        path = tmp / filename
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-        checksums[filename] = _sha256(path)
+def finalize_checkpoint(tmp: Path, root: Path, step: int, world_size: int, meta: dict[str, Any],
+                        copy_files: dict[str, Path] | None = None, keep_last: int = 0,
+                        timeout_s: float = 600.0) -> Path:
+    """First rank: wait for every rank's shard index in ``tmp``, write the manifest, move the
+    directory into place, then point ``latest`` at it."""
+    indexes = []
+    deadline = time.monotonic() + timeout_s
+    for rank in range(world_size):
+        path = tmp / f"{shard_name(rank)}.json"
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise MeshtronError(f"checkpoint save of step {step}: rank {rank} did not write "
+                                    f"its shard within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        indexes.append(json.loads(path.read_text()))
+    tensors, files, rng = merge_shard_indexes(indexes)
+    for rank in range(world_size):
+        files[f"{shard_name(rank)}.json"] = sha256(tmp / f"{shard_name(rank)}.json")
     for filename, source in (copy_files or {}).items():
         shutil.copyfile(source, tmp / filename)
-        checksums[filename] = _sha256(tmp / filename)
-    manifest = {"format": FORMAT_VERSION, "step": step, "files": checksums, **meta}
+        fsync_file(tmp / filename)
+        files[filename] = sha256(tmp / filename)
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
+                "files": files, "tensors": tensors, "rng": rng, **meta}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    for path in tmp.iterdir():
-        _fsync_file(path)
+    fsync_file(tmp / MANIFEST)
     _fsync_dir(tmp)
+    final = root / step_dir_name(step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
-    _fsync_file(pointer)
+    fsync_file(pointer)
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
+    for stale in root.glob(f".tmp-{final.name}-*"):  # an earlier, crashed attempt
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
         _prune(root, keep_last)
     return final
+
+
+def save_tensors(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                 copy_files: dict[str, Path] | None = None, keep_last: int = 0) -> Path:
+    """One process: a complete checkpoint of whole global tensors (names as in the index)."""
+    tmp = temp_dir(root, step, new_token())
+    tmp.mkdir(parents=True)
+    pieces = [Piece(name, tuple(t.shape), ((0,) * t.dim(), tuple(t.shape)), t.detach().cpu())
+              for name, t in tensors.items()]
+    write_shard(tmp, 0, pieces, torch.get_rng_state())
+    return finalize_checkpoint(tmp, root, step, 1, meta, copy_files, keep_last)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -120,9 +143,16 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise MeshtronError(f"checkpoint manifest {manifest_path} is not valid JSON") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         raise MeshtronError(f"checkpoint {path} has an unknown format (expected {FORMAT_VERSION})")
-    for filename in manifest.get("files", {}):
-        if Path(filename).name != filename:
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise MeshtronError(f"checkpoint manifest {manifest_path} lists no files")
+    for filename in files:
+        if not isinstance(filename, str) or Path(filename).name != filename or ".." in filename:
             raise MeshtronError(f"checkpoint {path} names a file outside itself: {filename!r}")
+        if not READABLE_FILES.match(filename):
+            raise MeshtronError(
+                f"checkpoint {path} lists {filename!r}: only shard-NNNNN.safetensors/.json and "
+                "tokenizer.json are read (never pickled formats)")
     return manifest
 
 
@@ -133,28 +163,27 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         file = path / filename
         if not file.is_file():
             raise MeshtronError(f"checkpoint file {file} is missing")
-        if _sha256(file) != expected:
+        if sha256(file) != expected:
             raise MeshtronError(f"checkpoint file {file} is corrupt (checksum mismatch)")
     return manifest
 
 
-def load_tensors(path: Path, filename: str) -> dict[str, torch.Tensor]:
-    file = path / filename
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError) as err:
-        raise MeshtronError(f"checkpoint file {file} cannot be read: {err}") from None
+def open_checkpoint(path: Path) -> tuple[dict[str, Any], ShardReader]:
+    """The manifest and a reader of its tensors (files are verified as they are opened)."""
+    manifest = read_manifest(path)
+    return manifest, ShardReader(path, manifest)
 
 
 def find_latest(root: Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest complete, verified checkpoint under ``root`` (None when there is none).
+    """The newest complete checkpoint under ``root`` (None when there is none).
 
-    ``root`` may also be a checkpoint directory itself. Incomplete or corrupt candidates are
-    reported through ``warn`` and skipped.
+    ``root`` may also be a checkpoint directory itself. Half-written saves and step directories
+    without a readable manifest are reported through ``warn`` and skipped; the files of the one
+    chosen are verified when read.
     """
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
     if (root / MANIFEST).is_file():
-        verify_checkpoint(root)
+        read_manifest(root)
         return root
     if not root.is_dir():
         return None
@@ -163,7 +192,7 @@ def find_latest(root: Path, warn: Callable[[str], None] | None = None) -> Path |
     candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True)
     for candidate in candidates:
         try:
-            verify_checkpoint(candidate)
+            read_manifest(candidate)
         except MeshtronError as err:
             warn(f"skipping checkpoint: {err}")
             continue

@@ -285,9 +285,10 @@ class Transformer(nn.Module):
                                                    region)
         if cfg.tie_embeddings and mesh.pp.size > 1 and (self.has_embedding or self.has_head):
             tied = self.embed.weight if self.has_embedding else self.output.weight
-            tied.global_name = "embed.weight"
-            tied.replicas = 2  # counted once in the grad norm
+            tied.pipeline_copies = 2  # counted once in the grad norm
             tied.grad_sync = mesh.pipeline_ends
+            if not self.has_embedding:
+                tied.global_name = "embed.weight"  # the copy: initialised, loaded, never saved
         self.recompute = "none"
         self.grad_store: WeightGradStore | None = None
 

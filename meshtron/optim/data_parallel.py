@@ -111,6 +111,42 @@ class DataParallelOptimizer:
 
     # ------------------------------------------------------------------ checkpoints, memory
 
+    def init_state(self) -> None:
+        """Create zero optimizer state where none exists yet (before a checkpoint is loaded
+        into it: torch's AdamW makes its state lazily at the first step)."""
+        if isinstance(self.adamw, ShardedAdamW):
+            return
+        for param in (p for group in self.adamw.param_groups for p in group["params"]):
+            state = self.adamw.state[param]  # created in torch's own order of first use
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param,
+                                                       memory_format=torch.preserve_format)
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps so far (Adam's bias correction depends on it)."""
+        if isinstance(self.adamw, ShardedAdamW):
+            return self.adamw.steps
+        state = self.adamw.state.get(self.params[0], {})
+        return int(state["step"]) if "step" in state else 0
+
+    @steps_taken.setter
+    def steps_taken(self, steps: int) -> None:
+        if isinstance(self.adamw, ShardedAdamW):
+            self.adamw.steps = steps
+            return
+        self.init_state()
+        for param in self.params:
+            self.adamw.state[param]["step"] = torch.tensor(float(steps))
+
+    def masters_from_params(self) -> None:
+        """Reset the fp32 master chunks from the parameters (after loading parameters)."""
+        if isinstance(self.adamw, ShardedAdamW):
+            for flat, master in zip(self.flats, self.adamw.master):
+                master.copy_(flat.chunk)
+
     def local_states(self) -> dict[int, dict[str, torch.Tensor]]:
         """Optimizer state per parameter (tp-local shapes), keyed by ``id(param)``."""
         if isinstance(self.adamw, ShardedAdamW):

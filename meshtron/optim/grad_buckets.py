@@ -15,8 +15,9 @@ What the reduction is depends on the ZeRO stage:
 - stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
   (one transformer block each), so a unit can be freed as soon as its gradients are out.
 
-Buckets never mix parameters with different weight decay or replication, so the optimizer and
-the grad norm can treat a bucket's chunk as one flat tensor.
+Buckets never mix parameters with different weight decay, replication or gradient-sync group,
+so the optimizer and the grad norm can treat a bucket's chunk as one flat tensor, and a tied
+embedding's two pipeline copies sit alone in identically shaped buckets.
 """
 
 from __future__ import annotations
@@ -78,12 +79,14 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, shards: int,
                    element_size: int) -> list[Bucket]:
     """Group ``params`` (given in gradient-ready order) into buckets of similar parameters."""
     buckets: list[Bucket] = []
-    open_: dict[tuple[bool, int], Bucket] = {}
+    open_: dict[tuple[bool, int, str], Bucket] = {}
     for param in params:
-        key = (param.dim() >= 2, getattr(param, "replicas", 1))
+        copies = getattr(param, "replicas", 1) * getattr(param, "pipeline_copies", 1)
+        sync = getattr(param, "grad_sync", None)
+        key = (param.dim() >= 2, copies, sync.name if sync is not None else "")
         bucket = open_.get(key)
         if bucket is None or bucket.numel * element_size >= bucket_bytes:
-            bucket = Bucket(len(buckets), [], [], [], 0, 0, *key)
+            bucket = Bucket(len(buckets), [], [], [], 0, 0, key[0], key[1])
             buckets.append(bucket)
             open_[key] = bucket
         bucket.params.append(param)

@@ -14,12 +14,8 @@ from pathlib import Path
 import torch
 
 from meshtron.checkpoint import train_state
-from meshtron.checkpoint.store import (
-    find_latest,
-    read_manifest,
-    save_checkpoint,
-    step_dir_name,
-)
+from meshtron.checkpoint.saver import CheckpointSaver
+from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint
 from meshtron.config import Config, micro_batch_size, validate
 from meshtron.data import TrainingData, build_training_data
 from meshtron.errors import MeshtronError
@@ -143,6 +139,10 @@ class Trainer:
                      f"{self.plan.describe()}, {schedule.microbatches} micro-batches; bubble "
                      f"{100 * schedule.theoretical_bubble():.1f}% in theory")
         self._log_activation_memory()
+        self.saver = CheckpointSaver(
+            cfg.checkpoint_dir, self.mesh.global_rank, self.mesh.layout.world_size,
+            self._shared_token(), keep_last=cfg.checkpoint.keep_last,
+            asynchronous=cfg.checkpoint.async_, timeout_s=cfg.run.timeout_s)
         self._maybe_resume()
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -196,15 +196,22 @@ class Trainer:
         start = self.mesh.dp.rank * self.dp_share
         return batch[start : start + self.dp_share].to(self.device)
 
+    def _shared_token(self) -> str:
+        """One random token per run, the same on every rank (names temporary save dirs)."""
+        token = [new_token()]
+        if self.mesh.world.pg is not None:
+            torch.distributed.broadcast_object_list(token, src=0)
+        return token[0]
+
     def _maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
             return
         path = find_latest(self.cfg.checkpoint_dir, warn=lambda m: self.log(f"warning: {m}"))
         if path is None:
             return
-        manifest = read_manifest(path)
+        manifest, reader = open_checkpoint(path)
         check_resumable(self.cfg, manifest, path)
-        train_state.restore(path, self.model, self.optimizer)
+        train_state.restore(path, manifest, reader, self.model, self.optimizer, self.mesh)
         self.step = int(manifest["step"])
         scaler = self.precision.scaler
         if scaler is not None and "loss_scale" in manifest:
@@ -212,23 +219,24 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
-        """Write a checkpoint (collective: every rank gathers, rank 0 writes)."""
+        """Write a checkpoint: each rank its own shard (in the background with
+        ``checkpoint.async``), the first rank the index. No collectives when asynchronous."""
         cfg = self.cfg
-        tensors = train_state.capture(self.model, self.optimizer, self.mesh)
-        path = cfg.checkpoint_dir / step_dir_name(self.step)
-        if self.is_rank0:
-            path = save_checkpoint(
-                cfg.checkpoint_dir, self.step, tensors,
-                meta={"config": cfg.to_dict(),
-                      "data": {"next_batch": self.step, "seed": cfg.train.seed},
-                      **self._scaler_meta()},
-                copy_files={"tokenizer.json": Path(self.data.tokenizer.path)},
-                keep_last=cfg.checkpoint.keep_last,
-            )
+        pieces = train_state.capture(self.model, self.optimizer, self.mesh)
+        meta = {"config": cfg.to_dict(), "layout": self.mesh.layout.sizes(),
+                "data": {"next_batch": self.step, "seed": cfg.train.seed},
+                **train_state.optimizer_meta(self.optimizer), **self._scaler_meta()}
+        path = self.saver.save(self.step, pieces, meta,
+                               {"tokenizer.json": Path(self.data.tokenizer.path)})
+        if not cfg.checkpoint.async_ and self.mesh.world.pg is not None:
+            torch.distributed.barrier()  # the first rank has moved the checkpoint into place
+        return path
+
+    def finish_saving(self) -> None:
+        """Wait for a background save (every rank), then for each other."""
+        self.saver.close()
         if self.mesh.world.pg is not None:
             torch.distributed.barrier()
-        self.mesh.stats.take()  # the gathers of a save are not a training step's traffic
-        return path
 
     def _scaler_meta(self) -> dict:
         scaler = self.precision.scaler
@@ -257,6 +265,7 @@ class Trainer:
         self.mesh.stats.take()
         try:
             while self.step < t.steps:
+                self.saver.check()
                 started = time.perf_counter()
                 lr = learning_rate(self.step, t)
                 batch = self.local_share(self.data.train_batch(self.step, t.global_batch))
@@ -292,6 +301,7 @@ class Trainer:
             progress.clear()
             if writer:
                 writer.close()
+        self.finish_saving()
         result.end_step = self.step
         if self.is_rank0 and cfg.run.plot:
             plot_runs([self.run_dir], self.run_dir / "loss.png")

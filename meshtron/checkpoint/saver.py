@@ -1,0 +1,81 @@
+"""Writing checkpoints, synchronously or in the background (``checkpoint.async``).
+
+A save always starts by copying this rank's pieces to host memory (``train_state.capture``);
+the shard file, its index and — on the first rank — the manifest, the rename and the
+``latest`` pointer are then written either at once or by one background thread while training
+goes on. At most one save is in flight: a new save, :meth:`check` (called every step) and
+:meth:`wait` surface an earlier failure as a :class:`MeshtronError`. The background thread uses
+no collectives: ranks meet through the files in the temporary directory.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron.checkpoint.shards import Piece, write_shard
+from meshtron.checkpoint.store import finalize_checkpoint, step_dir_name, temp_dir
+from meshtron.errors import MeshtronError
+
+
+class CheckpointSaver:
+    def __init__(self, root: Path, rank: int, world_size: int, token: str, *,
+                 keep_last: int, asynchronous: bool, timeout_s: float = 600.0):
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.token = token
+        self.keep_last = keep_last
+        self.timeout_s = timeout_s
+        self.executor = ThreadPoolExecutor(1, "checkpoint") if asynchronous else None
+        self.pending: tuple[int, Future] | None = None
+
+    def save(self, step: int, pieces: list[Piece], meta: dict[str, Any],
+             copy_files: dict[str, Path]) -> Path:
+        """Write (or start writing) checkpoint ``step``; ``meta`` and ``copy_files`` are used
+        by the first rank only. Returns where the checkpoint will be."""
+        self.wait()
+        tmp = temp_dir(self.root, step, self.token)
+        tmp.mkdir(parents=True, exist_ok=True)
+        rng = torch.get_rng_state()
+        if self.executor is None:
+            self._write(tmp, step, pieces, rng, meta, copy_files)
+        else:
+            self.pending = (step, self.executor.submit(self._write, tmp, step, pieces, rng,
+                                                       meta, copy_files))
+        return self.root / step_dir_name(step)
+
+    def _write(self, tmp: Path, step: int, pieces: list[Piece], rng: torch.Tensor,
+               meta: dict[str, Any], copy_files: dict[str, Path]) -> None:
+        write_shard(tmp, self.rank, pieces, rng)
+        if self.rank == 0:
+            finalize_checkpoint(tmp, self.root, step, self.world_size, meta, copy_files,
+                                self.keep_last, self.timeout_s)
+
+    def check(self) -> None:
+        """Raise the error of a background save that has failed (without waiting)."""
+        if self.pending is not None and self.pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written; raise its error if it failed."""
+        if self.pending is None:
+            return
+        step, future = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except MeshtronError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an I/O error of the writer thread
+            raise MeshtronError(f"saving checkpoint of step {step} failed: {err}") from err
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.executor is not None:
+                self.executor.shutdown()

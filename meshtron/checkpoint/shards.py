@@ -1,0 +1,216 @@
+"""Per-rank shard files and the index that says which box of which tensor each one holds.
+
+Each rank writes ``shard-RRRRR.safetensors`` (its pieces, keys ``p0, p1, ...``, plus its RNG
+state under ``rng``) and ``shard-RRRRR.json`` (for each piece: global name, global shape,
+dtype, offset and size in the global tensor; the file's sha256). The first rank merges the
+``.json`` files into the checkpoint's manifest (see :mod:`meshtron.checkpoint.store`).
+
+Reading trusts nothing: names are plain file names of the checkpoint, dtypes come from a fixed
+list, every box lies inside its tensor's shape, and each piece's stored shape and dtype are
+checked against the index before a byte of data is read. safetensors files hold raw tensors
+only, so nothing is ever unpickled; a file's checksum is verified the first time it is opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from meshtron.checkpoint.boxes import Box, intersect, slices
+from meshtron.errors import MeshtronError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64, "int64": torch.int64, "uint8": torch.uint8}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                      "I64": "int64", "U8": "uint8"}
+
+
+def shard_name(rank: int) -> str:
+    return f"shard-{rank:05d}"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+@dataclass
+class Piece:
+    """One box of one global tensor, with this rank's data for it."""
+
+    name: str
+    shape: tuple[int, ...]
+    box: Box
+    data: torch.Tensor
+
+
+def write_shard(directory: Path, rank: int, pieces: list[Piece], rng: torch.Tensor) -> None:
+    """Write this rank's safetensors file and, last (atomically), its index ``.json``."""
+    base = shard_name(rank)
+    tensors = {f"p{i}": p.data.contiguous() for i, p in enumerate(pieces)}
+    tensors["rng"] = rng
+    path = directory / f"{base}.safetensors"
+    save_file(tensors, str(path))
+    fsync_file(path)
+    index = {
+        "file": path.name, "sha256": sha256(path), "rng": "rng",
+        "pieces": [{"name": p.name, "shape": list(p.shape), "dtype": DTYPE_NAMES[p.data.dtype],
+                    "key": f"p{i}", "offset": list(p.box[0]), "size": list(p.box[1])}
+                   for i, p in enumerate(pieces)],
+    }
+    tmp = directory / f".{base}.json.tmp"
+    tmp.write_text(json.dumps(index))
+    fsync_file(tmp)
+    os.replace(tmp, directory / f"{base}.json")
+
+
+def merge_shard_indexes(indexes: list[dict[str, Any]]) -> tuple[dict, dict, dict]:
+    """(tensors, files, rng) sections of the manifest from every rank's shard index."""
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, str] = {}
+    rng: dict[str, dict[str, str]] = {}
+    for rank, index in enumerate(indexes):
+        files[index["file"]] = index["sha256"]
+        rng[str(rank)] = {"file": index["file"], "key": index["rng"]}
+        for piece in index["pieces"]:
+            entry = tensors.setdefault(piece["name"], {"shape": piece["shape"],
+                                                       "dtype": piece["dtype"], "pieces": []})
+            entry["pieces"].append({"file": index["file"], "key": piece["key"],
+                                    "offset": piece["offset"], "size": piece["size"]})
+    return tensors, files, rng
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def _int_list(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise MeshtronError(f"{what} must be a list of non-negative integers")
+    return tuple(value)
+
+
+def check_tensor_index(path: Path, tensors: Any, files: dict[str, str]) -> None:
+    """Reject an index that names foreign files, unknown dtypes or boxes outside shapes."""
+    if not isinstance(tensors, dict):
+        raise MeshtronError(f"checkpoint {path}: 'tensors' must be a mapping")
+    for name, entry in tensors.items():
+        where = f"checkpoint {path}: tensor {name!r}"
+        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+            raise MeshtronError(f"{where} has no valid dtype (allowed: {', '.join(DTYPES)})")
+        shape = _int_list(entry.get("shape"), f"{where}: shape")
+        for piece in entry.get("pieces", []):
+            if not isinstance(piece, dict) or piece.get("file") not in files:
+                raise MeshtronError(f"{where} points into a file the index does not list")
+            offset = _int_list(piece.get("offset"), f"{where}: offset")
+            size = _int_list(piece.get("size"), f"{where}: size")
+            if len(offset) != len(shape) or len(size) != len(shape) or any(
+                    o + s > n for o, s, n in zip(offset, size, shape)):
+                raise MeshtronError(f"{where}: piece {offset}+{size} lies outside shape {shape}")
+
+
+class ShardReader:
+    """Reads boxes of global tensors out of one checkpoint's shard files, each file verified
+    against its checksum when first opened."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]):
+        self.path = path
+        self.tensors: dict[str, dict[str, Any]] = manifest.get("tensors", {})
+        self.files: dict[str, str] = manifest.get("files", {})
+        check_tensor_index(path, self.tensors, self.files)
+        self._open: dict[str, Any] = {}
+
+    def _handle(self, filename: str):
+        if filename not in self._open:
+            file = self.path / filename
+            if not file.is_file():
+                raise MeshtronError(f"checkpoint file {file} is missing")
+            if sha256(file) != self.files[filename]:
+                raise MeshtronError(f"checkpoint file {file} is corrupt (checksum mismatch)")
+            try:
+                self._open[filename] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise MeshtronError(f"checkpoint file {file} cannot be read: {err}") from None
+        return self._open[filename]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def read_into(self, name: str, box: Box, out: torch.Tensor) -> None:
+        """Fill ``out`` (shaped like ``box``) with the global tensor ``name``'s elements."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise MeshtronError(f"checkpoint {self.path} has no tensor {name}")
+        covered = 0
+        for piece in entry["pieces"]:
+            stored: Box = (tuple(piece["offset"]), tuple(piece["size"]))
+            common = intersect(stored, box)
+            if common is None:
+                continue
+            handle = self._handle(piece["file"])
+            part = self._checked_slice(handle, piece, entry)
+            out[slices(common, box[0])].copy_(part[slices(common, stored[0])])
+            covered += math.prod(common[1])
+        if covered != math.prod(box[1]):
+            raise MeshtronError(
+                f"checkpoint {self.path}: tensor {name} has no data for part of "
+                f"{list(box[0])}+{list(box[1])} (the pieces cover {covered} of "
+                f"{math.prod(box[1])} elements)")
+
+    def _checked_slice(self, handle, piece: dict[str, Any], entry: dict[str, Any]):
+        where = f"checkpoint file {self.path / piece['file']}, key {piece['key']!r}"
+        try:
+            view = handle.get_slice(piece["key"])
+        except (SafetensorError, KeyError):
+            raise MeshtronError(f"{where} is missing") from None
+        if SAFETENSORS_DTYPES.get(view.get_dtype()) != entry["dtype"]:
+            raise MeshtronError(f"{where} holds {view.get_dtype()}, the index says "
+                                f"{entry['dtype']}")
+        if list(view.get_shape()) != list(piece["size"]):
+            raise MeshtronError(f"{where} has shape {view.get_shape()}, the index says "
+                                f"{piece['size']}")
+        return _SliceReader(view)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A whole global tensor."""
+        shape = self.shape(name)
+        out = torch.empty(shape, dtype=DTYPES[self.tensors[name]["dtype"]])
+        self.read_into(name, ((0,) * len(shape), shape), out)
+        return out
+
+    def read_rng(self, key: dict[str, str]) -> torch.Tensor:
+        if key.get("file") not in self.files:
+            raise MeshtronError(f"checkpoint {self.path}: RNG state points outside the index")
+        return self._handle(key["file"]).get_tensor(key["key"])
+
+
+class _SliceReader:
+    """Index a safetensors slice with a tuple of slices, reading only those bytes."""
+
+    def __init__(self, view):
+        self.view = view
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        if not index:
+            return self.view[:]
+        return self.view[index]
