@@ -18,7 +18,7 @@ SAVE = {  # name -> (world size, layout)
     "tp2": (2, ["--parallel.tp=2"]),
     "pp2": (2, ["--parallel.pp=2", "--model.tie_embeddings=false"]),
     "vpp2": (2, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved"]),
-    "dp2z1": (2, ["--parallel.zero=1"]),
+    "dp2z1": (2, ["--parallel.zero=1", "--checkpoint.async=true"]),
     "3d": (8, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=1",
                "--train.micro_batch=1"]),
 }
