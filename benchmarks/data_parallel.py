@@ -403,10 +403,10 @@ def machine() -> dict[str, Any]:
 def formula_bytes(zero: int, numel: int, padded: int) -> dict[str, int]:
     """docs/parallelism.md: bytes kept per rank for N parameters (fp32, Adam), dp ranks."""
     if zero == 0:
-        return {"params": 4 * numel, "grads": 4 * padded, "optimizer": 8 * numel}
+        return {"params": 4 * numel, "grads": 4 * padded, "master": 0, "optimizer": 8 * numel}
     return {"params": 4 * padded // (WORLD if zero == 3 else 1),
             "grads": 4 * padded // (1 if zero == 1 else WORLD),
-            "optimizer": 12 * padded // WORLD}
+            "master": 4 * padded // WORLD, "optimizer": 8 * padded // WORLD}
 
 
 def step_times(run: list[dict[str, Any]], key: str = "times") -> list[float]:
@@ -547,7 +547,7 @@ def main() -> None:
               f"{pair['mmap_memory_ratio']:>5.2f}")
 
     print("\nmeshtron optimizer.memory_bytes() per rank vs docs/parallelism.md "
-          "(MiB: params / grads / optimizer state)")
+          "(MiB: params / grads / fp32 master / moments)")
     for row in rows.values():
         if row["memory_bytes"][0] is None:
             continue

@@ -30,6 +30,7 @@ from meshtron.models.presets import MODEL_PRESETS
 ARCHS = ("llama", "gpt2")
 DTYPES = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("fp32", "bf16")
+FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -121,8 +122,21 @@ class DataConfig:
 @dataclass
 class PrecisionConfig:
     dtype: str = "fp32"
+    """Parameters and activations: fp32, or bf16/fp16 with fp32 master weights."""
     reduce_dtype: str = "fp32"
     """Gradient buckets and their data-parallel reduction: fp32, or bf16 (half the bytes)."""
+    loss_scaling: bool = True
+    """Dynamic loss scaling under fp16 (an overflow without it stops training)."""
+    fp8: str = "none"
+    """FP8 for the blocks' linear layers: none, tensorwise, delayed or blockwise scaling."""
+    fp8_grad: str = "e5m2"
+    """FP8 format of output gradients: e5m2 or e4m3 (activations and weights are e4m3)."""
+    fp8_block: int = 128
+    """Block size of blockwise scaling (1 x block activation tiles, block x block weights)."""
+    fp8_history: int = 1024
+    """Delayed scaling: steps of amax history."""
+    fp8_amax: str = "max"
+    """Delayed scaling: the scale comes from the history's max or its most_recent amax."""
 
 
 @dataclass
@@ -391,6 +405,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _choice(m.arch, ARCHS, "model.arch")
     _choice(cfg.precision.dtype, DTYPES, "precision.dtype")
     _choice(cfg.precision.reduce_dtype, REDUCE_DTYPES, "precision.reduce_dtype")
+    _choice(cfg.precision.fp8, FP8_RECIPES, "precision.fp8")
+    _choice(cfg.precision.fp8_grad, ("e5m2", "e4m3"), "precision.fp8_grad")
+    _choice(cfg.precision.fp8_amax, ("max", "most_recent"), "precision.fp8_amax")
     _choice(p.schedule, SCHEDULES, "parallel.schedule")
     _choice(t.recompute, RECOMPUTE, "train.recompute")
     positive = {
@@ -403,6 +420,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         "train.seq_len": t.seq_len, "train.eval_batches": t.eval_batches,
         "train.log_every": t.log_every, "data.vocab_size": d.vocab_size,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "precision.fp8_block": cfg.precision.fp8_block,
+        "precision.fp8_history": cfg.precision.fp8_history,
     }
     for name, value in positive.items():
         _require(value is not None and value > 0, f"{name} must be a positive integer, got {value}")
@@ -492,6 +511,8 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         )
     if p.pp > 1 or p.vpp > 1:
         _validate_pipeline(cfg, world_size)
+    if cfg.precision.fp8 == "blockwise":
+        _validate_fp8_blocks(cfg)
     per_step = t.global_batch
     _require(
         per_step % dp == 0,
@@ -522,3 +543,20 @@ def _validate_pipeline(cfg: Config, world_size: int) -> None:
         "parallel.schedule=zb-h1 computes weight gradients after the block's backward has "
         "released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with zb-h1",
     )
+
+
+def _validate_fp8_blocks(cfg: Config) -> None:
+    """Every tp-local dimension a blockwise-scaled linear layer reduces or produces must be a
+    whole number of blocks."""
+    m, tp, block = cfg.model, cfg.parallel.tp, cfg.precision.fp8_block
+    head_dim = m.hidden_size // m.num_heads
+    dims = {"model.hidden_size": m.hidden_size,
+            "model.hidden_size / parallel.tp": m.hidden_size // tp,
+            "model.ffn_hidden_size / parallel.tp": m.ffn_hidden_size // tp,
+            "kv heads x head dim per tp rank": m.num_kv_heads * head_dim // min(tp, m.num_kv_heads)}
+    for name, value in dims.items():
+        _require(
+            value % block == 0,
+            f"precision.fp8=blockwise needs {name} = {value} divisible by precision.fp8_block="
+            f"{block}; pick a block that divides it, pad the model, or use tensorwise scaling",
+        )

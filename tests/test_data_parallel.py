@@ -74,11 +74,11 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
         for zero, r in enumerate(per_stage[:4]):
             n, padded = r["params"], sum(r["padded"])
             if zero == 0:
-                expected = {"params": fp32 * n, "grads": fp32 * padded,
+                expected = {"params": fp32 * n, "grads": fp32 * padded, "master": 0,
                             "optimizer": 2 * fp32 * n}
             else:  # flat (padded) parameter buffers; fp32 master + 2 moments for a 1/dp chunk
                 expected = {"params": fp32 * padded // (dp if zero == 3 else 1),
-                            "optimizer": 3 * fp32 * padded // dp,
+                            "master": fp32 * padded // dp, "optimizer": 2 * fp32 * padded // dp,
                             "grads": fp32 * padded // (1 if zero == 1 else dp)}
             assert r["memory"] == expected, (rank, zero)
     loss_sum = 2 * 8 * (dp - 1) // dp  # the fp64 loss all-reduced over dp

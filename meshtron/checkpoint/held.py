@@ -38,6 +38,9 @@ class Held:
     start: int
     """Row-major index in the tp-local tensor of ``flat[0]``."""
     writes: bool
+    fallback: str | None = None
+    """Another global tensor to load from when the checkpoint lacks this one (a master weight
+    from the saved parameter)."""
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -106,13 +109,18 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                             param.data.view(-1), 0, first_dp and _unique_writer(param, mesh)))
     if sharded:
         adamw = optimizer.adamw
+        replicated = optimizer.stage == 0  # whole buckets on every dp rank
         for flat, master, moments in zip(chunks, adamw.master, adamw.moments):
             states = dict(moments)
             if flat.chunk.dtype != torch.float32:
                 states["master"] = master
             for key, chunk in states.items():
-                out += _bucket_ranges(f"optim/{{}}/{key}", names, flat.bucket, chunk,
-                                      flat.start, mesh)
+                for held in _bucket_ranges(f"optim/{{}}/{key}", names, flat.bucket, chunk,
+                                           flat.start, mesh):
+                    held.writes &= first_dp or not replicated
+                    if key == "master":
+                        held.fallback = "model/" + held.name[len("optim/"):-len("/master")]
+                    out.append(held)
     else:
         for param, state in optimizer.adamw.state.items():
             for key in ("exp_avg", "exp_avg_sq"):

@@ -57,12 +57,13 @@ def _check_shapes(path: Path, reader: ShardReader, helds: list[Held]) -> None:
 @torch.no_grad()
 def _load(reader: ShardReader, helds: list[Held]) -> None:
     for held in helds:
-        if not reader.has(held.name):
+        name = held.name if reader.has(held.name) else held.fallback
+        if name is None or not reader.has(name):
             continue
-        dtype = DTYPES[reader.tensors[held.name]["dtype"]]
+        dtype = DTYPES[reader.tensors[name]["dtype"]]
         for local_box, global_box in held.boxes():
             buffer = torch.empty(global_box[1], dtype=dtype)
-            reader.read_into(held.name, global_box, buffer)
+            reader.read_into(name, global_box, buffer)
             held.view(local_box).copy_(buffer)
 
 

@@ -17,6 +17,7 @@ heads are replicated when tp > num_kv_heads).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.parallel.collectives import local_chunk
+from meshtron.parallel.linear import FP8Options, linear
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.tensor import (
     ColumnParallelLinear,
@@ -35,7 +37,7 @@ from meshtron.parallel.tensor import (
     replicated,
     vocab_parallel_loss_sum,
 )
-from meshtron.parallel.weight_grad import WeightGradStore, linear
+from meshtron.parallel.weight_grad import WeightGradStore
 
 if TYPE_CHECKING:
     from meshtron.parallel.partition import PipelinePlan
@@ -211,7 +213,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.region.enter(x)
-        if self.gated and self.gate_up.grad_store is not None:
+        if self.gated and (self.gate_up.grad_store is not None or self.gate_up.fp8 is not None):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
         elif self.gated:
@@ -299,6 +301,15 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.grad_store = store
+
+    def use_fp8(self, make_options: Callable[[], FP8Options]) -> None:
+        """Run the linear layers of the transformer blocks in FP8, each with its own options
+        (and so its own amax history); embeddings, norms and the output layer stay as they
+        are."""
+        for block in self.layers.values():
+            for module in block.modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    module.fp8 = make_options()
 
     def blocks(self) -> list[Block]:
         """This rank's transformer blocks in the order its forward passes run them."""

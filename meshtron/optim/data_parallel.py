@@ -14,12 +14,13 @@ stage        parameters  gradients   optimizer state     communication per step
 ===========  ==========  ==========  ==================  ===================================
 
 With a single data-parallel rank there is nothing to shard: any stage runs as stage 0.
+bf16/fp16 parameters (2N) always get fp32 master weights (4N, sharded like the moments), so
+stage 0 then runs the same flat-buffer AdamW as the sharded stages, on whole buckets.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,11 +54,12 @@ class DataParallelOptimizer:
         )
         self.flats: list[FlatParams] = []
         self.units: ShardedUnits | None = None
-        if self.stage == 0:
+        self.low_precision = self.params[0].dtype != torch.float32
+        if self.stage == 0 and not self.low_precision:
             self.adamw: torch.optim.AdamW | ShardedAdamW = build_adamw(model, t)
-        else:
-            self.flats = [FlatParams(b, mesh.dp_cp, sharded=self.stage == 3)
-                          for b in self.reducer.buckets]
+        else:  # ZeRO, or bf16/fp16 parameters that need fp32 master weights
+            self.flats = [FlatParams(b, mesh.dp_cp, sharded=self.stage == 3,
+                                     whole=self.stage == 0) for b in self.reducer.buckets]
             self.adamw = ShardedAdamW(self.reducer, self.flats, t)
         if blocks:
             self.units = ShardedUnits(model, blocks, self.flats, self.reducer)
@@ -147,48 +149,14 @@ class DataParallelOptimizer:
             for flat, master in zip(self.flats, self.adamw.master):
                 master.copy_(flat.chunk)
 
-    def local_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Optimizer state per parameter (tp-local shapes), keyed by ``id(param)``."""
-        if isinstance(self.adamw, ShardedAdamW):
-            return self.adamw.local_states()
-        return {id(p): dict(s) for p, s in self.adamw.state.items()}
-
-    def load_local_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        if isinstance(self.adamw, ShardedAdamW):
-            self.adamw.load_local_states(states)
-            return
-        state_dict = self.adamw.state_dict()
-        state_dict["state"] = {}
-        index = 0
-        for group in self.adamw.param_groups:
-            for param in group["params"]:
-                if id(param) in states:
-                    state_dict["state"][index] = states[id(param)]
-                index += 1
-        self.adamw.load_state_dict(state_dict)
-
-    @contextlib.contextmanager
-    def full_parameters(self, modified: bool = False) -> Iterator[None]:
-        """Every parameter whole inside the block (ZeRO-3 gathers, then frees); with
-        ``modified`` the parameters' new values are taken into the owned chunks after."""
-        if self.units is not None:
-            self.units.gather_all()
-        try:
-            yield
-        finally:
-            if modified:
-                for flat in self.flats:
-                    flat.chunk_from_params()
-            if self.units is not None:
-                self.units.free_all()
-
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps for parameters, gradients and optimizer state."""
+        """Bytes this rank keeps between steps: parameters, gradients, fp32 master weights
+        (none when the parameters are fp32 and unsharded) and the Adam moments."""
+        grads = self.reducer.grad_bytes()
         if isinstance(self.adamw, ShardedAdamW):
             params = sum(flat.nbytes() for flat in self.flats)
-            state = self.adamw.state_bytes()
-        else:
-            params = sum(p.numel() * p.element_size() for p in self.params)
-            state = sum(v.numel() * v.element_size() for s in self.adamw.state.values()
-                        for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-        return {"params": params, "grads": self.reducer.grad_bytes(), "optimizer": state}
+            return {"params": params, "grads": grads, **self.adamw.state_bytes()}
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        moments = sum(v.numel() * v.element_size() for s in self.adamw.state.values()
+                      for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        return {"params": params, "grads": grads, "master": 0, "optimizer": moments}

@@ -17,15 +17,18 @@ from meshtron.parallel.mesh import Group
 
 
 class FlatParams:
-    def __init__(self, bucket: Bucket, group: Group, sharded: bool):
+    def __init__(self, bucket: Bucket, group: Group, sharded: bool, whole: bool = False):
+        """``whole``: every rank owns the whole buffer (ZeRO-0 with fp32 master weights)."""
         self.bucket = bucket
         self.group = group
         self.sharded = sharded
+        self.whole = whole
         first = bucket.params[0]
         full = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
         for i, param in enumerate(bucket.params):
             bucket.view(full, i).copy_(param.data)
-        self.start, self.end = bucket.chunk_range(group.size, group.rank)
+        self.start, self.end = (0, bucket.padded) if whole else bucket.chunk_range(group.size,
+                                                                                   group.rank)
         self.full: torch.Tensor | None = None
         self.work: dist.Work | None = None
         if sharded:
@@ -73,7 +76,7 @@ class FlatParams:
 
     def after_update(self) -> dist.Work | None:
         """The chunk changed: refresh the full buffer everywhere (ZeRO-1/2; a no-op for 3)."""
-        if self.sharded:
+        if self.sharded or self.whole:
             return None
         return start_all_gather(self.full, self.group)
 

@@ -15,8 +15,7 @@ import torch
 
 from meshtron.config import TrainConfig
 from meshtron.optim.flat_params import FlatParams
-from meshtron.optim.grad_buckets import Bucket, GradReducer
-from meshtron.parallel.collectives import start_all_gather
+from meshtron.optim.grad_buckets import GradReducer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -30,10 +29,6 @@ class ShardedAdamW:
         self.steps = 0
         self.master = [flat.chunk.float().clone() for flat in flats]
         self.moments = [{k: torch.zeros_like(m) for k in MOMENTS} for m in self.master]
-
-    def _chunk(self, bucket: Bucket, full: torch.Tensor) -> torch.Tensor:
-        start, end = bucket.chunk_range(self.group.size, self.group.rank)
-        return full[start:end]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -60,44 +55,8 @@ class ShardedAdamW:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _gathered(self, chunk: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        full = torch.zeros(bucket.padded, dtype=chunk.dtype, device=chunk.device)
-        self._chunk(bucket, full).copy_(chunk)
-        work = start_all_gather(full, self.group)
-        if work is not None:
-            work.wait()
-        return full
-
-    @torch.no_grad()
-    def local_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every parameter's moments as whole (tp-local) tensors, keyed by ``id(param)``.
-
-        A collective over the data-parallel group: every rank must call it.
-        """
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for bucket, moments in zip(self.reducer.buckets, self.moments):
-            full = {k: self._gathered(v, bucket) for k, v in moments.items()}
-            for i, param in enumerate(bucket.params):
-                out[id(param)] = {k: bucket.view(v, i).clone() for k, v in full.items()}
-                out[id(param)]["step"] = torch.tensor(float(self.steps))
-        return out
-
-    @torch.no_grad()
-    def load_local_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Inverse of :meth:`local_states`; master weights are taken from the parameters."""
-        for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
-                                                 self.moments):
-            master.copy_(flat.chunk)
-            for key, chunk in moments.items():
-                full = torch.zeros(bucket.padded, dtype=chunk.dtype, device=chunk.device)
-                for i, param in enumerate(bucket.params):
-                    saved = states.get(id(param))
-                    if saved is not None:
-                        bucket.view(full, i).copy_(saved[key])
-                        self.steps = int(saved["step"])
-                chunk.copy_(self._chunk(bucket, full))
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 master weights and two moments."""
-        tensors = self.master + [m for ms in self.moments for m in ms.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state on this rank: fp32 master weights, and the two moments."""
+        moments = [m for ms in self.moments for m in ms.values()]
+        return {"master": sum(t.numel() * t.element_size() for t in self.master),
+                "optimizer": sum(t.numel() * t.element_size() for t in moments)}

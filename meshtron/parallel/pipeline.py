@@ -26,7 +26,6 @@ from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.partition import PipelinePlan
 from meshtron.parallel.schedules import Action, Schedule
 from meshtron.parallel.weight_grad import WeightGradStore
-from meshtron.precision.policy import Precision
 
 _DIRECTIONS = {"F": 0, "B": 1}
 
@@ -81,7 +80,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ training step
 
     def train(self, micro_batches: list[torch.Tensor], optimizer: DataParallelOptimizer, *,
-              loss_weight: float, precision: Precision) -> torch.Tensor:
+              loss_weight: float) -> torch.Tensor:
         """Forward and backward of every micro-batch through this stage; returns the sum of
         token losses (non-zero on the last stage only). ``loss_weight`` multiplies each
         micro-batch's loss before backward (loss scale / global token count)."""
@@ -117,8 +116,7 @@ class PipelineExecutor:
                     work.wait()
                     x.requires_grad_(True)
                 started = time.perf_counter()
-                with precision.autocast():
-                    out = model(x, chunk=c)
+                out = model(x, chunk=c)
                 if vstage == last_virtual:
                     loss = model.loss_sum(out, micro_batches[m][:, 1:])
                     loss_sum += loss.detach().double()
@@ -167,7 +165,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[torch.Tensor], precision: Precision) -> torch.Tensor:
+    def evaluate(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Sum of token losses of forward passes only (non-zero on the last stage only):
         micro-batch by micro-batch, each through the virtual stages in order."""
         plan, model = self.plan, self.model
@@ -184,8 +182,7 @@ class PipelineExecutor:
                     work, x = self._post_receive(self._hidden_shape(micro_batch), dtype,
                                                  (self.stage - 1) % pp, self._tag("F", m, vstage))
                     work.wait()
-                with precision.autocast():
-                    out = model(x, chunk=c)
+                out = model(x, chunk=c)
                 if vstage == plan.virtual_stages - 1:
                     total += model.loss_sum(out, micro_batch[:, 1:]).double()
                 else:

@@ -30,8 +30,9 @@ from meshtron.parallel.collectives import (
     reduce_from_tp,
     reduce_scatter_sp,
 )
+from meshtron.parallel.linear import FP8Options, linear
 from meshtron.parallel.mesh import Group
-from meshtron.parallel.weight_grad import WeightGradStore, linear
+from meshtron.parallel.weight_grad import WeightGradStore
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class ColumnParallelLinear(nn.Module):
 
     grad_store: WeightGradStore | None = None
     """Set by :meth:`Transformer.split_weight_grads` for zero-bubble pipelines."""
+    fp8: FP8Options | None = None
+    """Set by :meth:`Transformer.use_fp8`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, region: TPRegion,
                  parts: int = 1, pieces: int | None = None, share_group: Group | None = None):
@@ -133,7 +136,7 @@ class ColumnParallelLinear(nn.Module):
                                  bias_spec, replicas, share_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.grad_store)
+        return linear(x, self.weight, self.bias, self.grad_store, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -141,6 +144,7 @@ class RowParallelLinear(nn.Module):
     then the replicated bias is added once."""
 
     grad_store: WeightGradStore | None = None
+    fp8: FP8Options | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, region: TPRegion):
         super().__init__()
@@ -152,7 +156,7 @@ class RowParallelLinear(nn.Module):
         self.bias = replicated(nn.Parameter(torch.empty(out_features)), region) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.region.exit(linear(x, self.weight, None, self.grad_store))
+        y = self.region.exit(linear(x, self.weight, None, self.grad_store, self.fp8))
         return y if self.bias is None else y + self.bias
 
 

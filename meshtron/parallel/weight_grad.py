@@ -23,6 +23,12 @@ class WeightGradStore:
         self.deferring = False
         self.pending: list[Deferred] = []
 
+    def defer(self, weight: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor) -> bool:
+        """Hook for FP8 layers: take ``grad_y^T x`` for later while deferring."""
+        if self.deferring:
+            self.pending.append((weight, x, grad_y))
+        return self.deferring
+
     def take(self) -> list[Deferred]:
         """The products put aside since the last call."""
         out, self.pending = self.pending, []
@@ -41,7 +47,7 @@ class WeightGradStore:
         torch.autograd.backward(weights, grads)
 
 
-class _LinearSplitBackward(torch.autograd.Function):
+class LinearSplitBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 store: WeightGradStore) -> torch.Tensor:
@@ -61,11 +67,3 @@ class _LinearSplitBackward(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(grad_y.dtype)
         grad_w = (grad_y.reshape(-1, grad_y.shape[-1]).t() @ x2).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           store: WeightGradStore | None = None) -> torch.Tensor:
-    """``F.linear``, with a split backward when a store is given."""
-    if store is None:
-        return F.linear(x, weight, bias)
-    return _LinearSplitBackward.apply(x, weight, bias, store)

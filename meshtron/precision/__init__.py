@@ -1,1 +1,1 @@
-"""Mixed precision: autocast policy and dynamic loss scaling."""
+"""Low precision: bf16/fp16 parameters with fp32 masters, dynamic loss scaling, FP8."""

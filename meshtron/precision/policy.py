@@ -1,16 +1,21 @@
-"""Mixed precision for now: autocast over fp32 weights, with dynamic loss scaling for fp16.
+"""Low precision: bf16/fp16 parameters and activations, fp32 master weights, loss scaling.
 
-The scaler decides from the global grad norm, which every rank computes identically after the
-reductions, so a step with an overflow is skipped on all ranks together.
+With ``precision.dtype`` bf16 or fp16 the model's parameters are stored in that dtype, so the
+forward and backward run in it; norms, softmax and the loss compute in fp32 inside their ops.
+The optimizer keeps fp32 master weights and moments (sharded under ZeRO) and writes rounded
+copies back into the parameters; gradients are reduced in ``precision.reduce_dtype``.
+
+fp16 uses dynamic loss scaling. The scaler decides from the global grad norm, which every rank
+computes identically after the reductions, so a step with an overflow is skipped on all ranks
+together.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+from torch import nn
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LossScaler:
@@ -32,15 +37,17 @@ class LossScaler:
 
 
 class Precision:
-    def __init__(self, dtype: str, device: torch.device):
+    def __init__(self, dtype: str, device: torch.device, loss_scaling: bool = True):
+        self.name = dtype
         self.device = device
-        self.dtype = AUTOCAST_DTYPES.get(dtype)
-        self.scaler = LossScaler() if dtype == "fp16" else None
+        self.param_dtype = PARAM_DTYPES[dtype]
+        self.scaler = LossScaler() if dtype == "fp16" and loss_scaling else None
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+    def cast_parameters(self, model: nn.Module) -> None:
+        """Store ``model``'s parameters in the training dtype (buffers such as rotary tables
+        stay fp32)."""
+        for param in model.parameters():
+            param.data = param.data.to(self.param_dtype)
 
     @property
     def loss_scale(self) -> float:

@@ -54,15 +54,13 @@ def train_step(
     chunks = micro_batches(local_batch, micro_batch)
     scale = precision.loss_scale
     if pipeline is not None:
-        loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens,
-                                  precision=precision)
+        loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
         for i, mb in enumerate(chunks):
             inputs, targets = mb[:, :-1], mb[:, 1:]
             optimizer.begin_micro_batch(last=i == len(chunks) - 1)
-            with precision.autocast():
-                logits = model(inputs)
+            logits = model(inputs)
             loss = model.loss_sum(logits, targets)
             (loss * (scale / global_tokens)).backward()
             optimizer.end_micro_batch()
@@ -82,7 +80,7 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, local_batches: list[torch.Tensor], micro_batch: int,
-             global_tokens: int, mesh: ParallelMesh, precision: Precision,
+             global_tokens: int, mesh: ParallelMesh,
              pipeline: PipelineExecutor | None = None) -> float:
     """Mean token loss over the validation batches (this rank holds its dp share of each)."""
     was_training = model.training
@@ -91,11 +89,10 @@ def evaluate(model: nn.Module, local_batches: list[torch.Tensor], micro_batch: i
     for batch in local_batches:
         chunks = micro_batches(batch, micro_batch)
         if pipeline is not None:
-            total += pipeline.evaluate(chunks, precision)
+            total += pipeline.evaluate(chunks)
             continue
         for mb in chunks:
-            with precision.autocast():
-                logits = model(mb[:, :-1])
+            logits = model(mb[:, :-1])
             total += model.loss_sum(logits, mb[:, 1:]).double()
     model.train(was_training)
     all_reduce(total, mesh.pp)

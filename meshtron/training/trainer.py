@@ -16,7 +16,7 @@ import torch
 from meshtron.checkpoint import train_state
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint
-from meshtron.config import Config, micro_batch_size, validate
+from meshtron.config import Config, PrecisionConfig, micro_batch_size, validate
 from meshtron.data import TrainingData, build_training_data
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
@@ -24,10 +24,13 @@ from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.optim.schedule import learning_rate
+from meshtron.parallel.collectives import all_reduce
+from meshtron.parallel.linear import FP8Options
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.partition import plan_pipeline
 from meshtron.parallel.pipeline import PipelineExecutor
 from meshtron.parallel.schedules import build_schedule
+from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
 from meshtron.training.memory import activation_bytes_per_layer
@@ -78,6 +81,19 @@ def check_resumable(cfg: Config, manifest: dict, path: Path) -> None:
             )
 
 
+def fp8_options(pc: PrecisionConfig, mesh: ParallelMesh) -> FP8Options:
+    """One layer's FP8 settings. Tensor-wise amaxes are agreed over tp, so every layout scales
+    alike (block-wise tiles are local to each shard and need no agreement)."""
+    def agree(amax: torch.Tensor) -> torch.Tensor:
+        return all_reduce(amax, mesh.tp, op=torch.distributed.ReduceOp.MAX)
+
+    knobs: dict = {"block": pc.fp8_block} if pc.fp8 == "blockwise" else {}
+    if pc.fp8 == "delayed":
+        knobs = {"history_len": pc.fp8_history, "reduction": pc.fp8_amax}
+    return FP8Options(make_recipe(pc.fp8, agree if mesh.tp.pg is not None else None, **knobs),
+                      pc.fp8_grad)
+
+
 def _quiet(message: str) -> None:
     """The log function of ranks other than 0."""
 
@@ -107,6 +123,11 @@ class Trainer:
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
+        self.precision = Precision(cfg.precision.dtype, self.device,
+                                   loss_scaling=cfg.precision.loss_scaling)
+        self.precision.cast_parameters(self.model)
+        if cfg.precision.fp8 != "none":
+            self.model.use_fp8(lambda: fp8_options(cfg.precision, self.mesh))
         self.model.set_recompute(cfg.train.recompute)
         if p.zero and self.mesh.dp_cp.size == 1:
             self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
@@ -114,7 +135,6 @@ class Trainer:
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.precision.reduce_dtype]
         self.optimizer = DataParallelOptimizer(self.model, self.mesh, cfg.train, zero=p.zero,
                                                bucket_mb=p.bucket_mb, reduce_dtype=reduce_dtype)
-        self.precision = Precision(cfg.precision.dtype, self.device)
         world = self.mesh.layout.world_size
         self.micro_batch = micro_batch_size(cfg, world)
         self.dp_share = cfg.train.global_batch // self.mesh.dp.size
@@ -139,6 +159,7 @@ class Trainer:
                      f"{self.plan.describe()}, {schedule.microbatches} micro-batches; bubble "
                      f"{100 * schedule.theoretical_bubble():.1f}% in theory")
         self._log_activation_memory()
+        self._log_state_memory()
         self.saver = CheckpointSaver(
             cfg.checkpoint_dir, self.mesh.global_rank, self.mesh.layout.world_size,
             self._shared_token(), keep_last=cfg.checkpoint.keep_last,
@@ -170,6 +191,16 @@ class Trainer:
         self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per rank in the "
                  f"blocks ({layers} layers{in_flight}; recompute={cfg.train.recompute}; "
                  f"{others} MiB)")
+
+    def _log_state_memory(self) -> None:
+        """Bytes per parameter this rank keeps between steps, per kind (see precision.md)."""
+        self.optimizer.init_state()  # torch's AdamW would create it at the first step
+        held = self.optimizer.memory_bytes()
+        params = max(1, sum(p.numel() for p in self.optimizer.params))
+        parts = ", ".join(f"{kind} {b / 2**20:.1f} MiB ({b / params:.2f} B/param)"
+                          for kind, b in held.items())
+        self.log(f"state per rank ({self.cfg.precision.dtype}, zero {self.optimizer.stage}): "
+                 f"{parts}")
 
     def _build_data(self) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
@@ -247,8 +278,7 @@ class Trainer:
         batches = [self.local_share(self.data.valid_batch(i, t.global_batch))
                    for i in range(t.eval_batches)]
         return evaluate(self.model, batches, self.micro_batch,
-                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.precision,
-                        self.pipeline)
+                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.pipeline)
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
@@ -281,6 +311,12 @@ class Trainer:
                 self.step += 1
                 result.losses.append(out.loss)
                 result.grad_norms.append(out.grad_norm)
+                if out.skipped and self.precision.scaler is None:
+                    raise MeshtronError(
+                        f"the gradient overflowed (grad norm {out.grad_norm}) at step "
+                        f"{self.step} in {cfg.precision.dtype} without loss scaling; the step "
+                        "was skipped and the weights are unchanged. Enable "
+                        "precision.loss_scaling, lower train.lr, or use bf16/fp32")
                 if not math.isfinite(out.loss):
                     raise MeshtronError(f"loss became {out.loss} at step {self.step}; lower "
                                         "train.lr or use precision.dtype=fp32")

@@ -1,0 +1,370 @@
+"""Exact FP8 emulation for linear layers: formats, scaling recipes and an FP8 ``linear``.
+
+A tensor is quantised by multiplying it by a scale, clamping to the format's range (saturation,
+as Transformer Engine does) and casting to torch's float8 dtype; dequantising divides the fp8
+values, read as fp32, by the same scale. :func:`fp8_linear` multiplies dequantised operands in
+fp32, which is the numerical model of a GPU FP8 GEMM with fp32 accumulation (one product of
+fp8 values per term, scales applied per tile), up to fp32 rounding and accumulation order.
+
+Three recipes give the scales (see docs/precision.md, section "FP8"):
+
+* :class:`TensorwiseScaling` - current scaling, one scale per tensor from its own amax;
+* :class:`DelayedScaling` - one scale per tensor from an amax history of earlier steps;
+* :class:`BlockwiseScaling` - DeepSeek-V3's fine-grained scaling: 1 x B tiles along the
+  reduction dimension for activations and output gradients, B x B blocks for weights.
+
+A recipe object belongs to one linear layer: the delayed one holds that layer's amax history.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from meshtron.errors import MeshtronError
+
+Role = Literal["input", "weight", "grad_output"]
+"""Which operand of a linear layer a tensor is."""
+
+ROLES: tuple[Role, ...] = ("input", "weight", "grad_output")
+
+Tile = tuple[int, int]
+"""(rows, cols) of the tiles of a 2-D tensor that share one scale."""
+
+AmaxReduce = Callable[[Tensor], Tensor]
+"""Agrees an amax across ranks, e.g. an all-reduce-max over the tensor-parallel group."""
+
+WeightGradHook = Callable[[Tensor, Tensor, Tensor], bool]
+"""Called in backward with (weight, dequantised x, dequantised grad_y), both 2-D fp32; returns
+True when it takes the weight gradient ``grad_y^T @ x`` to form later."""
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """An FP8 number format: its torch dtype and its largest finite value."""
+
+    name: str
+    dtype: torch.dtype
+    max: float
+
+
+E4M3 = FP8Format("e4m3", torch.float8_e4m3fn, 448.0)
+E5M2 = FP8Format("e5m2", torch.float8_e5m2, 57344.0)
+FORMATS = MappingProxyType({f.name: f for f in (E4M3, E5M2)})
+
+
+def fp8_format(fmt: FP8Format | str) -> FP8Format:
+    """The format named ``fmt`` ("e4m3" or "e5m2"); a format is returned as is."""
+    if isinstance(fmt, FP8Format):
+        return fmt
+    if fmt not in FORMATS:
+        raise MeshtronError(f"unknown fp8 format {fmt!r}; use one of {sorted(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def quantize(x: Tensor, fmt: FP8Format | str, scale: Tensor | float) -> tuple[Tensor, Tensor]:
+    """``x * scale`` clamped to the format's range and cast to fp8; returns ``(q, scale)``.
+
+    ``scale`` is broadcast against ``x``. Non-finite values become NaN rather than saturating,
+    so an overflow upstream stays visible (for example to the fp16 loss scaler).
+    """
+    fmt = fp8_format(fmt)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    v = x.float() * scale
+    v = torch.where(torch.isfinite(v), v.clamp(-fmt.max, fmt.max), torch.nan)
+    return v.to(fmt.dtype), scale
+
+
+def dequantize(q: Tensor, scale: Tensor | float) -> Tensor:
+    """fp32 values of fp8 ``q`` quantised with ``scale``: ``q.float() / scale``."""
+    return q.float() / scale
+
+
+def scale_from_amax(amax: Tensor, fmt: FP8Format, margin: int = 0,
+                    power_of_two: bool = False) -> Tensor:
+    """``fmt.max / amax / 2**margin``; 1 where amax is 0 or not finite.
+
+    With ``power_of_two`` the scale is rounded down to a power of two, which makes the scaling
+    itself exact.
+    """
+    amax = amax.float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    scale = fmt.max / torch.where(ok, amax, 1.0) / 2.0**margin
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return torch.where(ok, scale, 1.0)
+
+
+def tile_amax(x: Tensor, tile: Tile) -> Tensor:
+    """Max of ``|x|`` over each ``tile`` of the 2-D ``x``; a ragged last tile is allowed.
+
+    Returns a tensor of shape ``[ceil(rows / tile[0]), ceil(cols / tile[1])]``.
+    """
+    r, c = tile
+    rows, cols = x.shape
+    a = torch.nn.functional.pad(x.detach().abs().float(), (0, -cols % c, 0, -rows % r))
+    return a.reshape(a.shape[0] // r, r, a.shape[1] // c, c).amax(dim=(1, 3))
+
+
+def expand_tiles(scale: Tensor, tile: Tile, shape: torch.Size | tuple[int, int]) -> Tensor:
+    """Per-tile ``scale`` repeated to one value per element of a 2-D tensor of ``shape``."""
+    full = scale.repeat_interleave(tile[0], dim=0).repeat_interleave(tile[1], dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+@dataclass
+class Quantized:
+    """An fp8 tensor and its scales: one scalar, or one per ``tile`` of a 2-D tensor."""
+
+    data: Tensor
+    scale: Tensor
+    tile: Tile | None = None
+
+    def dequantize(self) -> Tensor:
+        """The fp32 values this tensor stands for."""
+        if self.tile is None:
+            return dequantize(self.data, self.scale)
+        return dequantize(self.data, expand_tiles(self.scale, self.tile, self.data.shape))
+
+
+def quantize_tiles(x: Tensor, fmt: FP8Format, scale: Tensor, tile: Tile | None) -> Quantized:
+    """Quantise ``x`` with a scalar ``scale`` (``tile`` None) or one scale per ``tile``."""
+    full = scale if tile is None else expand_tiles(scale, tile, x.shape)
+    return Quantized(quantize(x, fmt, full)[0], scale, tile)
+
+
+class ScalingRecipe(ABC):
+    """Gives the scales of a linear layer's fp8 operands; one object per layer.
+
+    :meth:`scales` returns ``(scale, tile)`` for a 2-D operand: a scalar scale with tile None,
+    or one scale per tile. :meth:`wgrad_scales` may return different scales for the operands of
+    the weight-gradient product ``grad_y^T @ x`` (whose reduction runs over tokens); None means
+    that product reuses the forward's ``x`` and the input-gradient's ``grad_y``.
+    """
+
+    @abstractmethod
+    def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile | None]:
+        """``(scale, tile)`` for the 2-D operand ``x`` playing ``role``."""
+
+    def wgrad_scales(self, x: Tensor, role: Role,
+                     fmt: FP8Format) -> tuple[Tensor, Tile | None] | None:
+        return None
+
+
+class TensorwiseScaling(ScalingRecipe):
+    """Current scaling: ``scale = fmt.max / amax(x)`` over the whole tensor, amax agreed by
+    ``reduce_amax`` when given."""
+
+    def __init__(self, reduce_amax: AmaxReduce | None = None, power_of_two: bool = False):
+        self.reduce_amax = reduce_amax
+        self.power_of_two = power_of_two
+
+    def amax(self, x: Tensor) -> Tensor:
+        """``max |x|`` in fp32, passed through ``reduce_amax``."""
+        amax = x.detach().abs().amax().float()
+        return self.reduce_amax(amax) if self.reduce_amax is not None else amax
+
+    def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, None]:
+        return scale_from_amax(self.amax(x), fmt, power_of_two=self.power_of_two), None
+
+
+class DelayedScaling(TensorwiseScaling):
+    """Scale from the amax history of the previous ``history_len`` uses of each role.
+
+    Each use takes ``reduction`` ("max" or "most_recent") over the role's history, computes
+    ``fmt.max / amax / 2**margin``, then records the current (``reduce_amax``-agreed) amax. The
+    first use of a role, with an empty history, falls back to current scaling. A value above
+    the history's amax saturates. A "step" is one call: microbatches and recomputed forwards
+    each record an amax.
+    """
+
+    def __init__(self, history_len: int = 1024,
+                 reduction: Literal["max", "most_recent"] = "max", margin: int = 0,
+                 reduce_amax: AmaxReduce | None = None, power_of_two: bool = False):
+        if history_len < 1:
+            raise MeshtronError(f"fp8 amax history_len must be at least 1, got {history_len}")
+        if reduction not in ("max", "most_recent"):
+            raise MeshtronError(
+                f"fp8 amax reduction must be 'max' or 'most_recent', got {reduction!r}")
+        super().__init__(reduce_amax, power_of_two)
+        self.history_len = history_len
+        self.reduction = reduction
+        self.margin = margin
+        self.history: dict[str, Tensor] = {}
+        """Per role, the amaxes of the last uses, most recent first."""
+        self.seen: dict[str, int] = {}
+        """Per role, how many amaxes have been recorded (capped at ``history_len``)."""
+
+    def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, None]:
+        current = self.amax(x)
+        seen = self.seen.get(role, 0)
+        if seen == 0:
+            amax = current
+        else:
+            history = self.history[role][:seen]
+            amax = history.max() if self.reduction == "max" else history[0]
+        self.record(role, current)
+        return scale_from_amax(amax, fmt, self.margin, self.power_of_two), None
+
+    def record(self, role: Role, amax: Tensor) -> None:
+        """Push ``amax`` onto ``role``'s history, dropping the oldest beyond ``history_len``."""
+        old = self.history.get(role)
+        if old is None:
+            old = torch.zeros(self.history_len, dtype=torch.float32, device=amax.device)
+        self.history[role] = torch.cat([amax.reshape(1).to(old), old[:-1]])
+        self.seen[role] = min(self.seen.get(role, 0) + 1, self.history_len)
+
+    def state_dict(self) -> dict[str, dict]:
+        """The amax histories, for a checkpoint that resumes with identical scales."""
+        return {"history": {k: v.clone() for k, v in self.history.items()},
+                "seen": dict(self.seen)}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        history, seen = state["history"], state["seen"]
+        for role, h in history.items():
+            if h.numel() != self.history_len:
+                raise MeshtronError(f"fp8 amax history for {role} has {h.numel()} entries, "
+                                    f"but history_len is {self.history_len}")
+        self.history = {k: v.clone() for k, v in history.items()}
+        self.seen = dict(seen)
+
+
+class BlockwiseScaling(ScalingRecipe):
+    """DeepSeek-V3 fine-grained scaling: a scale per tile, ``fmt.max / amax(tile)``.
+
+    Activations and output gradients use 1 x ``block`` tiles along the last (reduction)
+    dimension, weights ``block`` x ``block`` blocks. For the weight gradient, whose reduction
+    runs over tokens, x and grad_y are quantised again from high precision in ``block`` x 1
+    tiles along the token dimension (a ragged last tile is fine there). Feature dimensions must
+    be multiples of ``block``. Stateless; ``reduce_amax`` is not used, since tiles never span
+    ranks when shard sizes are multiples of ``block``.
+    """
+
+    def __init__(self, block: int = 128, power_of_two: bool = False):
+        if block < 1:
+            raise MeshtronError(f"fp8 block size must be at least 1, got {block}")
+        self.block = block
+        self.power_of_two = power_of_two
+
+    def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile]:
+        b = self.block
+        if role == "weight":
+            check_blockwise_shapes(x.shape[1], x.shape[0], b)
+            tile = (b, b)
+        else:
+            if x.shape[1] % b:
+                features = "in_features" if role == "input" else "out_features"
+                raise MeshtronError(
+                    f"fp8 blockwise scaling needs {features} divisible by the block size {b}, "
+                    f"got {x.shape[1]}; pad the model or use tensorwise scaling")
+            tile = (1, b)
+        return self._scale(x, tile, fmt), tile
+
+    def wgrad_scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile] | None:
+        if role == "weight":
+            return None
+        tile = (self.block, 1)
+        return self._scale(x, tile, fmt), tile
+
+    def _scale(self, x: Tensor, tile: Tile, fmt: FP8Format) -> Tensor:
+        return scale_from_amax(tile_amax(x, tile), fmt, power_of_two=self.power_of_two)
+
+
+def check_blockwise_shapes(in_features: int, out_features: int, block: int = 128) -> None:
+    """Raise :class:`MeshtronError` unless both feature sizes are multiples of ``block``.
+
+    Pass the per-rank sizes of a tensor-parallel layer (out/tp for column-parallel, in/tp for
+    row-parallel), since each rank tiles its own shard.
+    """
+    if in_features % block or out_features % block:
+        raise MeshtronError(
+            f"fp8 blockwise scaling needs in_features and out_features divisible by the block "
+            f"size {block}, got in_features={in_features}, out_features={out_features}; pad "
+            f"the model or use tensorwise scaling")
+
+
+def make_recipe(name: str, reduce_amax: AmaxReduce | None = None, **knobs: object
+                ) -> ScalingRecipe:
+    """A fresh recipe object by name: "tensorwise", "delayed" or "blockwise"."""
+    if name == "tensorwise":
+        return TensorwiseScaling(reduce_amax, **knobs)  # type: ignore[arg-type]
+    if name == "delayed":
+        return DelayedScaling(reduce_amax=reduce_amax, **knobs)  # type: ignore[arg-type]
+    if name == "blockwise":
+        return BlockwiseScaling(**knobs)  # type: ignore[arg-type]
+    raise MeshtronError(
+        f"unknown fp8 recipe {name!r}; use 'tensorwise', 'delayed' or 'blockwise'")
+
+
+def quantize_operand(x: Tensor, role: Role, recipe: ScalingRecipe, fmt: FP8Format
+                     ) -> Quantized:
+    """Quantise the 2-D operand ``x`` with the scales ``recipe`` gives for ``role``."""
+    scale, tile = recipe.scales(x, role, fmt)
+    return quantize_tiles(x, fmt, scale, tile)
+
+
+def _wgrad_operand(x: Tensor, role: Role, recipe: ScalingRecipe, fmt: FP8Format,
+                   reuse: Quantized) -> Quantized:
+    got = recipe.wgrad_scales(x, role, fmt)
+    return reuse if got is None else quantize_tiles(x, fmt, *got)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = q(x) q(W)^T + b in fp32; backward with q(grad_y) in ``grad_fmt``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: ScalingRecipe,
+                grad_fmt: FP8Format, defer: WeightGradHook | None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            qx = quantize_operand(x2, "input", recipe, E4M3)
+            qw = quantize_operand(weight, "weight", recipe, E4M3)
+            y = qx.dequantize() @ qw.dequantize().t()
+            if bias is not None:
+                y = y + bias.float()
+            qx_wgrad = _wgrad_operand(x2, "input", recipe, E4M3, qx)
+        ctx.recipe, ctx.grad_fmt, ctx.defer = recipe, grad_fmt, defer
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.qw, ctx.qx_wgrad = qw, qx_wgrad  # fp8 data + scales, as a real FP8 layer keeps
+        ctx.save_for_backward(weight)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        (weight,) = ctx.saved_tensors
+        gy2 = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(gy2.device.type, enabled=False):
+            qgy = quantize_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt)
+            if ctx.needs_input_grad[0]:
+                grad_x = (qgy.dequantize() @ ctx.qw.dequantize()).to(ctx.x_dtype)
+                grad_x = grad_x.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                qgy_wgrad = _wgrad_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt, qgy)
+                gy_w, x_w = qgy_wgrad.dequantize(), ctx.qx_wgrad.dequantize()
+                if ctx.defer is None or not ctx.defer(weight, x_w, gy_w):
+                    grad_w = (gy_w.t() @ x_w).to(weight.dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_b = gy2.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe_state: ScalingRecipe,
+               grad_format: Literal["e5m2", "e4m3"] = "e5m2",
+               defer: WeightGradHook | None = None) -> Tensor:
+    """``x @ weight^T + bias`` with x and weight quantised to E4M3 by ``recipe_state``.
+
+    Backward quantises grad_y to ``grad_format`` and forms ``grad_x = q(grad_y) @ q(W)`` and
+    ``grad_W = q(grad_y)^T @ q(x)``; products run in fp32 on dequantised operands, the bias and
+    its gradient stay in high precision, the output has x's dtype. ``x`` may have any leading
+    shape ``[..., in_features]``. With ``defer``, the weight gradient may be taken for later
+    (zero-bubble pipelines); the hook then owns accumulating it into ``weight``.
+    """
+    return _FP8Linear.apply(x, weight, bias, recipe_state, fp8_format(grad_format), defer)
