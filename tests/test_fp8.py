@@ -1,5 +1,5 @@
-"""FP8 emulation: format bounds, the three scaling recipes, and fp8_linear against references
-computed by hand from the quantised tensors."""
+"""FP8: format bounds, the three scaling recipes, fp8_linear against references computed by hand
+from the quantised tensors, and its torch._scaled_mm path against its emulated path."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from meshtron.precision.fp8 import (
     make_recipe,
     quantize,
     quantize_operand,
+    scaled_mm_supported,
     tile_amax,
 )
 
@@ -141,9 +142,9 @@ def test_blockwise_shape_check_raises_a_clear_error():
 # ------------------------------------------------------------------------------ fp8_linear
 
 
-def _run(recipe, x, w, b, gy, grad_format="e5m2"):
+def _run(recipe, x, w, b, gy, grad_format="e5m2", gemm=None):
     x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
-    y = fp8_linear(x, w, b, recipe, grad_format)
+    y = fp8_linear(x, w, b, recipe, grad_format, gemm=gemm)
     y.backward(gy)
     return y, x.grad, w.grad, b.grad
 
@@ -340,3 +341,115 @@ def _knobs(name, x, w, gy, shard):
     # call order: input, weight (forward), grad_output (backward); max with the other ranks'
     agreed = iter([x.abs().max(), w.abs().max(), gy.abs().max()])
     return {"reduce_amax": lambda a: torch.maximum(a, next(agreed))}
+
+
+# ------------------------------------------------------------------------------ gemm paths
+
+
+def _count_scaled_mm(monkeypatch) -> list[tuple]:
+    """Record the operand dtypes of every torch._scaled_mm call."""
+    calls, real = [], torch._scaled_mm
+
+    def counting(a, b, **kwargs):
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+def _assert_paths_agree(got, ref) -> None:
+    """The scaled_mm path equals the emulated one up to fp32 rounding (inverse scales
+    multiplied instead of divided, another summation order)."""
+    for a, r in zip(got, ref, strict=True):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        assert torch.allclose(a, r, rtol=1e-5, atol=1e-6 * r.abs().max().item()), (
+            (a - r).abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("shape", [((4, 8), 64, 48), ((3, 5), 20, 12)], ids=["x16", "ragged"])
+@pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
+def test_scaled_mm_path_equals_the_emulated_path(name, shape, grad_format, monkeypatch):
+    lead, n_in, n_out = shape
+    calls = _count_scaled_mm(monkeypatch)
+    recipes = {gemm: make_recipe(name) for gemm in ("scaled_mm", "emulated")}
+    for step in range(2):  # the second step scales from the delayed history
+        x, w, b, gy = _inputs(step, lead, n_in, n_out)
+        ref = _run(recipes["emulated"], x, w, b, gy, grad_format, gemm="emulated")
+        assert len(calls) == 3 * step
+        got = _run(recipes["scaled_mm"], x, w, b, gy, grad_format, gemm="scaled_mm")
+        _assert_paths_agree(got, ref)
+    gfmt = E5M2.dtype if grad_format == "e5m2" else E4M3.dtype
+    e4m3 = E4M3.dtype
+    assert calls == [(e4m3, e4m3), (gfmt, e4m3), (gfmt, e4m3)] * 2  # y, grad_x, grad_W
+    if name == "delayed":
+        assert recipes["scaled_mm"].history.keys() == recipes["emulated"].history.keys()
+        for role, h in recipes["emulated"].history.items():
+            assert torch.equal(recipes["scaled_mm"].history[role], h)
+
+
+def test_gemm_knob_on_the_recipe_and_its_default(monkeypatch):
+    calls = _count_scaled_mm(monkeypatch)
+    x, w, b, gy = _inputs()
+    _run(TensorwiseScaling(), x, w, b, gy)  # "auto": _scaled_mm runs on CPU for any shape
+    assert len(calls) == 3
+    _run(make_recipe("delayed", gemm="emulated"), x, w, b, gy)
+    _run(BlockwiseScaling(block=4), x, w, b, gy)  # block-wise scales: always emulated
+    _run(TensorwiseScaling(gemm="scaled_mm"), x, w, b, gy, gemm="emulated")  # the call wins
+    assert len(calls) == 3
+    with pytest.raises(MeshtronError, match="blockwise scaling has no scaled_mm path"):
+        make_recipe("blockwise", gemm="scaled_mm")
+    with pytest.raises(MeshtronError, match="cannot multiply block-wise scales"):
+        _run(BlockwiseScaling(block=4), x, w, b, gy, gemm="scaled_mm")
+    with pytest.raises(MeshtronError, match="unknown fp8 gemm 'cublas'"):
+        TensorwiseScaling(gemm="cublas")
+
+
+def test_scaled_mm_support_rules(monkeypatch):
+    e4, e5 = E4M3.dtype, E5M2.dtype
+    assert scaled_mm_supported(torch.device("cpu"), e5, e5, 3, 7, 5)
+    assert not scaled_mm_supported(torch.device("meta"), e4, e4, 16, 16, 16)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert scaled_mm_supported(cuda, e5, e4, 8, 64, 32) is ok
+    assert scaled_mm_supported(cuda, e4, e5, 8, 64, 32)
+    assert not scaled_mm_supported(cuda, e5, e5, 8, 64, 32)
+    assert not scaled_mm_supported(cuda, e4, e4, 8, 20, 32)  # k not a multiple of 16
+    assert not scaled_mm_supported(cuda, e4, e4, 8, 64, 24)  # n not a multiple of 16
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed"])
+def test_deferred_weight_gradient_under_scaled_mm(name, monkeypatch):
+    calls = _count_scaled_mm(monkeypatch)
+    x, w, b, gy = _inputs()
+    _, _, gw_ref, _ = _run(make_recipe(name), x, w, b, gy, gemm="scaled_mm")
+    taken = []
+    for take in (True, False):
+        wp = w.clone().requires_grad_()
+        hook = lambda *p, take=take: taken.append(p) or take  # noqa: E731
+        fp8_linear(x, wp, b, make_recipe(name), gemm="scaled_mm", defer=hook).backward(gy)
+        if take:
+            assert wp.grad is None
+        else:
+            _close(wp.grad, gw_ref)
+    assert len(calls) == 3 + 1 + 2  # x needs no grad here; the deferred product is the hook's
+    weight, xq, gyq = taken[0]
+    assert xq.dtype == gyq.dtype == torch.float32 and xq.shape == (6, 16)
+    _assert_paths_agree([gyq.t() @ xq], [gw_ref])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_scaled_mm_on_cuda_is_close_to_the_emulated_path():
+    """On sm89+ the products run on FP8 tensor cores; cuBLAS sums in another order (and
+    Hopper keeps fewer accumulator bits between promotions), hence a norm-wise tolerance."""
+    if not scaled_mm_supported(torch.device("cuda"), E5M2.dtype, E4M3.dtype, 16, 16, 16):
+        pytest.skip("this GPU has no FP8 _scaled_mm")
+    x, w, b, gy = (t.cuda() for t in _inputs(lead=(4, 32), n_in=256, n_out=128))
+    for name in ("tensorwise", "delayed"):
+        ref = _run(make_recipe(name), x, w, b, gy, gemm="emulated")
+        got = _run(make_recipe(name), x, w, b, gy, gemm="scaled_mm")
+        for a, r in zip(got, ref, strict=True):
+            assert (torch.linalg.norm(a - r) / torch.linalg.norm(r)).item() < 1e-4, name

@@ -51,9 +51,9 @@ def test_state_bytes_per_rank_follow_the_formula(data_cache, tmp_path):
 
 @pytest.mark.slow
 def test_low_precision_tracks_fp32(data_cache, tmp_path):
-    """100 steps of the test model: bf16 and fp16 (loss-scaled) losses stay within 1% of
-    fp32's at every step, and finish within 0.5%."""
-    steps = 100
+    """40 steps of the test model (bf16 matmuls are slow on this CPU): bf16 and fp16
+    (loss-scaled) losses stay within 1% of fp32's at every step, and finish within 0.5%."""
+    steps = 40
     runs = {dtype: run_training(test_overrides(data_cache, str(tmp_path / dtype), steps=steps)
                                 + [f"--precision.dtype={dtype}"])["loss"]
             for dtype in ("fp32", "bf16", "fp16")}
