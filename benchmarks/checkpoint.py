@@ -54,15 +54,20 @@ and printed; for DCP every leaf of ``get_state_dict``).
 - *sha256* (meshtron): afterwards, ``meshtron.checkpoint.shards.sha256`` of the files this
   rank's load opened, timed separately (warm): the checksum part of a warm load.
 - *async save*: ``capture`` + ``save`` on an asynchronous ``CheckpointSaver`` (meshtron), or
-  ``get_state_dict`` + ``dcp.async_save`` (DCP; its default stager copies the state to new host
-  memory, then a thread writes): the **stall** is the time until the call returns control to
-  the training loop. Training steps then run while the write goes on (up to
-  ``--overlap-steps`` 2; the ranks agree after each step whether every rank's save is done). Their
-  median time against the second set-up step (no save in flight) shows what the background
-  write costs the steps on these shared cores. *async total*: from the call until every rank's
-  save is finished (``wait`` / ``future.result()`` + barrier). In the first round the async
-  checkpoint is also loaded and compared with a snapshot taken just before the save, which
-  proves the training steps during the write did not leak into it.
+  ``get_state_dict`` + ``dcp.async_save`` (DCP; its default stager copies the state into newly
+  allocated host memory, then a thread writes): the **stall** is the time until the call
+  returns control to the training loop (per rank, no barrier). Training steps then run while
+  the write goes on (at most ``--overlap-steps``, default 1; after each step the ranks agree
+  whether every rank's save is done); their time against the second set-up step (no save in
+  flight) shows what the background write costs the steps on these shared cores. *write*: from
+  the call until the save's future completes (a done-callback's ``perf_counter``; on meshtron's
+  rank 0 that includes the manifest and rename). *total*: until every rank is past
+  ``wait`` / ``future.result()`` and a barrier, so at least the overlapping step. *reuse*
+  (meshtron): afterwards, the same pieces copied once more into the capture's buffers, which
+  are now in memory: what a capture that kept its buffers between saves would cost (a fresh
+  buffer costs page faults on first touch). In the first round the async checkpoint is also
+  loaded and compared with a snapshot taken just before the save, which proves the training
+  steps during the write did not leak into it.
 
 MB = 10^6 bytes of tensor data in the checkpoint, from the checkpoint's own index (meshtron's
 manifest, DCP's ``.metadata``); throughput = that / the time. Files and bytes written per rank
@@ -712,9 +717,10 @@ def main() -> None:
                     results[name].append(row)
                     print(f"  round {r + 1}: {name:<21} save {row['save_s']:6.2f} s, load cold "
                           f"{row['load_cold_s']:5.2f} / warm {row['load_warm_s']:5.2f} s, "
-                          f"stall {row['stall_s']:5.2f} s, async total "
-                          f"{row['async_total_s']:5.2f} s ({len(row['overlap_steps_s'])} steps "
-                          f"overlapped), verified {row['verified']}"
+                          f"stall {row['stall_s']:5.2f} s, async write "
+                          f"{row['async_write_s']:5.2f} s, total {row['async_total_s']:5.2f} s "
+                          f"({len(row['overlap_steps_s'])} steps overlapped), verified "
+                          f"{row['verified']}"
                           + (f", async verified {row['verified_async']}"
                              if row["verified_async"] is not None else ""), flush=True)
     finally:
@@ -732,27 +738,37 @@ def main() -> None:
               f"parameters); written per rank {' / '.join(f'{x:.1f}' for x in row['written_mb'])}"
               f" MB; state per rank {' / '.join(f'{x:.1f}' for x in row['state_mb'])} MB; files "
               f"(MB): {files}")
-    print("\nmedians over rounds, slowest rank; MB/s = checkpoint MB / time")
-    print(f"{'configuration':<21} {'save s':>6} {'MB/s':>5} {'cold s':>6} {'MB/s':>5} "
-          f"{'warm s':>6} {'MB/s':>5} {'sha256 s':>8} {'stall s':>7} {'prep s':>6} "
-          f"{'stall/save':>10} {'async s':>7} {'step s':>6} {'overlap':>7} {'wall s':>6}  verified")
     nan = float("nan")
+
+    def num(value: float | None) -> float:
+        return nan if value is None else value
+
+    print("\nmedians over rounds, slowest rank; MB/s = checkpoint MB / time; prep s: the part "
+          "of the sync save before writing (meshtron's capture, a host copy; DCP's "
+          "get_state_dict, no copy); sha256 s: meshtron's checksum of the files its load opens, "
+          "timed separately on warm files")
+    print(f"{'configuration':<21} {'save s':>6} {'MB/s':>5} {'prep s':>6} {'cold s':>6} "
+          f"{'MB/s':>5} {'warm s':>6} {'MB/s':>5} {'sha256 s':>8}  verified")
     for row in rows.values():
-        checksum = row["checksum_s"] if row["checksum_s"] is not None else nan
-        overlap = row["overlap_step_s"] if row["overlap_step_s"] is not None else nan
         print(f"{row['name']:<21} {row['save_s']:>6.2f} {row['save_mb_s']:>5.0f} "
-              f"{row['load_cold_s']:>6.2f} {row['load_cold_mb_s']:>5.0f} "
-              f"{row['load_warm_s']:>6.2f} {row['load_warm_mb_s']:>5.0f} {checksum:>8.2f} "
-              f"{row['stall_s']:>7.2f} {row['stall_prepare_s']:>6.2f} "
-              f"{row['stall_fraction']:>10.2f} {row['async_total_s']:>7.2f} "
-              f"{row['baseline_step_s']:>6.2f} {overlap:>7.2f} {row['wall_s']:>6.0f}  "
-              f"{row['verified']}, async "
-              f"{row['verified_async']}")
-    print("(sha256 s: meshtron's checksum of the files its load opens, timed separately on warm "
-          "files; prep s: the part of the stall before the save call: meshtron's capture (its "
-          "host copy), DCP's get_state_dict (no copy: DCP copies inside async_save); step s: a "
-          "training step with no save in flight; overlap: median step while an async save "
-          "writes; wall s: the whole configuration, set-up included)")
+              f"{row['save_prepare_s']:>6.2f} {row['load_cold_s']:>6.2f} "
+              f"{row['load_cold_mb_s']:>5.0f} {row['load_warm_s']:>6.2f} "
+              f"{row['load_warm_mb_s']:>5.0f} {num(row['checksum_s']):>8.2f}  {row['verified']}")
+    print("\nasync: stall = until the save call returns (prep s: before the call: meshtron's "
+          "capture, DCP's get_state_dict; DCP copies inside async_save); reuse s: copying the "
+          "same pieces into the already allocated capture buffers (meshtron); write s: until "
+          "the background save finished; total s: until every rank's save is done, after the "
+          "overlapping step; step s: a training step with no save in flight, overlap s: while "
+          "an async save writes; wall s: the whole configuration, set-up included")
+    print(f"{'configuration':<21} {'stall s':>7} {'prep s':>6} {'stall/save':>10} "
+          f"{'reuse s':>7} {'write s':>7} {'total s':>7} {'step s':>6} {'overlap s':>9} "
+          f"{'wall s':>6}  verified")
+    for row in rows.values():
+        print(f"{row['name']:<21} {row['stall_s']:>7.2f} {row['stall_prepare_s']:>6.2f} "
+              f"{row['stall_fraction']:>10.2f} {num(row['recapture_s']):>7.2f} "
+              f"{row['async_write_s']:>7.2f} {row['async_total_s']:>7.2f} "
+              f"{row['baseline_step_s']:>6.2f} {num(row['overlap_step_s']):>9.2f} "
+              f"{row['wall_s']:>6.0f}  {row['verified_async']}")
     resident = {n: r["resident_after_evict"] for n, r in rows.items()}
     print(f"bytes of the checkpoint still in the page cache after eviction, per round: {resident}")
 

@@ -138,7 +138,7 @@ class PipelineExecutor:
                 if self.store is not None:
                     self.store.deferring = True
                 torch.autograd.backward(out, grad)
-                del out, grad  # nothing of this micro-batch's graph may outlive its backward
+                del out, grad  # release this micro-batch's graph now, not at the next action
                 if self.store is not None:
                     self.store.deferring = False
                     deferred[m, c] = self.store.take()

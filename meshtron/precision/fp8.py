@@ -1,10 +1,12 @@
-"""Exact FP8 emulation for linear layers: formats, scaling recipes and an FP8 ``linear``.
+"""FP8 linear layers: formats, scaling recipes, and an FP8 ``linear`` with two GEMM paths.
 
 A tensor is quantised by multiplying it by a scale, clamping to the format's range (saturation,
 as Transformer Engine does) and casting to torch's float8 dtype; dequantising divides the fp8
-values, read as fp32, by the same scale. :func:`fp8_linear` multiplies dequantised operands in
-fp32, which is the numerical model of a GPU FP8 GEMM with fp32 accumulation (one product of
-fp8 values per term, scales applied per tile), up to fp32 rounding and accumulation order.
+values, read as fp32, by the same scale. :func:`fp8_linear` forms each product either with
+``torch._scaled_mm`` on the fp8 data (a real FP8 GEMM on sm89+ GPUs; torch also runs it on CPU)
+or by multiplying dequantised operands in fp32 (emulation). Both are the numerical model of an
+FP8 GEMM with fp32 accumulation and agree up to fp32 rounding and accumulation order.
+``_scaled_mm`` takes one scale per tensor here, so block-wise scaling is always emulated.
 
 Three recipes give the scales (see docs/precision.md, section "FP8"):
 
@@ -43,6 +45,22 @@ AmaxReduce = Callable[[Tensor], Tensor]
 WeightGradHook = Callable[[Tensor, Tensor, Tensor], bool]
 """Called in backward with (weight, dequantised x, dequantised grad_y), both 2-D fp32; returns
 True when it takes the weight gradient ``grad_y^T @ x`` to form later."""
+
+Gemm = Literal["auto", "scaled_mm", "emulated"]
+"""How FP8 products run: ``torch._scaled_mm`` where it can ("auto"), always ("scaled_mm", an
+error where it cannot), or never ("emulated": dequantise and multiply in fp32)."""
+
+GEMMS: tuple[Gemm, ...] = ("auto", "scaled_mm", "emulated")
+
+SCALED_MM_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability of the first FP8 tensor cores (Ada; Hopper is 9.0)."""
+
+
+def check_gemm(gemm: str) -> Gemm:
+    """``gemm`` if it names a GEMM path, else :class:`MeshtronError`."""
+    if gemm not in GEMMS:
+        raise MeshtronError(f"unknown fp8 gemm {gemm!r}; use one of {list(GEMMS)}")
+    return gemm  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,58 @@ class Quantized:
             return dequantize(self.data, self.scale)
         return dequantize(self.data, expand_tiles(self.scale, self.tile, self.data.shape))
 
+    def t(self) -> Quantized:
+        """The transpose of a 2-D tensor: a view of the fp8 data, scales (and tiles) swapped."""
+        if self.tile is None:
+            return Quantized(self.data.t(), self.scale)
+        return Quantized(self.data.t(), self.scale.t(), (self.tile[1], self.tile[0]))
+
+
+def scaled_mm_supported(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype,
+                        m: int, k: int, n: int) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies fp8 ``[m, k] @ [k, n]`` of these dtypes on
+    ``device`` with per-tensor scales.
+
+    Decided from the device and the shapes, nothing cached: torch's CPU kernel takes every
+    E4M3/E5M2 combination and any shape; CUDA needs compute capability 8.9+ (not ROCm, whose
+    fp8 types differ), k and n multiples of 16, and refuses two E5M2 operands.
+    """
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if torch.cuda.get_device_capability(device) < SCALED_MM_MIN_CAPABILITY:
+        return False
+    if a_dtype == b_dtype == torch.float8_e5m2:
+        return False
+    return k % 16 == 0 and n % 16 == 0
+
+
+def fp8_matmul(a: Quantized, b: Quantized, gemm: Gemm = "auto") -> Tensor:
+    """``a @ b^T`` in fp32 for 2-D quantised ``a`` [m, k] and ``b`` [n, k].
+
+    With one scale per tensor and ``gemm`` "auto" or "scaled_mm", this is ``torch._scaled_mm``
+    on the fp8 data with the inverse scales (fp32 accumulation and output); its layouts
+    (row-major ``a``, column-major second operand) come from contiguous copies where needed.
+    Otherwise, or where ``_scaled_mm`` cannot run (see :func:`scaled_mm_supported`) under
+    "auto", the dequantised operands are multiplied in fp32.
+    """
+    if gemm != "emulated":
+        (m, k), n = a.data.shape, b.data.shape[0]
+        per_tensor = a.tile is None and b.tile is None
+        if per_tensor and scaled_mm_supported(a.data.device, a.data.dtype, b.data.dtype, m, k, n):
+            return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(),
+                                    scale_a=a.scale.reciprocal(), scale_b=b.scale.reciprocal(),
+                                    out_dtype=torch.float32, use_fast_accum=False)
+        if gemm == "scaled_mm":
+            why = ("block-wise scales" if not per_tensor else
+                   f"{a.data.dtype} x {b.data.dtype} operands of [{m}, {k}] @ [{k}, {n}] on "
+                   f"{a.data.device} (CUDA needs compute capability 8.9+, dimensions k and n "
+                   f"multiples of 16 and at most one e5m2 operand)")
+            raise MeshtronError(f"fp8 gemm 'scaled_mm' cannot multiply {why}; use gemm='auto' "
+                                f"to fall back to emulation")
+    return a.dequantize() @ b.dequantize().t()
+
 
 def quantize_tiles(x: Tensor, fmt: FP8Format, scale: Tensor, tile: Tile | None) -> Quantized:
     """Quantise ``x`` with a scalar ``scale`` (``tile`` None) or one scale per ``tile``."""
@@ -145,8 +215,11 @@ class ScalingRecipe(ABC):
     :meth:`scales` returns ``(scale, tile)`` for a 2-D operand: a scalar scale with tile None,
     or one scale per tile. :meth:`wgrad_scales` may return different scales for the operands of
     the weight-gradient product ``grad_y^T @ x`` (whose reduction runs over tokens); None means
-    that product reuses the forward's ``x`` and the input-gradient's ``grad_y``.
+    that product reuses the forward's ``x`` and the input-gradient's ``grad_y``. ``gemm``
+    chooses how :func:`fp8_linear` forms the layer's products (see :data:`Gemm`).
     """
+
+    gemm: Gemm = "auto"
 
     @abstractmethod
     def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile | None]:
@@ -161,9 +234,11 @@ class TensorwiseScaling(ScalingRecipe):
     """Current scaling: ``scale = fmt.max / amax(x)`` over the whole tensor, amax agreed by
     ``reduce_amax`` when given."""
 
-    def __init__(self, reduce_amax: AmaxReduce | None = None, power_of_two: bool = False):
+    def __init__(self, reduce_amax: AmaxReduce | None = None, power_of_two: bool = False,
+                 gemm: Gemm = "auto"):
         self.reduce_amax = reduce_amax
         self.power_of_two = power_of_two
+        self.gemm = check_gemm(gemm)
 
     def amax(self, x: Tensor) -> Tensor:
         """``max |x|`` in fp32, passed through ``reduce_amax``."""
@@ -186,13 +261,14 @@ class DelayedScaling(TensorwiseScaling):
 
     def __init__(self, history_len: int = 1024,
                  reduction: Literal["max", "most_recent"] = "max", margin: int = 0,
-                 reduce_amax: AmaxReduce | None = None, power_of_two: bool = False):
+                 reduce_amax: AmaxReduce | None = None, power_of_two: bool = False,
+                 gemm: Gemm = "auto"):
         if history_len < 1:
             raise MeshtronError(f"fp8 amax history_len must be at least 1, got {history_len}")
         if reduction not in ("max", "most_recent"):
             raise MeshtronError(
                 f"fp8 amax reduction must be 'max' or 'most_recent', got {reduction!r}")
-        super().__init__(reduce_amax, power_of_two)
+        super().__init__(reduce_amax, power_of_two, gemm)
         self.history_len = history_len
         self.reduction = reduction
         self.margin = margin
@@ -243,14 +319,20 @@ class BlockwiseScaling(ScalingRecipe):
     runs over tokens, x and grad_y are quantised again from high precision in ``block`` x 1
     tiles along the token dimension (a ragged last tile is fine there). Feature dimensions must
     be multiples of ``block``. Stateless; ``reduce_amax`` is not used, since tiles never span
-    ranks when shard sizes are multiples of ``block``.
+    ranks when shard sizes are multiples of ``block``. Products are always emulated ("auto"
+    and "emulated" mean the same here): ``_scaled_mm``'s block-wise scales are CUDA-only and
+    the ragged token tiles of the weight gradient do not fit them.
     """
 
-    def __init__(self, block: int = 128, power_of_two: bool = False):
+    def __init__(self, block: int = 128, power_of_two: bool = False, gemm: Gemm = "auto"):
         if block < 1:
             raise MeshtronError(f"fp8 block size must be at least 1, got {block}")
+        if check_gemm(gemm) == "scaled_mm":
+            raise MeshtronError("fp8 blockwise scaling has no scaled_mm path; use gemm='auto' "
+                                "or 'emulated'")
         self.block = block
         self.power_of_two = power_of_two
+        self.gemm = gemm
 
     def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile]:
         b = self.block
@@ -316,20 +398,21 @@ def _wgrad_operand(x: Tensor, role: Role, recipe: ScalingRecipe, fmt: FP8Format,
 
 
 class _FP8Linear(torch.autograd.Function):
-    """y = q(x) q(W)^T + b in fp32; backward with q(grad_y) in ``grad_fmt``."""
+    """y = q(x) q(W)^T + b in fp32; backward with q(grad_y) in ``grad_fmt``; products by
+    :func:`fp8_matmul` along ``gemm``."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: ScalingRecipe,
-                grad_fmt: FP8Format, defer: WeightGradHook | None) -> Tensor:
+                grad_fmt: FP8Format, defer: WeightGradHook | None, gemm: Gemm) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             qx = quantize_operand(x2, "input", recipe, E4M3)
             qw = quantize_operand(weight, "weight", recipe, E4M3)
-            y = qx.dequantize() @ qw.dequantize().t()
+            y = fp8_matmul(qx, qw, gemm)
             if bias is not None:
                 y = y + bias.float()
             qx_wgrad = _wgrad_operand(x2, "input", recipe, E4M3, qx)
-        ctx.recipe, ctx.grad_fmt, ctx.defer = recipe, grad_fmt, defer
+        ctx.recipe, ctx.grad_fmt, ctx.defer, ctx.gemm = recipe, grad_fmt, defer, gemm
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.qw, ctx.qx_wgrad = qw, qx_wgrad  # fp8 data + scales, as a real FP8 layer keeps
@@ -344,27 +427,32 @@ class _FP8Linear(torch.autograd.Function):
         with torch.autocast(gy2.device.type, enabled=False):
             qgy = quantize_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt)
             if ctx.needs_input_grad[0]:
-                grad_x = (qgy.dequantize() @ ctx.qw.dequantize()).to(ctx.x_dtype)
+                grad_x = fp8_matmul(qgy, ctx.qw.t(), ctx.gemm).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                qgy_wgrad = _wgrad_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt, qgy)
-                gy_w, x_w = qgy_wgrad.dequantize(), ctx.qx_wgrad.dequantize()
-                if ctx.defer is None or not ctx.defer(weight, x_w, gy_w):
-                    grad_w = (gy_w.t() @ x_w).to(weight.dtype)
+                qgy_w = _wgrad_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt, qgy)
+                qx_w = ctx.qx_wgrad
+                deferred = ctx.defer is not None and ctx.defer(
+                    weight, qx_w.dequantize(), qgy_w.dequantize())
+                if not deferred:
+                    grad_w = fp8_matmul(qgy_w.t(), qx_w.t(), ctx.gemm).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = gy2.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe_state: ScalingRecipe,
                grad_format: Literal["e5m2", "e4m3"] = "e5m2",
-               defer: WeightGradHook | None = None) -> Tensor:
+               defer: WeightGradHook | None = None, gemm: Gemm | None = None) -> Tensor:
     """``x @ weight^T + bias`` with x and weight quantised to E4M3 by ``recipe_state``.
 
     Backward quantises grad_y to ``grad_format`` and forms ``grad_x = q(grad_y) @ q(W)`` and
-    ``grad_W = q(grad_y)^T @ q(x)``; products run in fp32 on dequantised operands, the bias and
-    its gradient stay in high precision, the output has x's dtype. ``x`` may have any leading
-    shape ``[..., in_features]``. With ``defer``, the weight gradient may be taken for later
-    (zero-bubble pipelines); the hook then owns accumulating it into ``weight``.
+    ``grad_W = q(grad_y)^T @ q(x)``. Each product runs through :func:`fp8_matmul` along
+    ``gemm`` (None: the recipe's ``gemm``): ``torch._scaled_mm`` on the fp8 data, or fp32 on
+    dequantised operands; both accumulate in fp32. The bias and its gradient stay in high
+    precision, the output has x's dtype. ``x`` may have any leading shape ``[..., in_features]``.
+    With ``defer``, the weight gradient may be taken for later (zero-bubble pipelines): the hook
+    gets the dequantised operands and then owns forming and accumulating it into ``weight``.
     """
-    return _FP8Linear.apply(x, weight, bias, recipe_state, fp8_format(grad_format), defer)
+    gemm = recipe_state.gemm if gemm is None else check_gemm(gemm)
+    return _FP8Linear.apply(x, weight, bias, recipe_state, fp8_format(grad_format), defer, gemm)
