@@ -8,12 +8,13 @@ Run from the repository root::
 ``--help``.)
 
 **What runs.** Every configuration holds the same training state: meshtron's ``Transformer`` of
-the ``small`` preset shape with ``--layers`` 4 layers (llama: hidden 768, 12 heads, ffn 2048,
-vocab 32000, untied output; 77.5M parameters), fp32, seeded ``initialize`` (seed 0), then two
+the ``small`` preset shape with ``--layers`` 2 layers (llama: hidden 768, 12 heads, ffn 2048,
+vocab 32000, untied output; 63.3M parameters), fp32, seeded ``initialize`` (seed 0), then two
 real training steps (seq 64, one row per rank, lr 1e-4, clipping at 1.0, AdamW with meshtron's
-parameter groups) so that AdamW's moments exist: 930 MB of tensor data (parameters,
-``exp_avg``, ``exp_avg_sq``). Processes are spawned with gloo over a ``file://`` rendezvous, one
-torch thread each; dp=2 configurations run in two processes, the others in one:
+parameter groups) so that AdamW's moments exist: 760 MB of tensor data (parameters,
+``exp_avg``, ``exp_avg_sq``). The model and optimizer loaded into are built the same way with
+seed 1, so a load visibly changes them. Processes are spawned with gloo over a ``file://``
+rendezvous, one torch thread each; dp=2 configurations run in two processes, the others in one:
 
 - ``meshtron dp=2 zero=1``: ``DataParallelOptimizer(zero=1)`` (ZeRO-1: each rank holds half of
   the AdamW moments) and ``train_step``. Saving: ``train_state.capture`` (host copies of this
@@ -677,7 +678,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of every configuration, in fresh processes, order rotating")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers (small shape)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers (small shape)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the checkpoints are written (a fresh subdirectory)")
     parser.add_argument("--overlap-steps", type=int, default=1,
