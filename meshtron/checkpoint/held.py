@@ -7,13 +7,14 @@ ZeRO 0-2, AdamW state under ZeRO 0) or the part inside its chunk of a gradient b
 parameters, the sharded optimizer's state). :class:`Held` aliases the live storage, so the
 loader writes straight into the model and the optimizer.
 
-Every element is written by exactly one rank: the first data-parallel rank for what all dp
-ranks replicate, the first of the tp ranks that share a replicated parameter, and never the
-last pipeline stage's copy of a tied embedding.
+Every element is written by exactly one rank: one of the data-parallel ranks, in turn, for what
+all dp ranks replicate (so they share the writing), the first of the tp ranks that share a
+replicated parameter, and never the last pipeline stage's copy of a tied embedding.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -96,7 +97,12 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                  mesh: ParallelMesh) -> list[Held]:
     """Everything of the model and its optimizer that this rank holds, in a fixed order."""
     names = global_parameters(model)
-    first_dp = mesh.dp_cp.rank == 0
+    turn = itertools.count()
+
+    def my_turn() -> bool:
+        """Round-robin over the dp ranks for what they all hold: the write is shared."""
+        return next(turn) % mesh.dp_cp.size == mesh.dp_cp.rank
+
     out: list[Held] = []
     sharded = isinstance(optimizer.adamw, ShardedAdamW)
     chunks = optimizer.flats if sharded else []
@@ -106,7 +112,7 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
     else:
         for param in model.parameters():
             out.append(Held(f"model/{names[id(param)]}", param, tuple(param.shape),
-                            param.data.view(-1), 0, first_dp and _unique_writer(param, mesh)))
+                            param.data.view(-1), 0, my_turn() and _unique_writer(param, mesh)))
     if sharded:
         adamw = optimizer.adamw
         replicated = optimizer.stage == 0  # whole buckets on every dp rank
@@ -117,7 +123,7 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
             for key, chunk in states.items():
                 for held in _bucket_ranges(f"optim/{{}}/{key}", names, flat.bucket, chunk,
                                            flat.start, mesh):
-                    held.writes &= first_dp or not replicated
+                    held.writes &= not replicated or my_turn()
                     if key == "master":
                         held.fallback = "model/" + held.name[len("optim/"):-len("/master")]
                     out.append(held)
@@ -127,7 +133,7 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                 if key in state:
                     out.append(Held(f"optim/{names[id(param)]}/{key}", param, tuple(param.shape),
                                     state[key].view(-1), 0,
-                                    first_dp and _unique_writer(param, mesh)))
+                                    my_turn() and _unique_writer(param, mesh)))
     return out
 
 

@@ -32,6 +32,8 @@ class CheckpointSaver:
         self.timeout_s = timeout_s
         self.executor = ThreadPoolExecutor(1, "checkpoint") if asynchronous else None
         self.pending: tuple[int, Future] | None = None
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        """Host copies of the state, reused by every save (see ``train_state.capture``)."""
 
     def save(self, step: int, pieces: list[Piece], meta: dict[str, Any],
              copy_files: dict[str, Path]) -> Path:

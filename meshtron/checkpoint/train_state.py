@@ -27,15 +27,24 @@ from meshtron.parallel.mesh import ParallelMesh
 
 
 @torch.no_grad()
-def capture(model: nn.Module, optimizer: DataParallelOptimizer,
-            mesh: ParallelMesh) -> list[Piece]:
-    """Host copies of the pieces this rank writes (no communication)."""
+def capture(model: nn.Module, optimizer: DataParallelOptimizer, mesh: ParallelMesh,
+            buffers: dict[tuple, torch.Tensor] | None = None) -> list[Piece]:
+    """Host copies of the pieces this rank writes (no communication). With ``buffers`` (kept
+    by the caller between saves, and not in use by a save still being written) the copies go
+    into the same host tensors every time instead of new ones."""
     pieces = []
     for held in held_tensors(model, optimizer, mesh):
         if not held.writes:
             continue
         for local_box, global_box in held.boxes():
-            data = held.view(local_box).detach().to("cpu", copy=True)
+            source = held.view(local_box)
+            key = (held.name, global_box)
+            data = buffers.get(key) if buffers is not None else None
+            if data is None or data.dtype != source.dtype:
+                data = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+                if buffers is not None:
+                    buffers[key] = data
+            data.copy_(source)
             pieces.append(Piece(held.name, held.global_shape, global_box, data))
     return pieces
 

@@ -253,7 +253,8 @@ class Trainer:
         """Write a checkpoint: each rank its own shard (in the background with
         ``checkpoint.async``), the first rank the index. No collectives when asynchronous."""
         cfg = self.cfg
-        pieces = train_state.capture(self.model, self.optimizer, self.mesh)
+        self.saver.wait()  # the host buffers below belong to the save in flight until it ends
+        pieces = train_state.capture(self.model, self.optimizer, self.mesh, self.saver.buffers)
         meta = {"config": cfg.to_dict(), "layout": self.mesh.layout.sizes(),
                 "data": {"next_batch": self.step, "seed": cfg.train.seed},
                 **train_state.optimizer_meta(self.optimizer), **self._scaler_meta()}
