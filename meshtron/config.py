@@ -378,15 +378,6 @@ def micro_batch_size(cfg: Config, world_size: int = 1) -> int:
     return t.micro_batch or t.global_batch // max(1, data_parallel_size(cfg, world_size))
 
 
-def num_micro_batches(cfg: Config, world_size: int = 1) -> int:
-    return cfg.train.global_batch // (
-        micro_batch_size(cfg, world_size) * data_parallel_size(cfg, world_size)
-    )
-
-
-# ----------------------------------------------------------------------------- validation
-
-
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise MeshtronError(message)

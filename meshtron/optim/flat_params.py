@@ -80,10 +80,6 @@ class FlatParams:
             return None
         return start_all_gather(self.full, self.group)
 
-    def chunk_from_params(self) -> None:
-        """Copy this rank's range of the (gathered) parameters into the chunk."""
-        self.chunk.copy_(self.full[self.start : self.end])
-
     def nbytes(self) -> int:
         """Bytes kept between steps: the full buffer (ZeRO-1/2) or only the chunk (ZeRO-3)."""
         kept = self.chunk if self.sharded else self.full

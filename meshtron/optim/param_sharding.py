@@ -76,11 +76,6 @@ class ShardedUnits:
         for flat in self.units[unit]:
             flat.free()
 
-    def gather_all(self) -> None:
-        for unit in self.units:
-            for flat in unit:
-                flat.wait_gather()
-
     def free_all(self) -> None:
         """Free every unit, dropping prefetches (called after the optimizer changed chunks)."""
         for unit in range(len(self.units)):

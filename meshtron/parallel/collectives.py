@@ -149,17 +149,6 @@ class _ReduceScatterSP(torch.autograd.Function):
         return all_gather(grad, ctx.group, dim=1), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return local_chunk(x, group, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, dim=1), None
-
-
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.pg is None else _CopyToTP.apply(x, group)
 
@@ -174,7 +163,3 @@ def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.pg is None else _ReduceScatterSP.apply(x, group)
-
-
-def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.pg is None else _ScatterToSP.apply(x, group)
