@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as serialize
+from safetensors.torch import save_file
 
 from meshtron.checkpoint.boxes import Box, intersect, slices
 from meshtron.errors import MeshtronError
@@ -68,13 +68,10 @@ def write_shard(directory: Path, rank: int, pieces: list[Piece], rng: torch.Tens
     tensors = {f"p{i}": p.data.contiguous() for i, p in enumerate(pieces)}
     tensors["rng"] = rng
     path = directory / f"{base}.safetensors"
-    payload = serialize(tensors)  # hashed in memory: the file is not read back
-    with open(path, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+    save_file(tensors, str(path))
+    fsync_file(path)
     index = {
-        "file": path.name, "sha256": hashlib.sha256(payload).hexdigest(), "rng": "rng",
+        "file": path.name, "sha256": sha256(path), "rng": "rng",
         "pieces": [{"name": p.name, "shape": list(p.shape), "dtype": DTYPE_NAMES[p.data.dtype],
                     "key": f"p{i}", "offset": list(p.box[0]), "size": list(p.box[1])}
                    for i, p in enumerate(pieces)],
