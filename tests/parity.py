@@ -71,3 +71,15 @@ def assert_parity(reference: dict, candidate: dict, what: str, rtol: float = PAR
                 f"{what}: {key} at step {step} is {b!r}, single process gives {a!r} "
                 f"(relative difference {abs(a - b) / abs(a):.2e})"
             )
+
+
+def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], cache_dir: str,
+                         root) -> None:
+    """Every rank's run of every layout against one one-process reference per model."""
+    references: dict[tuple[str, ...], dict] = {}
+    for i, layout in enumerate(layouts):
+        key = tuple(model_overrides(layout))
+        if key not in references:
+            references[key] = run_training(test_overrides(cache_dir, f"{root}/ref{i}") + list(key))
+        for rank, per_rank in enumerate(results):
+            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})")

@@ -12,7 +12,7 @@ from meshtron.parallel.layout import MeshLayout
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.parity import assert_parity, model_overrides, run_layouts, run_training, test_overrides
+from tests.parity import assert_layouts_match, run_layouts, test_overrides
 
 SMALL_BUCKETS = "--parallel.bucket_mb=0.02"  # several buckets even in the tiny test model
 
@@ -33,14 +33,7 @@ LAYOUTS = {
 def test_data_parallel_parity(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
     results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts)
-    references: dict[tuple[str, ...], dict] = {}
-    for i, layout in enumerate(layouts):
-        key = tuple(model_overrides(layout))
-        if key not in references:
-            references[key] = run_training(
-                test_overrides(data_cache, str(tmp_path / f"ref{i}")) + list(key))
-        for rank, per_rank in enumerate(results):
-            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})")
+    assert_layouts_match(layouts, results, data_cache, tmp_path)
 
 
 def one_step_accounting(rank: int, world_size: int, cache_dir: str, root: str) -> list[dict]:

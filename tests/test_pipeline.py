@@ -15,7 +15,7 @@ from meshtron.parallel.partition import balanced_counts, plan_pipeline
 from meshtron.parallel.schedules import build_schedule
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.parity import assert_parity, model_overrides, run_layouts, run_training, test_overrides
+from tests.parity import assert_layouts_match, run_layouts, run_training, test_overrides
 
 # ------------------------------------------------------------------ layer split (no processes)
 
@@ -105,14 +105,7 @@ def test_pipeline_parity(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
     results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
                               timeout=900)
-    references: dict[tuple[str, ...], dict] = {}
-    for i, layout in enumerate(layouts):
-        key = tuple(model_overrides(layout))
-        if key not in references:
-            references[key] = run_training(
-                test_overrides(data_cache, str(tmp_path / f"ref{i}")) + list(key))
-        for rank, per_rank in enumerate(results):
-            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})")
+    assert_layouts_match(layouts, results, data_cache, tmp_path)
 
 
 # ------------------------------------------------------------------ activation memory
