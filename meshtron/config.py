@@ -33,6 +33,59 @@ REDUCE_DTYPES = ("fp32", "bf16")
 FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
+ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("micro_batch", "sequence")
+EXPERT_COMPUTE = ("grouped", "loop")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (``model.moe.*``); ``num_experts`` 0 keeps every MLP dense. Unset
+    fields (None) come from the preset, then from the defaults in :data:`MOE_DEFAULTS`."""
+
+    num_experts: int | None = None
+    top_k: int | None = None
+    expert_ffn_size: int | None = None
+    """Hidden units of one expert (fine-grained experts are narrower); None: ffn_hidden_size."""
+    shared_experts: int | None = None
+    """Always-on experts (DeepSeek), computed as one dense MLP of shared x expert_ffn_size."""
+    dense_layers: int | None = None
+    """The first this many layers keep a dense MLP."""
+    every: int | None = None
+    """After the dense layers, every this-many-th layer is MoE (1: all of them)."""
+    score: str | None = None
+    """Router scores: softmax or sigmoid."""
+    normalize_topk: bool | None = None
+    """Rescale the chosen experts' weights to sum to one."""
+    route_scale: float | None = None
+    """Multiplier of the routing weights."""
+    groups: int | None = None
+    """Group-limited routing (DeepSeek-V3): experts form this many groups ..."""
+    topk_groups: int | None = None
+    """... and each token chooses its experts inside its best this-many groups."""
+    aux_loss: float | None = None
+    """Coefficient of the load-balancing loss (Switch/GShard form); 0 disables."""
+    aux_loss_scope: str | None = None
+    """Balance over each micro_batch or each sequence."""
+    z_loss: float | None = None
+    """Coefficient of the router z-loss (mean squared logsumexp of the logits)."""
+    bias_update: float | None = None
+    """Aux-loss-free balancing: per-expert selection bias moved by this much per step towards
+    the mean load (DeepSeek-V3's gamma); 0 disables."""
+    capacity_factor: float | None = None
+    """Tokens an expert takes per micro-batch, as a multiple of the balanced share; 0: dropless."""
+    pad_to_capacity: bool | None = None
+    """With a capacity: every expert computes exactly its capacity (padding with zeros)."""
+    compute: str | None = None
+    """Expert FFNs as one grouped matmul (grouped) or one matmul per expert (loop)."""
+
+
+MOE_DEFAULTS: dict[str, Any] = dict(
+    num_experts=0, top_k=2, shared_experts=0, dense_layers=0, every=1, score="softmax",
+    normalize_topk=True, route_scale=1.0, groups=1, topk_groups=1, aux_loss=0.01,
+    aux_loss_scope="micro_batch", z_loss=0.0, bias_update=0.0, capacity_factor=0.0,
+    pad_to_capacity=False, compute="grouped",
+)
 
 
 @dataclass
@@ -56,6 +109,17 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     init_std: float = 0.02
     dropout: float = 0.0
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe.num_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (global index) has experts in place of its MLP."""
+        moe = self.moe
+        return (self.is_moe and layer >= moe.dense_layers
+                and (layer - moe.dense_layers) % moe.every == 0)
 
 
 @dataclass
@@ -258,15 +322,30 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise MeshtronError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _set_field(cfg: Config, section: str, key: str, value: Any) -> None:
-    if section not in SECTIONS:
+def _set_field(cfg: Any, section: str, key: str, value: Any) -> None:
+    """Set ``section.key`` of ``cfg``; ``key`` may be dotted into a nested section
+    (``model.moe.top_k``), and a mapping value sets a nested section field by field."""
+    if not hasattr(cfg, _attr(section)) or not dataclasses.is_dataclass(getattr(cfg, section)):
         raise MeshtronError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
     sec_obj = getattr(cfg, section)
     hints = {config_key(k): v for k, v in typing.get_type_hints(type(sec_obj)).items()}
-    if key not in hints:
+    head, _, rest = key.partition(".")
+    if head not in hints:
         raise MeshtronError(
-            f"unknown config key '{section}.{key}'" + _suggest_dotted(section, key, hints)
+            f"unknown config key '{section}.{key}'" + _suggest_dotted(section, head, hints)
         )
+    nested = dataclasses.is_dataclass(hints[head])
+    if nested and rest:
+        try:
+            return _set_field(sec_obj, head, rest, value)
+        except MeshtronError as err:
+            raise MeshtronError(str(err).replace(f"'{head}.", f"'{section}.{head}.")) from None
+    if nested and isinstance(value, dict):
+        for sub_key, sub_value in value.items():
+            _set_field(cfg, section, f"{head}.{sub_key}", sub_value)
+        return
+    if nested or rest:
+        raise MeshtronError(f"config key '{section}.{key}' does not name a field")
     setattr(sec_obj, _attr(key), _coerce(value, hints[key], f"{section}.{key}"))
 
 
@@ -353,8 +432,15 @@ def resolve(cfg: Config) -> None:
             f"choose one of {', '.join(MODEL_PRESETS)}"
         )
     for key, value in MODEL_PRESETS[m.preset].items():
+        if key == "moe":
+            continue
         if getattr(m, key) is None:
             setattr(m, key, value)
+    for key, value in {**MOE_DEFAULTS, **MODEL_PRESETS[m.preset].get("moe", {})}.items():
+        if getattr(m.moe, key) is None:
+            setattr(m.moe, key, value)
+    if m.moe.expert_ffn_size is None:
+        m.moe.expert_ffn_size = m.ffn_hidden_size
     if m.num_kv_heads is None:
         m.num_kv_heads = m.num_heads
     if m.rope_theta is None:
@@ -453,6 +539,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"train.seq_len={t.seq_len} exceeds the model's positions (model.max_seq_len="
         f"{m.max_seq_len})",
     )
+    if m.is_moe:
+        _validate_moe(m)
     if world_size is not None:
         validate_layout(cfg, world_size)
     elif t.micro_batch is not None:
@@ -495,6 +583,17 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         f"parallel.tp={p.tp} does not divide model.vocab_multiple={m.vocab_multiple} "
         "(the padded vocabulary must split evenly over tp)",
     )
+    if m.is_moe:
+        e = m.moe.num_experts
+        _require(e % p.ep == 0, f"parallel.ep={p.ep} does not divide model.moe.num_experts={e}")
+        _require(
+            m.moe.expert_ffn_size % p.tp == 0,
+            f"parallel.tp={p.tp} does not divide model.moe.expert_ffn_size="
+            f"{m.moe.expert_ffn_size} (experts split over tp like the MLP)",
+        )
+    else:
+        _require(p.ep == 1, f"parallel.ep={p.ep} needs a mixture-of-experts model "
+                 "(set model.moe.num_experts)")
     if p.sp:
         _require(
             t.seq_len % p.tp == 0,
@@ -515,6 +614,36 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         f"train.global_batch={per_step} is not a multiple of train.micro_batch={mb} x "
         f"data-parallel size {dp}",
     )
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    moe = m.moe
+    e = moe.num_experts
+    _require(e > 0, f"model.moe.num_experts must not be negative, got {e}")
+    for name in ("top_k", "expert_ffn_size", "every", "groups", "topk_groups"):
+        value = getattr(moe, name)
+        _require(value > 0, f"model.moe.{name} must be a positive integer, got {value}")
+    for name in ("shared_experts", "dense_layers", "aux_loss", "z_loss", "bias_update",
+                 "capacity_factor"):
+        value = getattr(moe, name)
+        _require(value >= 0, f"model.moe.{name} must not be negative, got {value}")
+    _choice(moe.score, ROUTER_SCORES, "model.moe.score")
+    _choice(moe.aux_loss_scope, AUX_LOSS_SCOPES, "model.moe.aux_loss_scope")
+    _choice(moe.compute, EXPERT_COMPUTE, "model.moe.compute")
+    _require(moe.top_k <= e, f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={e}")
+    _require(e % moe.groups == 0,
+             f"model.moe.groups={moe.groups} does not divide model.moe.num_experts={e}")
+    _require(moe.topk_groups <= moe.groups, f"model.moe.topk_groups={moe.topk_groups} exceeds "
+             f"model.moe.groups={moe.groups}")
+    _require(
+        moe.top_k <= moe.topk_groups * (e // moe.groups),
+        f"model.moe.top_k={moe.top_k} exceeds the experts of the model.moe.topk_groups="
+        f"{moe.topk_groups} groups a token may use ({moe.topk_groups * (e // moe.groups)})",
+    )
+    _require(moe.dense_layers < m.num_layers, f"model.moe.dense_layers={moe.dense_layers} "
+             f"leaves no MoE layer among model.num_layers={m.num_layers}")
+    _require(not (moe.pad_to_capacity and moe.capacity_factor == 0),
+             "model.moe.pad_to_capacity needs a model.moe.capacity_factor above 0")
 
 
 def _validate_pipeline(cfg: Config, world_size: int) -> None:

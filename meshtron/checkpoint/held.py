@@ -8,7 +8,8 @@ parameters, the sharded optimizer's state). :class:`Held` aliases the live stora
 loader writes straight into the model and the optimizer.
 
 Every element is written by exactly one rank: one of the data-parallel ranks, in turn, for what
-all dp ranks replicate (so they share the writing), the first of the tp ranks that share a
+all dp ranks replicate (so they share the writing; for MoE experts, the expert-data-parallel
+ranks that replicate them), the first of the tp ranks that share a
 replicated parameter, and never the last pipeline stage's copy of a tied embedding.
 """
 
@@ -25,7 +26,7 @@ from meshtron.checkpoint.boxes import Box, flat_range_boxes, local_to_global
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.optim.grad_buckets import Bucket
 from meshtron.optim.sharded_adamw import ShardedAdamW
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.mesh import Group, ParallelMesh
 
 
 @dataclass
@@ -97,22 +98,29 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                  mesh: ParallelMesh) -> list[Held]:
     """Everything of the model and its optimizer that this rank holds, in a fixed order."""
     names = global_parameters(model)
-    turn = itertools.count()
+    turns: dict[str, itertools.count] = {}
 
-    def my_turn() -> bool:
-        """Round-robin over the dp ranks for what they all hold: the write is shared."""
-        return next(turn) % mesh.dp_cp.size == mesh.dp_cp.rank
+    def my_turn(group: Group) -> bool:
+        """Round-robin over the data-parallel ranks (dp x cp, or the experts' own group) for
+        what they all hold: the write is shared."""
+        turn = next(turns.setdefault(group.name, itertools.count()))
+        return turn % group.size == group.rank
+
+    def dp_group(param: nn.Parameter) -> Group:
+        return getattr(param, "data_parallel", mesh.dp_cp)
 
     out: list[Held] = []
     sharded = isinstance(optimizer.adamw, ShardedAdamW)
     chunks = optimizer.flats if sharded else []
+    whole_params = list(model.parameters())
     if optimizer.units is not None:  # ZeRO-3: each rank holds its chunk of the parameters
         for flat in chunks:
             out += _bucket_ranges("model/{}", names, flat.bucket, flat.chunk, flat.start, mesh)
-    else:
-        for param in model.parameters():
-            out.append(Held(f"model/{names[id(param)]}", param, tuple(param.shape),
-                            param.data.view(-1), 0, my_turn() and _unique_writer(param, mesh)))
+        whole_params = [p for p in whole_params if not p.requires_grad]  # not in the buckets
+    for param in whole_params:
+        out.append(Held(f"model/{names[id(param)]}", param, tuple(param.shape),
+                        param.data.view(-1), 0,
+                        my_turn(dp_group(param)) and _unique_writer(param, mesh)))
     if sharded:
         adamw = optimizer.adamw
         replicated = optimizer.stage == 0  # whole buckets on every dp rank
@@ -123,7 +131,7 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
             for key, chunk in states.items():
                 for held in _bucket_ranges(f"optim/{{}}/{key}", names, flat.bucket, chunk,
                                            flat.start, mesh):
-                    held.writes &= not replicated or my_turn()
+                    held.writes &= not replicated or my_turn(flat.group)
                     if key == "master":
                         held.fallback = "model/" + held.name[len("optim/"):-len("/master")]
                     out.append(held)
@@ -133,7 +141,7 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                 if key in state:
                     out.append(Held(f"optim/{names[id(param)]}/{key}", param, tuple(param.shape),
                                     state[key].view(-1), 0,
-                                    my_turn() and _unique_writer(param, mesh)))
+                                    my_turn(dp_group(param)) and _unique_writer(param, mesh)))
     return out
 
 

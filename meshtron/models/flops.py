@@ -21,7 +21,8 @@ class ModelSize:
     embedding_params: int
     """Token (and position) embedding parameters, plus an untied output layer."""
     matmul_params: int
-    """Weights that take part in a matrix multiply per token (the output head included)."""
+    """Weights that take part in a matrix multiply per token (the output head included; for
+    mixture-of-experts layers the router, the top-k routed and the shared experts)."""
 
     @property
     def non_embedding_params(self) -> int:
@@ -36,16 +37,29 @@ def model_size(cfg: ModelConfig) -> ModelSize:
     norm = 2 * h if gpt2 else h
     qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
     proj = cfg.num_heads * head_dim * h
-    mlp = (2 if gpt2 else 3) * h * ffn
-    layer_matmul = qkv + proj + mlp
+    per_ffn_unit = (2 if gpt2 else 3) * h
+    mlp = per_ffn_unit * ffn
     layer_bias = ((cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim + h + ffn + h) if gpt2 else 0
-    per_layer = layer_matmul + layer_bias + 2 * norm
+    dense_layer = qkv + proj + mlp + layer_bias + 2 * norm
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
+    params = (layers - moe_layers) * dense_layer
+    matmul = (layers - moe_layers) * (qkv + proj + mlp)
+    if moe_layers:
+        moe = cfg.moe
+        shared = per_ffn_unit * moe.shared_experts * moe.expert_ffn_size
+        shared_bias = (moe.shared_experts * moe.expert_ffn_size + h) if gpt2 else 0
+        expert = per_ffn_unit * moe.expert_ffn_size
+        attention_bias = layer_bias - (ffn + h if gpt2 else 0)
+        router = moe.num_experts * h
+        params += moe_layers * (qkv + proj + router + moe.num_experts * expert + shared
+                                + attention_bias + shared_bias + 2 * norm)
+        matmul += moe_layers * (qkv + proj + router + moe.top_k * expert + shared)
     embedding = vocab * h + (cfg.max_seq_len * h if gpt2 else 0)
     output = 0 if cfg.tie_embeddings else vocab * h
     return ModelSize(
-        params=embedding + layers * per_layer + norm + output,
+        params=embedding + params + norm + output,
         embedding_params=embedding + output,
-        matmul_params=layers * layer_matmul + vocab * h,
+        matmul_params=matmul + vocab * h,
     )
 
 

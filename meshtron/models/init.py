@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.down.weight")
+RESIDUAL_OUTPUTS = ("attn.proj.weight", "down.weight")
 """Projections that write into the residual stream: their std is scaled by 1/sqrt(2 * layers)."""
 
 
@@ -34,7 +34,7 @@ def initial_value(
     """The full fp32 initial value of one parameter, a function of (seed, name, shape) only."""
     if global_name.endswith("norm.weight"):
         return torch.ones(global_shape)
-    if global_name.endswith(".bias"):
+    if global_name.endswith((".bias", "expert_bias")):
         return torch.zeros(global_shape)
     if global_name.endswith(RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2 * num_layers)

@@ -1,8 +1,9 @@
 """Named model shapes.
 
-``tiny`` trains in seconds on a CPU; ``small`` is a ~125M model; the rest are the published
-shapes of large models, used for planning (parameter counts, FLOPs, the tuner) and never built
-on a CPU. A preset leaves ``vocab_size`` unset when the model should take its tokenizer's size.
+``tiny`` (and its mixture-of-experts twin ``tiny-moe``) trains in seconds on a CPU; ``small``
+is a ~125M model; the rest are the published shapes of large models (dense and MoE), used for
+planning (parameter counts, FLOPs, the tuner) and never built on a CPU. A preset leaves
+``vocab_size`` unset when the model should take its tokenizer's size.
 """
 
 from typing import Any
@@ -11,6 +12,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
         ffn_hidden_size=768, max_seq_len=1024, tie_embeddings=False,
+    ),
+    "tiny-moe": dict(
+        arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
+        ffn_hidden_size=768, max_seq_len=1024, tie_embeddings=False,
+        moe=dict(num_experts=8, top_k=2, expert_ffn_size=192, shared_experts=1),
     ),
     "small": dict(
         arch="llama", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,
@@ -39,6 +45,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         arch="llama", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
         ffn_hidden_size=53248, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
         tie_embeddings=False,
+    ),
+    "mixtral-8x7b": dict(
+        arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+        ffn_hidden_size=14336, vocab_size=32000, max_seq_len=32768, rope_theta=1e6,
+        tie_embeddings=False,
+        moe=dict(num_experts=8, top_k=2, score="softmax", normalize_topk=True, aux_loss=0.02),
+    ),
+    # attention as grouped-query with 128 heads: DeepSeek's multi-head latent attention is not
+    # implemented, so its parameter count here is that of the MLP/MoE part plus plain attention
+    "deepseek-v3": dict(
+        arch="llama", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
+        ffn_hidden_size=18432, vocab_size=129280, max_seq_len=163840, tie_embeddings=False,
+        moe=dict(num_experts=256, top_k=8, expert_ffn_size=2048, shared_experts=1,
+                 dense_layers=3, score="sigmoid", normalize_topk=True, route_scale=2.5,
+                 groups=8, topk_groups=4, aux_loss=0.0001, aux_loss_scope="sequence",
+                 bias_update=0.001),
     ),
     "gpt3-175b": dict(
         arch="gpt2", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,

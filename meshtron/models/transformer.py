@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.models.moe import MoE
 from meshtron.parallel.collectives import local_chunk
 from meshtron.parallel.linear import FP8Options, linear
 from meshtron.parallel.mesh import ParallelMesh
@@ -199,11 +200,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (llama) or GELU (gpt2) feed-forward block, split over tp by hidden units."""
 
-    def __init__(self, cfg: ModelConfig, region: TPRegion):
+    def __init__(self, cfg: ModelConfig, region: TPRegion, ffn: int | None = None):
         super().__init__()
         self.region = region
         self.gated = cfg.arch == "llama"
-        ffn = cfg.ffn_hidden_size
+        ffn = ffn or cfg.ffn_hidden_size
         if self.gated:
             self.gate_up = ColumnParallelLinear(cfg.hidden_size, 2 * ffn, False, region, parts=2)
         else:
@@ -232,7 +233,13 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg, region)
         self.attn = Attention(cfg, layer, region, mesh)
         self.mlp_norm = make_norm(cfg, region)
-        self.mlp = MLP(cfg, region)
+        if cfg.is_moe_layer(layer):
+            moe = cfg.moe
+            shared = (MLP(cfg, region, moe.shared_experts * moe.expert_ffn_size)
+                      if moe.shared_experts else None)
+            self.mlp: MLP | MoE = MoE(cfg, region, mesh, shared)
+        else:
+            self.mlp = MLP(cfg, region)
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -314,6 +321,17 @@ class Transformer(nn.Module):
     def blocks(self) -> list[Block]:
         """This rank's transformer blocks in the order its forward passes run them."""
         return [self.layers[str(i)] for chunk in self.chunks for i in chunk]
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """This rank's mixture-of-experts layers by global layer index."""
+        return {int(i): block.mlp for i, block in self.layers.items()
+                if isinstance(block.mlp, MoE)}
+
+    def set_aux_loss_weight(self, weight: float) -> None:
+        """The gradient the MoE auxiliary losses get per unit (the weight of the language-model
+        loss sum: loss scale / global tokens)."""
+        for layer in self.moe_layers().values():
+            layer.loss_weight = weight
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -46,7 +46,7 @@ class DataParallelOptimizer:
         units = None
         if blocks:
             in_blocks = {id(p) for block in blocks for p in block.parameters()}
-            units = [list(block.parameters()) for block in blocks]
+            units = [[p for p in block.parameters() if p.requires_grad] for block in blocks]
             units.append([p for p in self.params if id(p) not in in_blocks])  # may be empty
         self.reducer = GradReducer(
             self.params, mesh.dp_cp, stage=self.stage, bucket_bytes=int(bucket_mb * 2**20),
@@ -58,8 +58,8 @@ class DataParallelOptimizer:
         if self.stage == 0 and not self.low_precision:
             self.adamw: torch.optim.AdamW | ShardedAdamW = build_adamw(model, t)
         else:  # ZeRO, or bf16/fp16 parameters that need fp32 master weights
-            self.flats = [FlatParams(b, mesh.dp_cp, sharded=self.stage == 3,
-                                     whole=self.stage == 0) for b in self.reducer.buckets]
+            self.flats = [FlatParams(b, sharded=self.stage == 3, whole=self.stage == 0)
+                          for b in self.reducer.buckets]
             self.adamw = ShardedAdamW(self.reducer, self.flats, t)
         if blocks:
             self.units = ShardedUnits(model, blocks, self.flats, self.reducer)
@@ -89,10 +89,17 @@ class DataParallelOptimizer:
             self.reducer.scale_(torch.tensor(unscale))
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient, each replicated copy counted once."""
-        total = self.reducer.grad_norm_squared()
-        group = self.mesh.model if self.stage == 0 else self.mesh.world
-        return all_reduce(total, group).sqrt()
+        """Global L2 norm of the gradient, each replicated copy counted once.
+
+        Unsharded, dense gradients are whole on every data-parallel rank and expert gradients
+        whole on every expert-data-parallel rank (different experts on each ep rank), so the
+        experts' part is summed over ep, then everything over the model's tp x pp ranks.
+        Sharded, every element lives on exactly one rank of the world.
+        """
+        dense, experts = self.reducer.grad_norm_squared()
+        if self.stage > 0:
+            return all_reduce(dense + experts, self.mesh.world).sqrt()
+        return all_reduce(dense + all_reduce(experts, self.mesh.ep), self.mesh.model).sqrt()
 
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""

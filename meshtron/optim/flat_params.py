@@ -13,22 +13,20 @@ import torch.distributed as dist
 
 from meshtron.optim.grad_buckets import Bucket
 from meshtron.parallel.collectives import start_all_gather
-from meshtron.parallel.mesh import Group
 
 
 class FlatParams:
-    def __init__(self, bucket: Bucket, group: Group, sharded: bool, whole: bool = False):
+    def __init__(self, bucket: Bucket, sharded: bool, whole: bool = False):
         """``whole``: every rank owns the whole buffer (ZeRO-0 with fp32 master weights)."""
         self.bucket = bucket
-        self.group = group
+        self.group = bucket.group
         self.sharded = sharded
         self.whole = whole
         first = bucket.params[0]
         full = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
         for i, param in enumerate(bucket.params):
             bucket.view(full, i).copy_(param.data)
-        self.start, self.end = (0, bucket.padded) if whole else bucket.chunk_range(group.size,
-                                                                                   group.rank)
+        self.start, self.end = (0, bucket.padded) if whole else bucket.chunk_range()
         self.full: torch.Tensor | None = None
         self.work: dist.Work | None = None
         if sharded:

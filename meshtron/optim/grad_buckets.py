@@ -15,9 +15,12 @@ What the reduction is depends on the ZeRO stage:
 - stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
   (one transformer block each), so a unit can be freed as soon as its gradients are out.
 
-Buckets never mix parameters with different weight decay, replication or gradient-sync group,
-so the optimizer and the grad norm can treat a bucket's chunk as one flat tensor, and a tied
-embedding's two pipeline copies sit alone in identically shaped buckets.
+Buckets never mix parameters with different weight decay, replication, gradient-sync group or
+data-parallel group, so the optimizer and the grad norm can treat a bucket's chunk as one flat
+tensor, and a tied embedding's two pipeline copies sit alone in identically shaped buckets.
+A parameter's data-parallel group is dp x cp, or ``param.data_parallel`` where it has one (the
+expert-data-parallel group of MoE experts, which different ep ranks do not share); a bucket is
+reduced and sharded over its own group.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Bucket:
     """``numel`` rounded up so that it splits evenly over the data-parallel ranks."""
     decay: bool
     replicas: int
+    group: Group
+    """The data-parallel ranks that sum this bucket's gradients (and share its ZeRO shards)."""
     grad: torch.Tensor | None = None
     """Flat gradient buffer [padded] while it exists."""
     shard_grad: torch.Tensor | None = None
@@ -70,23 +75,26 @@ class Bucket:
         shape = self.shapes[i]
         return flat[self.offsets[i] : self.offsets[i] + shape.numel()].view(shape)
 
-    def chunk_range(self, shards: int, rank: int) -> tuple[int, int]:
-        size = self.padded // shards
-        return rank * size, (rank + 1) * size
+    def chunk_range(self) -> tuple[int, int]:
+        """This rank's chunk of the flat buffer (ZeRO shards over the bucket's group)."""
+        size = self.padded // self.group.size
+        return self.group.rank * size, (self.group.rank + 1) * size
 
 
-def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, shards: int,
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, group: Group,
                    element_size: int) -> list[Bucket]:
-    """Group ``params`` (given in gradient-ready order) into buckets of similar parameters."""
+    """Group ``params`` (given in gradient-ready order) into buckets of similar parameters;
+    ``group`` is the data-parallel group of parameters without their own."""
     buckets: list[Bucket] = []
-    open_: dict[tuple[bool, int, str], Bucket] = {}
+    open_: dict[tuple[bool, int, str, str], Bucket] = {}
     for param in params:
         copies = getattr(param, "replicas", 1) * getattr(param, "pipeline_copies", 1)
         sync = getattr(param, "grad_sync", None)
-        key = (param.dim() >= 2, copies, sync.name if sync is not None else "")
+        reduce_over = getattr(param, "data_parallel", group)
+        key = (param.dim() >= 2, copies, sync.name if sync is not None else "", reduce_over.name)
         bucket = open_.get(key)
         if bucket is None or bucket.numel * element_size >= bucket_bytes:
-            bucket = Bucket(len(buckets), [], [], [], 0, 0, key[0], key[1])
+            bucket = Bucket(len(buckets), [], [], [], 0, 0, key[0], key[1], reduce_over)
             buckets.append(bucket)
             open_[key] = bucket
         bucket.params.append(param)
@@ -94,12 +102,14 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, shards: int,
         bucket.shapes.append(param.shape)
         bucket.numel += param.numel()
     for bucket in buckets:
+        shards = bucket.group.size
         bucket.padded = math.ceil(bucket.numel / shards) * shards
     return buckets
 
 
 class GradReducer:
-    """Owns the gradient buffers of ``params`` and their reduction over ``group`` (dp x cp)."""
+    """Owns the gradient buffers of ``params`` and their reduction over ``group`` (dp x cp), or
+    each parameter's own ``data_parallel`` group."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, *, stage: int,
                  bucket_bytes: int, dtype: torch.dtype,
@@ -112,12 +122,11 @@ class GradReducer:
         self.on_launch: Callable[[Bucket], None] | None = None
         element = torch.empty((), dtype=dtype).element_size()
         if units is None:
-            self.buckets = assign_buckets(list(reversed(params)), bucket_bytes, group.size,
-                                          element)
+            self.buckets = assign_buckets(list(reversed(params)), bucket_bytes, group, element)
         else:  # one or more buckets per unit, never spanning two units
             self.buckets = []
             for unit in reversed(units):
-                for bucket in assign_buckets(list(reversed(unit)), 2**62, group.size, element):
+                for bucket in assign_buckets(list(reversed(unit)), 2**62, group, element):
                     bucket.index = len(self.buckets)
                     self.buckets.append(bucket)
         self._where: dict[int, tuple[Bucket, int]] = {}
@@ -129,7 +138,7 @@ class GradReducer:
                 bucket.grad = torch.zeros(bucket.padded, dtype=dtype,
                                           device=bucket.params[0].device)
             else:
-                bucket.shard_grad = torch.zeros(bucket.padded // group.size, dtype=dtype,
+                bucket.shard_grad = torch.zeros(bucket.padded // bucket.group.size, dtype=dtype,
                                                 device=bucket.params[0].device)
         self.sync = True
 
@@ -162,15 +171,15 @@ class GradReducer:
             self.on_event("reduce", bucket.index)
         if self.on_launch:
             self.on_launch(bucket)
-        if self.group.pg is None:
+        if bucket.group.pg is None:
             return
         if self.stage == 0:
-            bucket.work = start_all_reduce(bucket.grad, self.group)
+            bucket.work = start_all_reduce(bucket.grad, bucket.group)
         elif self.stage == 1:
-            bucket.work = start_reduce_scatter(bucket.grad, self.group)
+            bucket.work = start_reduce_scatter(bucket.grad, bucket.group)
         else:
             bucket.scratch = torch.empty_like(bucket.shard_grad)
-            bucket.work = start_reduce_scatter(bucket.grad, self.group, out=bucket.scratch)
+            bucket.work = start_reduce_scatter(bucket.grad, bucket.group, out=bucket.scratch)
 
     def end_micro_batch(self) -> None:
         """Launch what did not complete (parameters without gradient) and wait for all."""
@@ -187,7 +196,7 @@ class GradReducer:
                 bucket.work.wait()
                 bucket.work = None
             if self.stage >= 2:
-                start, end = bucket.chunk_range(self.group.size, self.group.rank)
+                start, end = bucket.chunk_range()
                 summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
                 bucket.shard_grad.add_(summed)
                 bucket.grad = bucket.scratch = None
@@ -207,7 +216,7 @@ class GradReducer:
             return bucket.grad
         if self.stage >= 2:
             return bucket.shard_grad
-        start, end = bucket.chunk_range(self.group.size, self.group.rank)
+        start, end = bucket.chunk_range()
         return bucket.grad[start:end]
 
     def sync_replicated(self) -> None:
@@ -215,8 +224,7 @@ class GradReducer:
         under sequence parallelism): the part of each that lies in this rank's gradient."""
         pieces: dict[int, tuple[Group, list[torch.Tensor]]] = {}
         for bucket in self.buckets:
-            start, end = ((0, bucket.padded) if self.stage == 0
-                          else bucket.chunk_range(self.group.size, self.group.rank))
+            start, end = (0, bucket.padded) if self.stage == 0 else bucket.chunk_range()
             local = self.local_grad(bucket)
             for i, param in enumerate(bucket.params):
                 group = getattr(param, "grad_sync", None)
@@ -228,12 +236,15 @@ class GradReducer:
         for group, tensors in pieces.values():
             all_reduce_coalesced(tensors, group)
 
-    def grad_norm_squared(self) -> torch.Tensor:
-        """Sum of squared gradients held here, each replicated copy counted once."""
-        total = torch.zeros((), dtype=torch.float32, device=self.buckets[0].params[0].device)
+    def grad_norm_squared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of squared gradients held here, each replicated copy counted once: of the
+        parameters reduced over ``group``, and of those with their own data-parallel group."""
+        device = self.buckets[0].params[0].device
+        totals = torch.zeros(2, dtype=torch.float32, device=device)
         for bucket in self.buckets:
-            total += self.local_grad(bucket).float().square().sum() / bucket.replicas
-        return total
+            own = 0 if bucket.group is self.group else 1
+            totals[own] += self.local_grad(bucket).float().square().sum() / bucket.replicas
+        return totals[0], totals[1]
 
     def scale_(self, factor: torch.Tensor) -> None:
         for bucket in self.buckets:

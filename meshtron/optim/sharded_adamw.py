@@ -23,7 +23,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class ShardedAdamW:
     def __init__(self, reducer: GradReducer, flats: list[FlatParams], t: TrainConfig):
         self.reducer = reducer
-        self.group = reducer.group
         self.flats = flats
         self.t = t
         self.steps = 0

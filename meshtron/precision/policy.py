@@ -44,10 +44,11 @@ class Precision:
         self.scaler = LossScaler() if dtype == "fp16" and loss_scaling else None
 
     def cast_parameters(self, model: nn.Module) -> None:
-        """Store ``model``'s parameters in the training dtype (buffers such as rotary tables
-        stay fp32)."""
+        """Store ``model``'s trained parameters in the training dtype (buffers such as rotary
+        tables, and untrained state such as the MoE routers' expert bias, stay fp32)."""
         for param in model.parameters():
-            param.data = param.data.to(self.param_dtype)
+            if param.requires_grad:
+                param.data = param.data.to(self.param_dtype)
 
     @property
     def loss_scale(self) -> float:

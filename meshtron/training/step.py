@@ -53,6 +53,7 @@ def train_step(
     optimizer.zero_grad()
     chunks = micro_batches(local_batch, micro_batch)
     scale = precision.loss_scale
+    model.set_aux_loss_weight(scale / global_tokens)
     if pipeline is not None:
         loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
     else:

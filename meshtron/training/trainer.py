@@ -21,6 +21,7 @@ from meshtron.data import TrainingData, build_training_data
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
+from meshtron.models.moe import step_routing_stats
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.optim.schedule import learning_rate
@@ -71,13 +72,22 @@ def resolve_vocab(cfg: Config, data: TrainingData) -> None:
         )
 
 
+MOE_SHAPE = ("num_experts", "expert_ffn_size", "shared_experts", "dense_layers", "every")
+
+
 def check_resumable(cfg: Config, manifest: dict, path: Path) -> None:
+    """The checkpoint's model has this run's shape (MoE routing settings may change)."""
     saved = manifest.get("config", {}).get("model", {})
-    for key, value in cfg.model.__dict__.items():
-        if key != "preset" and key in saved and saved[key] != value:
+    saved_moe = saved.get("moe", {})
+    current = cfg.to_dict()["model"]
+    current_moe = current.pop("moe")
+    fields = [(key, saved.get(key), value) for key, value in current.items() if key != "preset"]
+    fields += [(f"moe.{key}", saved_moe.get(key), current_moe[key]) for key in MOE_SHAPE]
+    for key, old, new in fields:
+        if old is not None and old != new:
             raise MeshtronError(
-                f"checkpoint {path} was trained with model.{key}={saved[key]}, this run has "
-                f"model.{key}={value}; use a new checkpoint.dir or the same model"
+                f"checkpoint {path} was trained with model.{key}={old}, this run has "
+                f"model.{key}={new}; use a new checkpoint.dir or the same model"
             )
 
 
@@ -322,6 +332,9 @@ class Trainer:
                     raise MeshtronError(f"loss became {out.loss} at step {self.step}; lower "
                                         "train.lr or use precision.dtype=fp32")
                 row = self._metrics_row(out, lr, elapsed, tokens_per_step, flops_per_step, peak)
+                if cfg.model.is_moe:
+                    row.update(step_routing_stats(self.model.moe_layers(), cfg.model, self.mesh,
+                                                  tokens_per_step, update_bias=not out.skipped))
                 last = self.step == t.steps
                 if t.eval_every and (self.step % t.eval_every == 0 or last):
                     result.val_loss = self.validation_loss()

@@ -1,0 +1,333 @@
+"""Mixture of experts: a router, routed experts spread over the ep group, shared experts.
+
+One MoE layer replaces the MLP of a block (``model.moe.*`` says which blocks)::
+
+    router (fp32) -> top-k experts and weights per token
+      -> [capacity: drop the lowest-weighted copies beyond each expert's capacity]
+      -> tokens sorted by expert -> all-to-all to the experts' ep ranks
+      -> one grouped matmul per projection over the local experts
+      -> all-to-all back -> weighted sum per token (+ shared experts)
+
+Tensor parallelism splits every expert like the dense MLP (expert tensor parallel = tp): the
+router runs on the block input and its top-k weights enter the tp region (all-reduce of their
+gradient, or the sequence-parallel gather), each tp rank computes its slice of every chosen
+expert and the weighted partial outputs leave the region together.
+
+Auxiliary losses (load balancing, z-loss) never reach the logits: their gradient is injected
+into the backward pass at the layer's output (scaled like the language-model loss, see
+``loss_weight``), so they work unchanged inside pipeline schedules. Expert parameters are
+summed over the expert-data-parallel group only (``param.data_parallel``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.config import ModelConfig
+from meshtron.parallel.collectives import all_gather, all_reduce
+from meshtron.parallel.experts import Dispatch, grouped_matmul
+from meshtron.parallel.mesh import Group, ParallelMesh
+from meshtron.parallel.tensor import ShardSpec, TPRegion, describe, replicated
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class RoutingStats:
+    """Sums over one optimizer step's micro-batches on this rank (one MoE layer)."""
+
+    num_experts: int
+    aux: float = 0.0
+    """Sum over balancing units (micro-batches or sequences) of tokens x balance loss."""
+    z: float = 0.0
+    """Sum over tokens of logsumexp(logits)^2."""
+    dropped: int = 0
+    routed: int = 0
+    load: torch.Tensor = field(init=False)
+    """Token copies routed to each expert (before capacity drops)."""
+
+    def __post_init__(self) -> None:
+        self.load = torch.zeros(self.num_experts, dtype=torch.float64)
+
+    def as_tensor(self) -> torch.Tensor:
+        head = torch.tensor([self.aux, self.z, self.dropped, self.routed], dtype=torch.float64)
+        return torch.cat([head, self.load])
+
+    def reset(self) -> None:
+        self.aux = self.z = 0.0
+        self.dropped = self.routed = 0
+        self.load.zero_()
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``loss`` receives the gradient ``weight``, as if
+    ``weight * loss`` had been added to the objective."""
+
+    @staticmethod
+    def forward(ctx, out, loss, weight):
+        ctx.weight = weight
+        ctx.loss_shape = loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full(ctx.loss_shape, ctx.weight, dtype=torch.float32), None
+
+
+class Router(nn.Module):
+    """Scores every expert per token (in fp32) and picks each token's top-k."""
+
+    def __init__(self, cfg: ModelConfig, region: TPRegion):
+        super().__init__()
+        moe = cfg.moe
+        self.moe = moe
+        self.weight = replicated(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
+                                 region)
+        self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+        """Aux-loss-free balancing: added to the scores for selection only; a training state
+        (checkpointed like a weight) moved by :meth:`update_bias`, never by the optimizer."""
+        describe(self.expert_bias, (moe.num_experts,), None, region.size)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [n, h] -> (logits [n, E], probabilities [n, E], experts [n, k], weights [n, k])."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
+        select = scores.detach() + self.expert_bias
+        if moe.groups > 1:
+            select = self._limit_groups(select)
+        experts = select.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if moe.normalize_topk and moe.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        if moe.route_scale != 1.0:
+            weights = weights * moe.route_scale
+        probs = scores if moe.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return logits, probs, experts, weights
+
+    def _limit_groups(self, select: torch.Tensor) -> torch.Tensor:
+        """Keep only each token's ``topk_groups`` best groups, a group scored by the sum of its
+        two best experts (DeepSeek-V3)."""
+        moe = self.moe
+        grouped = select.view(len(select), moe.groups, -1)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        chosen = best.topk(moe.topk_groups, dim=-1).indices
+        allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+        return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(select)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Raise the bias of experts below the mean load, lower those above (sign update)."""
+        load = load.to(self.expert_bias)
+        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.moe.bias_update)
+
+
+class ExpertWeight(nn.Module):
+    """Holds one weight, so that expert parameters are named like the rest
+    (``experts.3.gate_up.weight``)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class Expert(nn.Module):
+    """One expert's FFN weights, split over tp like the dense MLP (no biases)."""
+
+    def __init__(self, cfg: ModelConfig, region: TPRegion, data_parallel: Group):
+        super().__init__()
+        tp, rank = region.size, region.group.rank
+        ffn, h = cfg.moe.expert_ffn_size, cfg.hidden_size
+        self.gated = cfg.arch == "llama"
+        up_rows = 2 * ffn if self.gated else ffn
+        up = describe(nn.Parameter(torch.empty(up_rows // tp, h)), (up_rows, h),
+                      ShardSpec(0, rank, tp, parts=2 if self.gated else 1) if tp > 1 else None)
+        down = describe(nn.Parameter(torch.empty(h, ffn // tp)), (h, ffn),
+                        ShardSpec(1, rank, tp) if tp > 1 else None)
+        if self.gated:
+            self.gate_up = ExpertWeight(up)
+        else:
+            self.up = ExpertWeight(up)
+        self.down = ExpertWeight(down)
+        for param in self.parameters():
+            param.data_parallel = data_parallel
+
+    @property
+    def up_weight(self) -> torch.Tensor:
+        return (self.gate_up if self.gated else self.up).weight
+
+
+class MoE(nn.Module):
+    """Drop-in replacement for the block's MLP: [b, s, h] -> [b, s, h] (s local under SP)."""
+
+    def __init__(self, cfg: ModelConfig, region: TPRegion, mesh: ParallelMesh,
+                 shared: nn.Module | None):
+        super().__init__()
+        moe = cfg.moe
+        self.moe = moe
+        self.region = region
+        self.ep = mesh.ep
+        self.router = Router(cfg, region)
+        local = moe.num_experts // mesh.ep.size
+        self.first_expert = mesh.ep.rank * local
+        self.experts = nn.ModuleDict({str(self.first_expert + j): Expert(cfg, region, mesh.edp)
+                                      for j in range(local)})
+        self.shared = shared
+        self.gated = cfg.arch == "llama"
+        self.dropout = cfg.dropout
+        self.loss_weight = 0.0
+        """Gradient of the auxiliary losses per unit of loss (set per step: loss scale / global
+        tokens, the weight the language-model loss sum gets)."""
+        self.stats = RoutingStats(moe.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s_local, h = x.shape
+        logits, probs, experts, weights = self.router(x.reshape(-1, h))
+        k = self.moe.top_k
+        if self.region.sequence_parallel:  # route the whole sequence on every tp rank
+            experts = all_gather(experts.view(b, s_local, k), self.region.group, dim=1)
+        weights = self.region.enter(weights.view(b, s_local, k))
+        tokens = self.region.enter(x).reshape(-1, h)
+        experts, weights = experts.reshape(-1, k), weights.reshape(-1, k)
+        routed = self._routed(tokens, experts, weights.to(x.dtype))
+        out = self.region.exit(routed.view(b, -1, h))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        out = F.dropout(out, self.dropout, self.training)
+        if self.training and torch.is_grad_enabled():
+            out = self._attach_aux_losses(out, logits, probs, experts, b)
+        return out
+
+    # ------------------------------------------------------------------ dispatch and experts
+
+    def _routed(self, tokens: torch.Tensor, experts: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Σ_k weight_k · expert_k(token) for every token of the (tp-entered) micro-batch."""
+        moe, n = self.moe, len(tokens)
+        num_experts = moe.num_experts
+        flat_experts = experts.reshape(-1)
+        counts = torch.bincount(flat_experts, minlength=num_experts)
+        capacity = (math.ceil(moe.capacity_factor * n * moe.top_k / num_experts)
+                    if moe.capacity_factor > 0 else None)
+        if capacity is None:
+            order = torch.argsort(flat_experts, stable=True)
+        else:  # within an expert, highest weight first: the lowest are dropped
+            by_weight = torch.argsort(-weights.detach().reshape(-1), stable=True)
+            order = by_weight[torch.argsort(flat_experts[by_weight], stable=True)]
+        sorted_experts = flat_experts[order]
+        position = torch.arange(len(order), device=order.device) - (
+            torch.cumsum(counts, 0) - counts)[sorted_experts]
+        rows_per_expert, rows = counts, None
+        if capacity is not None:
+            keep = position < capacity
+            order, sorted_experts, position = order[keep], sorted_experts[keep], position[keep]
+            rows_per_expert = counts.clamp(max=capacity)
+            if moe.pad_to_capacity:
+                rows_per_expert = torch.full_like(counts, capacity)
+                rows = (capacity * sorted_experts + position)
+        source = order // moe.top_k
+        send = tokens[source]
+        if rows is not None:
+            send = send.new_zeros(int(rows_per_expert.sum()), send.shape[1]).index_copy(
+                0, rows, send)
+        if self.training and not _in_backward():
+            self.stats.load += counts.double().cpu()
+            self.stats.routed += len(flat_experts)
+            self.stats.dropped += len(flat_experts) - len(order)
+        dispatch = Dispatch(rows_per_expert, self.ep)
+        out = dispatch.back(self._experts(dispatch.send(send), dispatch.expert_counts))
+        if rows is not None:
+            out = out[rows]
+        out = out * weights.reshape(-1)[order].unsqueeze(1)
+        return tokens.new_zeros(n, tokens.shape[1]).index_add(0, source, out)
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts' FFNs on rows grouped by expert (counts per local expert); each tp
+        rank's partial sum of the down projection."""
+        experts = list(self.experts.values())
+        grouped = self.moe.compute == "grouped"
+        up = grouped_matmul(rows, torch.stack([e.up_weight for e in experts]), counts, grouped)
+        if self.gated:
+            gate, up = up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(up, approximate="tanh")
+        return grouped_matmul(hidden, torch.stack([e.down.weight for e in experts]), counts,
+                              grouped)
+
+    # ------------------------------------------------------------------ auxiliary losses
+
+    def _attach_aux_losses(self, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
+                           experts: torch.Tensor, batch: int) -> torch.Tensor:
+        """Balance loss and z-loss of this rank's tokens, their gradient injected at ``out``.
+
+        Units (a micro-batch, or each sequence) contribute tokens x Switch loss,
+        E / (k T) Σ_e f_e P_e with f_e the copies routed to expert e and P_e the sum of its
+        probabilities over the unit's T tokens (1 when perfectly balanced). The counts cover the
+        whole unit on every tp rank; under sequence parallelism each rank sums the
+        probabilities of its own positions, so its gradient is exact and the value is summed
+        over tp for the metrics.
+        """
+        moe, num_experts = self.moe, self.moe.num_experts
+        per_sequence = moe.aux_loss_scope == "sequence"
+        unit_tokens = experts.shape[0] // batch if per_sequence else experts.shape[0]
+        units = batch if per_sequence else 1
+        picks = experts.view(units, -1)
+        counts = torch.zeros(units, num_experts, device=picks.device).scatter_add_(
+            1, picks, torch.ones(picks.shape, device=picks.device))
+        prob_sums = probs.view(units, -1, num_experts).sum(1)
+        aux = (counts * prob_sums).sum() * (num_experts / (moe.top_k * unit_tokens))
+        z = torch.logsumexp(logits, dim=-1).square().sum()
+        if not _in_backward():
+            values = torch.stack([aux.detach(), z.detach()]).double()
+            if self.region.sequence_parallel:
+                all_reduce(values, self.region.group)
+            self.stats.aux += float(values[0])
+            self.stats.z += float(values[1])
+        loss = moe.aux_loss * aux + moe.z_loss * z
+        if loss.requires_grad and self.loss_weight:
+            out = _AttachLoss.apply(out, loss, self.loss_weight)
+        return out
+
+
+@torch.no_grad()
+def step_routing_stats(layers: dict[int, MoE], cfg: ModelConfig, mesh: ParallelMesh,
+                       global_tokens: int, update_bias: bool = True) -> dict[str, float]:
+    """Reduce the step's routing statistics over the mesh, update the aux-loss-free biases
+    (unless the step was skipped), reset the counters, and return the metrics (identical on
+    every rank).
+
+    ``layers``: this rank's MoE layers by global index; stages of a pipeline hold different
+    layers, so the per-layer rows are summed over pp after the data-parallel sum.
+    """
+    table = torch.zeros(cfg.num_layers, 4 + cfg.moe.num_experts, dtype=torch.float64)
+    for index, layer in layers.items():
+        table[index] = layer.stats.as_tensor()
+        layer.stats.reset()
+    all_reduce(table, mesh.dp_cp)
+    for index, layer in layers.items():
+        if layer.moe.bias_update and update_bias:
+            layer.router.update_bias(table[index, 4:])
+    all_reduce(table, mesh.pp)
+    moe_rows = table[table[:, 3] > 0]
+    if len(moe_rows) == 0:
+        return {}
+    load = moe_rows[:, 4:]
+    imbalance = load.max(1).values / load.mean(1)
+    metrics = {
+        "moe/aux_loss": float(moe_rows[:, 0].mean() / global_tokens),
+        "moe/z_loss": float(moe_rows[:, 1].mean() / global_tokens),
+        "moe/dropped_fraction": float(moe_rows[:, 2].sum() / moe_rows[:, 3].sum()),
+        "moe/load_max_over_mean": float(imbalance.mean()),
+    }
+    for index, value in zip(torch.nonzero(table[:, 3] > 0).flatten().tolist(),
+                            imbalance.tolist()):
+        metrics[f"moe/layer{index}/load_max_over_mean"] = value
+    return metrics
