@@ -176,10 +176,10 @@ def _wrong_shape(folder: Path) -> None:
 
 
 HF_BREAKAGES = {
-    "unsupported": (lambda f: edit_config(f, model_type="mixtral",
-                                          architectures=["MixtralForCausalLM"]),
-                    "unsupported architecture 'mixtral'; meshtron converts Llama, Mistral and "
-                    "GPT-2"),
+    "unsupported": (lambda f: edit_config(f, model_type="qwen2_moe",
+                                          architectures=["Qwen2MoeForCausalLM"]),
+                    "unsupported architecture 'qwen2_moe'; meshtron converts Llama, Mistral, "
+                    "Mixtral and GPT-2"),
     "sliding window": (lambda f: edit_config(f, model_type="mistral", sliding_window=64),
                        "sliding_window=64 is shorter than max_position_embeddings=128"),
     "rope scaling": (lambda f: edit_config(f, rope_scaling={"rope_type": "llama3",

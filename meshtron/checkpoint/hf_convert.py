@@ -4,14 +4,18 @@
 and safetensors weights, or a meshtron run directory / checkpoint root / checkpoint) and writes
 the other format to ``dst``:
 
-* meshtron -> hf: ``config.json`` (``LlamaForCausalLM`` or ``GPT2LMHeadModel``),
-  ``model.safetensors`` and, when the checkpoint has one, ``tokenizer.json`` with a minimal
-  ``tokenizer_config.json``;
+* meshtron -> hf: ``config.json`` (``LlamaForCausalLM``, ``MixtralForCausalLM`` or
+  ``GPT2LMHeadModel``), ``model.safetensors`` and, when the checkpoint has one,
+  ``tokenizer.json`` with a minimal ``tokenizer_config.json``;
 * hf -> meshtron: a weights-only checkpoint (``write_model_checkpoint``) plus ``train.yaml``,
   the settings that resume training from it.
 
-Llama and Mistral (without a binding sliding window) map to meshtron's ``llama`` arch, GPT-2 to
-``gpt2``. Weights are read with safetensors only: pickled files (``pytorch_model.bin``, ``.pt``)
+Llama and Mistral (without a binding sliding window) map to meshtron's ``llama`` arch, Mixtral to
+``llama`` with every layer a mixture of experts (``model.moe.*``), GPT-2 to ``gpt2``. A meshtron
+MoE model exports as Mixtral only when Mixtral can compute it exactly (softmax top-k>1 routing,
+renormalised, no shared experts, groups, dense layers, capacity or selection bias).
+
+Weights are read with safetensors only: pickled files (``pytorch_model.bin``, ``.pt``)
 are refused, never opened. The vocabulary is kept exactly: ``vocab_multiple`` is chosen so the
 padded size equals the HF vocab, so the logits of both models have the same shape and values.
 Nothing here imports ``transformers``; its config files are read and written as JSON.
@@ -35,16 +39,16 @@ from safetensors.torch import save_file
 from meshtron.checkpoint.hf_mapping import from_hf, hf_config_kwargs, to_hf
 from meshtron.checkpoint.loading import resolve_checkpoint
 from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
-from meshtron.config import Config, ModelConfig, config_from_dict
+from meshtron.config import Config, ModelConfig, MoEConfig, config_from_dict
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
 from meshtron.models.transformer import Transformer, padded_vocab_size
 
 Tensors = dict[str, torch.Tensor]
 FORMATS = ("meshtron", "hf")
-SUPPORTED = "Llama, Mistral and GPT-2 (Mixtral is planned)"
+SUPPORTED = "Llama, Mistral, Mixtral and GPT-2"
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "gpt2": "GPT2LMHeadModel"}
+              "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 """Buffers some HF checkpoints carry that are recomputed, not learned."""
@@ -53,11 +57,17 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
                   hidden_act="silu",
                   max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  sliding_window=None),
+                  sliding_window=None, rope_theta=10000.0),
     "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                     hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, sliding_window=4096),
+                    tie_word_embeddings=False, sliding_window=4096, rope_theta=10000.0),
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, sliding_window=None, rope_theta=1e6,
+                    num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+                    router_jitter_noise=0.0),
     "gpt2": dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_inner=None,
                  n_positions=1024, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                  tie_word_embeddings=True, scale_attn_weights=True,
@@ -66,7 +76,11 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 """The ``transformers`` class defaults of the fields read, for config.json files that omit them."""
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "n_embd",
-              "n_layer", "n_head", "n_inner", "n_positions")
+              "n_layer", "n_head", "n_inner", "n_positions", "num_local_experts",
+              "num_experts_per_tok")
+MOE_TRAINING_FIELDS = ("aux_loss_scope", "z_loss", "bias_update", "compute")
+"""``model.moe`` settings that only shape training, which HF Mixtral has no field for: an export
+keeps them under ``meshtron`` in config.json so that importing it back restores them."""
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -130,7 +144,8 @@ def _refuse_pickle(where: Path, names: list[str]) -> None:
 
 def hf_model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """A meshtron ``ModelConfig`` from an HF ``config.json`` dict, refusing what meshtron's
-    decoder cannot compute exactly (rope scaling, biases, sliding windows, other activations)."""
+    decoder cannot compute exactly (rope scaling, biases, sliding windows, other activations,
+    a Mixtral routing each token to one expert)."""
     model_type = _model_type(hf, where)
     defaults = HF_DEFAULTS[model_type]
 
@@ -178,11 +193,44 @@ def hf_model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConf
             arch="llama", num_layers=get("num_hidden_layers"), hidden_size=hidden,
             num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
             ffn_hidden_size=get("intermediate_size"),
-            max_seq_len=max_pos, rope_theta=_rope_theta(hf, where), norm_eps=get("rms_norm_eps"),
-            tie_embeddings=bool(get("tie_word_embeddings")),
+            max_seq_len=max_pos, rope_theta=_rope_theta(hf, where, get("rope_theta")),
+            norm_eps=get("rms_norm_eps"), tie_embeddings=bool(get("tie_word_embeddings")),
         )
+        if model_type == "mixtral":
+            top_k, experts = get("num_experts_per_tok"), get("num_local_experts")
+            require(top_k > 1, "num_experts_per_tok=1 is not supported (Mixtral renormalises "
+                    "a lone expert's weight to 1, meshtron keeps its probability)")
+            require(top_k <= experts, f"num_experts_per_tok={top_k} exceeds "
+                    f"num_local_experts={experts}")
+            cfg.moe = MoEConfig(
+                num_experts=experts, top_k=top_k,
+                expert_ffn_size=get("intermediate_size"), shared_experts=0, dense_layers=0,
+                every=1, score="softmax", normalize_topk=True, route_scale=1.0, groups=1,
+                topk_groups=1, aux_loss=get("router_aux_loss_coef"), capacity_factor=0.0,
+                pad_to_capacity=False,
+            )
+            _restore_training_fields(hf, cfg)
     cfg.vocab_size, cfg.vocab_multiple = _vocab(hf, get("vocab_size"))
     return cfg
+
+
+def _restore_training_fields(hf: dict[str, Any], cfg: ModelConfig) -> None:
+    """Settings a meshtron export kept under ``meshtron`` (see :data:`MOE_TRAINING_FIELDS`;
+    ``ffn_hidden_size``, unused when every layer has experts). Their values are validated with
+    the rest of the config."""
+    saved = _saved(hf)
+    if "ffn_hidden_size" in saved:
+        cfg.ffn_hidden_size = saved["ffn_hidden_size"]
+    moe = saved.get("moe")
+    for key in MOE_TRAINING_FIELDS:
+        if isinstance(moe, dict) and key in moe:
+            setattr(cfg.moe, key, moe[key])
+
+
+def _saved(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``meshtron`` block a meshtron export writes into config.json (empty if none)."""
+    saved = hf.get("meshtron")
+    return saved if isinstance(saved, dict) else {}
 
 
 def _model_type(hf: dict[str, Any], where: str) -> str:
@@ -198,8 +246,9 @@ def _model_type(hf: dict[str, Any], where: str) -> str:
     return model_type
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """The rotary base, from ``rope_parameters`` (transformers 5) or the older flat fields."""
+def _rope_theta(hf: dict[str, Any], where: str, default: float) -> float:
+    """The rotary base, from ``rope_parameters`` (transformers 5) or the older flat fields
+    (``default``: the config class's)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -208,15 +257,14 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise MeshtronError(f"{where}: partial_rotary_factor={partial} is not supported")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", hf.get("rope_theta", default)))
 
 
 def _vocab(hf: dict[str, Any], vocab: int) -> tuple[int, int]:
     """(vocab_size, vocab_multiple) whose padded size is exactly ``vocab``: the values meshtron
     exported when they fit, else the largest power of two up to 128 that divides ``vocab``
     (tensor parallelism needs tp to divide vocab_multiple)."""
-    saved = hf.get("meshtron")
-    saved = saved if isinstance(saved, dict) else {}
+    saved = _saved(hf)
     size, multiple = saved.get("vocab_size"), saved.get("vocab_multiple")
     if (isinstance(size, int) and isinstance(multiple, int) and 0 < size <= vocab
             and multiple > 0 and math.ceil(size / multiple) * multiple == vocab):
@@ -225,21 +273,49 @@ def _vocab(hf: dict[str, Any], vocab: int) -> tuple[int, int]:
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict[str, Any]:
-    """The ``config.json`` of the HF twin of ``cfg`` (``LlamaConfig`` or ``GPT2Config`` fields)."""
+    """The ``config.json`` of the HF twin of ``cfg`` (``LlamaConfig``, ``MixtralConfig`` or
+    ``GPT2Config`` fields)."""
+    if cfg.is_moe:
+        _check_mixtral(cfg)
     if cfg.arch == "gpt2" and cfg.num_kv_heads != cfg.num_heads:
         raise MeshtronError(f"a GPT-2 model with num_kv_heads={cfg.num_kv_heads} < num_heads="
                             f"{cfg.num_heads} has no Hugging Face equivalent")
-    arch = "llama" if cfg.arch == "llama" else "gpt2"
+    arch = "gpt2" if cfg.arch == "gpt2" else "mixtral" if cfg.is_moe else "llama"
     extra: dict[str, Any] = (
-        dict(hidden_act="silu", head_dim=cfg.hidden_size // cfg.num_heads) if arch == "llama"
-        else dict(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)
+        dict(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False) if arch == "gpt2"
+        else dict(hidden_act="silu", head_dim=cfg.hidden_size // cfg.num_heads)
     )
+    saved: dict[str, Any] = {"vocab_size": cfg.vocab_size, "vocab_multiple": cfg.vocab_multiple}
+    if cfg.is_moe:
+        saved["ffn_hidden_size"] = cfg.ffn_hidden_size
+        saved["moe"] = {key: getattr(cfg.moe, key) for key in MOE_TRAINING_FIELDS}
     return {
         "architectures": [HF_CLASSES[arch]], "model_type": arch, **hf_config_kwargs(cfg), **extra,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None,
-        "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
-        "meshtron": {"vocab_size": cfg.vocab_size, "vocab_multiple": cfg.vocab_multiple},
+        "torch_dtype": DTYPE_NAMES.get(dtype, "float32"), "meshtron": saved,
     }
+
+
+def _check_mixtral(cfg: ModelConfig) -> None:
+    """Refuse, in one line naming every offending setting, an MoE model that HF Mixtral cannot
+    compute (Mixtral: llama blocks, every MLP routed, softmax top-k>1 renormalised, dropless)."""
+    moe = cfg.moe
+    checks = (
+        (cfg.arch == "llama", f"model.arch={cfg.arch}"),
+        (moe.shared_experts == 0, f"model.moe.shared_experts={moe.shared_experts}"),
+        (moe.score == "softmax", f"model.moe.score={moe.score}"),
+        (moe.groups == 1, f"model.moe.groups={moe.groups}"),
+        (moe.dense_layers == 0, f"model.moe.dense_layers={moe.dense_layers}"),
+        (moe.every == 1, f"model.moe.every={moe.every}"),
+        (moe.normalize_topk, "model.moe.normalize_topk=false"),
+        (moe.top_k > 1, "model.moe.top_k=1 (Mixtral renormalises a lone expert's weight to 1)"),
+        (moe.route_scale == 1.0, f"model.moe.route_scale={moe.route_scale}"),
+        (moe.capacity_factor == 0, f"model.moe.capacity_factor={moe.capacity_factor}"),
+    )
+    refused = [reason for ok, reason in checks if not ok]
+    if refused:
+        raise MeshtronError("this mixture-of-experts model has no Hugging Face Mixtral "
+                            f"equivalent: {', '.join(refused)}")
 
 
 def _expected_state(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -279,6 +355,10 @@ def import_hf(src: Path, dst: Path) -> Conversion:
         raise MeshtronError(f"{config_path}: {err}") from None
     tensors = from_hf(read_hf_tensors(src, cfg.model), cfg.model)
     tokenizer, notes = _hf_tokenizer(src, padded_vocab_size(cfg.model))
+    jitter = hf.get("router_jitter_noise")
+    if model_cfg.is_moe and jitter:
+        notes.append(f"router_jitter_noise={jitter} was dropped: meshtron's router has no "
+                     "input jitter (a training-time noise; the logits are unaffected)")
     checkpoint = write_model_checkpoint(dst, cfg, tensors, tokenizer=tokenizer)
     settings: dict[str, Any] = {"model": cfg.to_dict()["model"],
                                 "train": {"seq_len": cfg.train.seq_len},
@@ -391,6 +471,10 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
     tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path.is_file() else None
     config = hf_config_dict(model_cfg, state["embed.weight"].dtype,
                             tokenizer.eos_id if tokenizer else None)
+    biased = [n for n in state if n.endswith(".router.expert_bias") and bool(state[n].any())]
+    if biased:
+        raise MeshtronError(f"checkpoint {checkpoint}: {biased[0]} is not zero (aux-loss-free "
+                            "balancing), and Hugging Face Mixtral has no expert selection bias")
     hf = to_hf(state, model_cfg)
     if model_cfg.tie_embeddings:  # as save_pretrained does: the head is the embedding
         del hf["lm_head.weight"]
