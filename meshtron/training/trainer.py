@@ -163,6 +163,13 @@ class Trainer:
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
+        if cfg.model.is_moe:
+            moe = cfg.model.moe
+            layers = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
+            self.log(f"moe: {moe.num_experts} experts (top-{moe.top_k}, {moe.shared_experts} "
+                     f"shared) in {len(layers)} of {cfg.model.num_layers} layers, "
+                     f"{moe.num_experts // p.ep} per rank (ep={p.ep}); "
+                     f"{size.matmul_params / 1e6:.2f}M matmul parameters active per token")
         if self.pipeline is not None:
             schedule = self.pipeline.schedule
             self.log(f"pipeline: {p.schedule} over {p.pp} stages with layers "
