@@ -18,15 +18,26 @@ from meshtron.errors import MeshtronError
 
 def _config_reference() -> str:
     """Every config field as '--section.field (default ...)', for `meshtron train --help`."""
-    from meshtron.config import Config, config_key
+    from meshtron.config import MOE_DEFAULTS, Config, config_key
+
+    def fields(obj: object, prefix: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            name = f"{prefix}.{config_key(f.name)}"
+            if dataclasses.is_dataclass(value):
+                out += fields(value, name)
+                continue
+            if value is None and prefix == "model.moe":  # unset: the preset's, else this
+                value = MOE_DEFAULTS.get(f.name)
+            out.append(f"    --{name} (default {value!r})")
+        return out
 
     lines = ["config fields (set in --config YAML or as --section.field=value):"]
     defaults = Config()
     for section in dataclasses.fields(Config):
-        obj = getattr(defaults, section.name)
         lines.append(f"  {section.name}:")
-        lines += [f"    --{section.name}.{config_key(f.name)} (default {getattr(obj, f.name)!r})"
-                  for f in dataclasses.fields(obj)]
+        lines += fields(getattr(defaults, section.name), section.name)
     return "\n".join(lines)
 
 

@@ -187,11 +187,12 @@ class Trainer:
             cfg.save(self.run_dir / "config.yaml")
 
     def _log_activation_memory(self) -> None:
-        """The formula's activation bytes on this rank (llama blocks): one micro-batch through
-        its layers, or under a pipeline the peak number of micro-batches its schedule keeps in
-        flight through one chunk each."""
+        """The formula's activation bytes on this rank (dense llama blocks): one micro-batch
+        through its layers, or under a pipeline the peak number of micro-batches its schedule
+        keeps in flight through one chunk each. MoE layers keep routing-dependent amounts, so
+        there is no formula for them."""
         cfg, p = self.cfg, self.cfg.parallel
-        if cfg.model.arch != "llama":
+        if cfg.model.arch != "llama" or cfg.model.is_moe:
             return
         layers, held = len(self.model.blocks()), 1
         if self.pipeline is not None:
