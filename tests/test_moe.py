@@ -17,6 +17,7 @@ from meshtron.parallel.layout import MeshLayout
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.tensor import TPRegion
 from meshtron.training.metrics import read_metrics
+from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import PARITY_RTOL, assert_parity, run_layouts, run_training, test_overrides
 
@@ -280,6 +281,9 @@ PARITY_4 = [
      "--model.moe.bias_update=0.01"],
     ["--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=2",
      "--model.moe.capacity_factor=1.0"],
+    ["--parallel.ep=2", "--parallel.pp=2", "--parallel.schedule=zb-h1", "--train.micro_batch=2"],
+    ["--parallel.ep=2", "--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved",
+     "--model.num_layers=4", "--model.moe.every=2", "--train.micro_batch=1"],
 ]
 
 
@@ -346,3 +350,20 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(data_cache, tmp_path)
     for key in ("loss", "grad_norm"):
         for step, (a, b) in enumerate(zip(reference[key][10:], resumed[key]), start=11):
             assert abs(a - b) <= PARITY_RTOL * abs(a), f"{key} at step {step}: {b} vs {a}"
+
+
+def test_bf16_moe_tracks_fp32_with_the_expert_bias_in_fp32(data_cache, tmp_path):
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = load_config(overrides=test_overrides(data_cache, str(tmp_path / dtype), steps=8)
+                          + MOE + ["--model.moe.bias_update=0.01", f"--precision.dtype={dtype}"])
+        trainer = Trainer(cfg, log=lambda message: None)
+        runs[dtype] = trainer.run().losses
+        router = trainer.model.moe_layers()[0].router
+        assert router.expert_bias.dtype == torch.float32
+        assert router.expert_bias.abs().sum() > 0  # moved by the aux-free update
+        expected = torch.bfloat16 if dtype == "bf16" else torch.float32
+        assert router.weight.dtype == trainer.model.layers["0"].mlp.experts["0"].down.weight.dtype
+        assert router.weight.dtype == expected
+    for a, b in zip(runs["fp32"], runs["bf16"]):
+        assert abs(a - b) < 0.02 * a
