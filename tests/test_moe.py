@@ -274,6 +274,7 @@ PARITY_2 = [  # ep folds into dp; one micro-batch per rank equals the reference'
 ]
 PARITY_4 = [
     ["--parallel.ep=4", "--train.micro_batch=2"],
+    ["--parallel.ep=2", "--train.micro_batch=2"],  # expert-dp of 2 without ZeRO
     ["--parallel.ep=2", "--parallel.tp=2", "--train.micro_batch=4"],
     ["--parallel.ep=2", "--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=2",
      "--model.moe.capacity_factor=1.0", "--model.moe.bias_update=0.01"],

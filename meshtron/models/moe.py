@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, MoEConfig
 from meshtron.parallel.collectives import all_gather, all_reduce
 from meshtron.parallel.experts import Dispatch, grouped_matmul
 from meshtron.parallel.mesh import Group, ParallelMesh
@@ -164,6 +164,40 @@ class Expert(nn.Module):
         return (self.gate_up if self.gated else self.up).weight
 
 
+@dataclass
+class RowPlan:
+    """Which token copies a rank sends to the experts, and in what order."""
+
+    routed: torch.Tensor
+    """Copies routed to each expert [E] (before the capacity)."""
+    order: torch.Tensor
+    """The kept copies (flat index token * k + slot), sorted by expert (stable: by token, or
+    with a capacity by descending weight)."""
+    rows_per_expert: torch.Tensor
+    """Rows each expert gets in the send buffer [E]."""
+    rows: torch.Tensor | None
+    """With padding to capacity: each kept copy's row in the padded buffer."""
+
+    @classmethod
+    def build(cls, experts: torch.Tensor, weights: torch.Tensor, moe: MoEConfig) -> RowPlan:
+        num_experts, flat = moe.num_experts, experts.reshape(-1)
+        routed = torch.bincount(flat, minlength=num_experts)
+        if moe.capacity_factor == 0:
+            return cls(routed, torch.argsort(flat, stable=True), routed, None)
+        capacity = math.ceil(moe.capacity_factor * len(experts) * moe.top_k / num_experts)
+        by_weight = torch.argsort(-weights.reshape(-1), stable=True)
+        order = by_weight[torch.argsort(flat[by_weight], stable=True)]
+        sorted_experts = flat[order]
+        position = torch.arange(len(order), device=order.device) - (
+            torch.cumsum(routed, 0) - routed)[sorted_experts]
+        keep = position < capacity  # the lowest-weighted copies beyond capacity drop
+        order, sorted_experts, position = order[keep], sorted_experts[keep], position[keep]
+        if not moe.pad_to_capacity:
+            return cls(routed, order, routed.clamp(max=capacity), None)
+        return cls(routed, order, torch.full_like(routed, capacity),
+                   capacity * sorted_experts + position)
+
+
 class MoE(nn.Module):
     """Drop-in replacement for the block's MLP: [b, s, h] -> [b, s, h] (s local under SP)."""
 
@@ -176,8 +210,8 @@ class MoE(nn.Module):
         self.ep = mesh.ep
         self.router = Router(cfg, region)
         local = moe.num_experts // mesh.ep.size
-        self.first_expert = mesh.ep.rank * local
-        self.experts = nn.ModuleDict({str(self.first_expert + j): Expert(cfg, region, mesh.edp)
+        first = mesh.ep.rank * local
+        self.experts = nn.ModuleDict({str(first + j): Expert(cfg, region, mesh.edp)
                                       for j in range(local)})
         self.shared = shared
         self.gated = cfg.arch == "llama"
@@ -210,43 +244,22 @@ class MoE(nn.Module):
     def _routed(self, tokens: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """Σ_k weight_k · expert_k(token) for every token of the (tp-entered) micro-batch."""
-        moe, n = self.moe, len(tokens)
-        num_experts = moe.num_experts
-        flat_experts = experts.reshape(-1)
-        counts = torch.bincount(flat_experts, minlength=num_experts)
-        capacity = (math.ceil(moe.capacity_factor * n * moe.top_k / num_experts)
-                    if moe.capacity_factor > 0 else None)
-        if capacity is None:
-            order = torch.argsort(flat_experts, stable=True)
-        else:  # within an expert, highest weight first: the lowest are dropped
-            by_weight = torch.argsort(-weights.detach().reshape(-1), stable=True)
-            order = by_weight[torch.argsort(flat_experts[by_weight], stable=True)]
-        sorted_experts = flat_experts[order]
-        position = torch.arange(len(order), device=order.device) - (
-            torch.cumsum(counts, 0) - counts)[sorted_experts]
-        rows_per_expert, rows = counts, None
-        if capacity is not None:
-            keep = position < capacity
-            order, sorted_experts, position = order[keep], sorted_experts[keep], position[keep]
-            rows_per_expert = counts.clamp(max=capacity)
-            if moe.pad_to_capacity:
-                rows_per_expert = torch.full_like(counts, capacity)
-                rows = (capacity * sorted_experts + position)
-        source = order // moe.top_k
-        send = tokens[source]
-        if rows is not None:
-            send = send.new_zeros(int(rows_per_expert.sum()), send.shape[1]).index_copy(
-                0, rows, send)
+        plan = RowPlan.build(experts, weights.detach(), self.moe)
         if self.training and not _in_backward():
-            self.stats.load += counts.double().cpu()
-            self.stats.routed += len(flat_experts)
-            self.stats.dropped += len(flat_experts) - len(order)
-        dispatch = Dispatch(rows_per_expert, self.ep)
+            self.stats.load += plan.routed.double().cpu()
+            self.stats.routed += experts.numel()
+            self.stats.dropped += experts.numel() - len(plan.order)
+        source = plan.order // self.moe.top_k
+        send = tokens[source]
+        if plan.rows is not None:
+            send = send.new_zeros(int(plan.rows_per_expert.sum()), send.shape[1]).index_copy(
+                0, plan.rows, send)
+        dispatch = Dispatch(plan.rows_per_expert, self.ep)
         out = dispatch.back(self._experts(dispatch.send(send), dispatch.expert_counts))
-        if rows is not None:
-            out = out[rows]
-        out = out * weights.reshape(-1)[order].unsqueeze(1)
-        return tokens.new_zeros(n, tokens.shape[1]).index_add(0, source, out)
+        if plan.rows is not None:
+            out = out[plan.rows]
+        out = out * weights.reshape(-1)[plan.order].unsqueeze(1)
+        return tokens.new_zeros(tokens.shape).index_add(0, source, out)
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts' FFNs on rows grouped by expert (counts per local expert); each tp
