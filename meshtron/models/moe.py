@@ -266,14 +266,13 @@ class MoE(nn.Module):
         rank's partial sum of the down projection."""
         experts = list(self.experts.values())
         grouped = self.moe.compute == "grouped"
-        up = grouped_matmul(rows, torch.stack([e.up_weight for e in experts]), counts, grouped)
+        up = grouped_matmul(rows, [e.up_weight for e in experts], counts, grouped)
         if self.gated:
             gate, up = up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(up, approximate="tanh")
-        return grouped_matmul(hidden, torch.stack([e.down.weight for e in experts]), counts,
-                              grouped)
+        return grouped_matmul(hidden, [e.down.weight for e in experts], counts, grouped)
 
     # ------------------------------------------------------------------ auxiliary losses
 

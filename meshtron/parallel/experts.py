@@ -18,6 +18,7 @@ the count exchange.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -101,24 +102,25 @@ class Dispatch:
         return all_to_all(rows, self.send_splits, self.recv_splits, self.group)
 
 
-def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+def grouped_matmul(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: torch.Tensor,
                    grouped: bool = True) -> torch.Tensor:
     """Rows ``x`` [R, in] in groups of ``counts`` rows, group g times ``weights[g]`` [out, in]
     transposed: [R, out].
 
     ``torch._grouped_mm`` where this torch has it and the shapes suit it, else one padded
-    batched matmul; ``grouped=False`` is the per-expert loop (the reference and the
-    benchmark's peer).
+    batched matmul, both on the weights stacked into one tensor; ``grouped=False`` is the
+    per-expert loop (the reference and the benchmark's peer).
     """
     if not grouped:
-        pieces = x.split(counts.tolist())
-        return torch.cat([p @ w.t() for p, w in zip(pieces, weights.unbind(0))]) if len(x) else \
-            x.new_zeros(0, weights.shape[1])
-    if _grouped_mm_suits(x, weights):
+        if len(x) == 0:
+            return x.new_zeros(0, weights[0].shape[0])
+        return torch.cat([p @ w.t() for p, w in zip(x.split(counts.tolist()), weights)])
+    stacked = weights if isinstance(weights, torch.Tensor) else torch.stack(list(weights))
+    if _grouped_mm_suits(x, stacked):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return torch.ops.aten._grouped_mm(x.contiguous(), weights.transpose(1, 2),
+        return torch.ops.aten._grouped_mm(x.contiguous(), stacked.transpose(1, 2),
                                           offs=offsets)
-    return _padded_bmm(x, weights, counts)
+    return _padded_bmm(x, stacked, counts)
 
 
 def _grouped_mm_suits(x: torch.Tensor, weights: torch.Tensor) -> bool:
