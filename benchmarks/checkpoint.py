@@ -85,9 +85,7 @@ import datetime
 import gc
 import json
 import math
-import multiprocessing as mp
 import os
-import pickle
 import platform
 import shutil
 import statistics
@@ -95,12 +93,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from spawn import spawn
 
 SEQ = 64
 VOCAB = 32000
@@ -530,67 +528,13 @@ def run_setup(rank: int, setup: Setup, args: dict[str, Any], verify_async: bool
     return out
 
 
-def group_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def group_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Every configuration of ``args['order']`` in turn, in this process group."""
     out = {}
     for name in args["order"]:
         out[name] = run_setup(rank, SETUPS[name], args, args["verify_async"])
         gc.collect()  # the configuration's models and checkpoint copies are gone before the next
     return out
-
-
-def _worker(rank: int, world: int, rendezvous: str, out_dir: str, args: dict[str, Any]) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-    code = 0
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-        result: Any = ("ok", group_task(rank, args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-        code = 1
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
-
-    exit_process(code)  # destroy the group and os._exit: avoids gloo's abort at shutdown
-
-
-def spawn(world: int, args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """``group_task(rank, args)`` in ``world`` fresh processes; the results in rank order."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker, args=(r, world, rendezvous, tmp, args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for r, p in enumerate(procs):
-            path = Path(tmp) / f"rank{r}.pkl"
-            if not path.exists():
-                errors.append(f"rank {r} returned nothing (exit code {p.exitcode}; killed "
-                              f"after the {timeout:.0f} s timeout if -9)")
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                errors.append(f"rank {r} failed:\n{value}")
-            results.append(value)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
 
 
 # ---------------------------------------------------------------------------------- report
@@ -712,7 +656,7 @@ def main() -> None:
                 order = group[r % len(group):] + group[: r % len(group)]
                 task = {"order": order, "dir": str(work), "layers": args.layers,
                         "overlap_steps": args.overlap_steps, "verify_async": r == 0}
-                ranks = spawn(world, task, args.timeout)
+                ranks = spawn(group_task, world, task, timeout=args.timeout)
                 for name in order:
                     row = combine([rank[name] for rank in ranks])
                     results[name].append(row)

@@ -77,21 +77,18 @@ import datetime
 import itertools
 import json
 import logging
-import multiprocessing as mp
 import os
-import pickle
 import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from spawn import spawn
 
 WORLD = 2
 MICRO_BATCH = 4
@@ -319,62 +316,11 @@ def run_setup(rank: int, setup: Setup, warmup: int, steps: int, bucket_mb: float
     }
 
 
-def _worker(rank: int, rendezvous: str, out_dir: str, args: tuple) -> None:
-    os.environ.update(GLOO_SOCKET_IFNAME="lo", RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD))  # DeepSpeed asserts LOCAL_RANK
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo collective names
-    code = 0
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
-        result: Any = ("ok", run_setup(rank, *args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-        code = 1
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
-
-    exit_process(code)
-
-
-def spawn(args: tuple, timeout: float, env: dict[str, str] | None = None
-          ) -> list[dict[str, Any]]:
-    """``run_setup(rank, *args)`` in ``WORLD`` fresh processes (with ``env`` added to their
-    environment); the results in rank order."""
-    ctx = mp.get_context("spawn")
-    saved = dict(os.environ)
-    os.environ.update(env or {})  # read by the new interpreters (glibc reads MALLOC_* at start)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            rendezvous = f"file://{tmp}/rendezvous"
-            procs = [ctx.Process(target=_worker, args=(r, rendezvous, tmp, args))
-                     for r in range(WORLD)]
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            results = []
-            for r, p in enumerate(procs):
-                path = Path(tmp) / f"rank{r}.pkl"
-                if not path.exists():
-                    raise RuntimeError(f"rank {r} returned nothing (exit code {p.exitcode})")
-                status, value = pickle.loads(path.read_bytes())
-                if status == "error":
-                    raise RuntimeError(f"rank {r} failed:\n{value}")
-                results.append(value)
-            return results
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def setup_task(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    """Worker body: :func:`run_setup` with torchrun's rank variables set (DeepSpeed asserts
+    LOCAL_RANK)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    return run_setup(rank, *args)
 
 
 # ---------------------------------------------------------------------------------- report
@@ -489,7 +435,8 @@ def main() -> None:
         for name in order:
             setup = (SETUPS[name], args.warmup, 3 if mmap else args.steps, args.bucket_mb,
                      args.lr)
-            result = spawn(setup, args.timeout, MMAP_ENV if mmap else None)
+            result = spawn(setup_task, WORLD, *setup, timeout=args.timeout,
+                           env=MMAP_ENV if mmap else None)
             (memory_runs if mmap else runs)[name].append(result)
             print(f"  {'memory' if mmap else 'round'} {r + 1}: {name:<17} "
                   f"{statistics.median(step_times(result)):.3f} s/step "

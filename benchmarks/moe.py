@@ -31,10 +31,11 @@ ratio of medians; pair ratio = median over rounds of the ratio within the round.
 ``--profile`` adds ``torch.profiler`` self CPU times of the last size's modules: matrix
 products (``aten::mm``: on CPU ``_grouped_mm`` runs one per expert) against everything else.
 
-**2. Expert parallelism in training** (two spawned gloo processes, ``tcp://127.0.0.1`` on a
-free port, one torch thread each, ``os._exit`` after ``destroy_process_group``). Both ranks run
-``meshtron.training.trainer.Trainer`` on the ``tiny-moe`` preset (llama, 4 layers, hidden 256,
-8 heads / 4 kv heads, every layer MoE: 8 experts of 192 units, top-2, 1 shared expert) with a
+**2. Expert parallelism in training** (two spawned gloo processes, ``file://`` rendezvous, one
+torch thread each, ``os._exit`` after ``destroy_process_group``: ``benchmarks/spawn.py``). Both
+ranks run ``meshtron.training.trainer.Trainer`` on the ``tiny-moe`` preset (llama, 4 layers,
+hidden 256, 8 heads / 4 kv heads, every layer MoE: 8 experts of 192 units, top-2, 1 shared
+expert) with a
 512-token BPE tokenizer on a 0.3 MB slice of the default corpus (built once in a temporary cache
 directory by the parent), seq 128, global batch 8 (4 sequences per rank), fp32 AdamW, at
 ``--parallel.ep=1`` (dp=2: every rank holds all 8 experts, their gradients are all-reduced) and
@@ -56,22 +57,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from spawn import spawn
 
 SEED = 1234
 TOP_K = 2
@@ -310,74 +307,13 @@ def train_layout(rank: int, overrides: list[str]) -> dict[str, Any]:
     return {"losses": result.losses, "rows": rows, "params": params, "cpu_times": cpu_times}
 
 
-def ep_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def ep_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Worker body: train each layout of ``args["order"]`` in turn; results by ep."""
     out = {}
     for ep in args["order"]:
         run_dir = f"{args['root']}/round{args['round']}-ep{ep}"
         out[ep] = train_layout(rank, ep_overrides(args["cache"], run_dir, args["steps"], ep))
     return out
-
-
-def _worker(rank: int, rendezvous: str, out_dir: str, args: dict[str, Any]) -> None:
-    """One spawned rank: join the gloo group, run :func:`ep_task`, pickle the outcome."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-    code = 0
-    try:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
-        result: Any = ("ok", ep_task(rank, args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-        code = 1
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
-
-    exit_process(code)  # destroy the group and os._exit: avoids gloo's abort at shutdown
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """``ep_task(rank, args)`` in two fresh processes; the results in rank order."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = f"tcp://127.0.0.1:{free_port()}"
-        procs = [ctx.Process(target=_worker, args=(r, rendezvous, tmp, args))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for r, p in enumerate(procs):
-            path = Path(tmp) / f"rank{r}.pkl"
-            if not path.exists():
-                errors.append(f"rank {r} returned nothing (exit code {p.exitcode}; killed "
-                              f"after the {timeout:.0f} s timeout if -9)")
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                errors.append(f"rank {r} failed:\n{value}")
-            results.append(value)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
 
 
 def bench_ep(args: argparse.Namespace) -> dict[str, Any]:
@@ -397,8 +333,9 @@ def bench_ep(args: argparse.Namespace) -> dict[str, Any]:
         build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, log=lambda m: None)
         for r in range(args.rounds):
             order = [1, 2] if r % 2 == 0 else [2, 1]
-            ranks = spawn({"order": order, "round": r, "root": root, "cache": cache,
-                           "steps": steps}, args.timeout)
+            ranks = spawn(ep_task, WORLD, {"order": order, "round": r, "root": root,
+                                           "cache": cache, "steps": steps},
+                          timeout=args.timeout)
             for ep in order:
                 rows = ranks[0][ep]["rows"]
                 assert len(rows) == steps, f"ep={ep}: {len(rows)} metrics rows, expected {steps}"

@@ -75,16 +75,11 @@ import argparse
 import datetime
 import itertools
 import json
-import multiprocessing as mp
 import os
-import pickle
 import platform
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,6 +87,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from spawn import spawn
 from torch import nn
 from torch.distributed import pipelining
 
@@ -277,7 +273,7 @@ def _trace_summary(trace: list[tuple[Any, float, float]]) -> dict[str, Any]:
             "busy": sum(t[2] - t[1] for t in trace), "kinds": kinds}
 
 
-def steps_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Every configuration in this process group: warm-up, then timed steps interleaved with a
     rotating order; for meshtron, the trace summary of every timed step."""
     s = Shape(**args["shape"])
@@ -318,57 +314,6 @@ def steps_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     return {"times": times, "traces": traces,
             "first_loss": {n: x[0] for n, x in losses.items()},
             "last_warmup_loss": {n: x[-1] for n, x in losses.items()}}
-
-
-def _worker(rank: int, world: int, rendezvous: str, out_dir: str, args: dict[str, Any]) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-    code = 0
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-        result: Any = ("ok", steps_task(rank, args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-        code = 1
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
-
-    exit_process(code)  # destroy the group and os._exit: avoids gloo's abort at shutdown
-
-
-def spawn(world: int, args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """``steps_task(rank, args)`` in ``world`` fresh processes; the results in rank order."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker, args=(r, world, rendezvous, tmp, args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for r, p in enumerate(procs):
-            path = Path(tmp) / f"rank{r}.pkl"
-            if not path.exists():
-                errors.append(f"rank {r} returned nothing (exit code {p.exitcode}; killed "
-                              f"after the {timeout:.0f} s timeout if -9)")
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                errors.append(f"rank {r} failed:\n{value}")
-            results.append(value)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
 
 
 # ---------------------------------------------------------------------------------- report
@@ -467,7 +412,7 @@ def bench_pp(pp: int, args: argparse.Namespace, s: Shape) -> dict[str, Any]:
                     "steps": args.steps, "offset": r}
             started = time.perf_counter()
             try:
-                run = spawn(pp, task, args.timeout)
+                run = spawn(steps_task, pp, task, timeout=args.timeout)
                 break
             except RuntimeError as err:
                 optional = [n for n in names if SETUPS[n].optional]

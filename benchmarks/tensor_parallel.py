@@ -86,15 +86,11 @@ import importlib.metadata
 import importlib.util
 import json
 import math
-import multiprocessing as mp
 import os
-import pickle
 import platform
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -104,6 +100,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from spawn import spawn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
@@ -134,6 +131,7 @@ from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
 
 TP = 2
+TIMEOUT = 900  # seconds per process group
 VARIANTS = ("meshtron", "dtensor", "dtensor-per-linear", "meshtron+sp", "dtensor+sp")
 
 
@@ -155,55 +153,6 @@ class Shape:
             f"--model.num_kv_heads={self.kv_heads}", f"--model.ffn_hidden_size={self.ffn}",
             f"--model.vocab_size={self.vocab}", f"--train.seq_len={self.seq}",
         ])
-
-
-# ------------------------------------------------------------------------ process harness
-
-
-def _worker(task: str, rank: int, world: int, rendezvous: str, out_dir: str,
-            args: dict[str, Any]) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    code = 0
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-        result: Any = ("ok", TASKS[task](rank, args))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
-        result = ("error", traceback.format_exc())
-        code = 1
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
-
-    exit_process(code)  # destroy the group and os._exit: avoids gloo's abort at shutdown
-
-
-def spawn(task: str, args: dict[str, Any], world: int = TP, timeout: float = 900) -> list[Any]:
-    """Run ``TASKS[task](rank, args)`` in ``world`` fresh processes; results in rank order."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker, args=(task, r, world, rendezvous, tmp, args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results = []
-        for r, p in enumerate(procs):
-            path = Path(tmp) / f"rank{r}.pkl"
-            if not path.exists():
-                raise RuntimeError(f"{task}: rank {r} returned nothing (exit code {p.exitcode})")
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                raise RuntimeError(f"{task}: rank {r} failed:\n{value}")
-            results.append(value)
-        return results
 
 
 def _status_kb(key: str) -> int:
@@ -482,7 +431,7 @@ def _timed(step: Callable[[], float]) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
-def steps_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """All variants in one process pair, steps interleaved with a rotating order."""
     s = Shape(**args["shape"])
     variants: list[str] = args["variants"]
@@ -523,7 +472,7 @@ def saved_activation_bytes(model: nn.Module, step: Callable[[], float]) -> int:
     return sum(saved.values())
 
 
-def memory_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def memory_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """One variant in a fresh process pair: peak RSS of building it and of training it."""
     s = Shape(**args["shape"])
     base_kb = _status_kb("VmRSS")
@@ -572,7 +521,7 @@ def _label_collectives() -> None:
     collectives.dist.all_reduce = labelled("all_reduce", dist.all_reduce)  # type: ignore
 
 
-def profile_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def profile_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Where a step's time goes (rank 0): collectives (including waiting for the peer), matmul
     and attention kernels, other aten ops, and the rest (Python, autograd, DTensor dispatch)."""
     from torch.profiler import ProfilerActivity, profile
@@ -611,7 +560,7 @@ def profile_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def layers_task(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def layers_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """meshtron's column -> row pair against megatron-core's, same weights and inputs."""
     with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
         warnings.simplefilter("ignore")
@@ -699,11 +648,6 @@ def _megatron_sp_error(layers: Any, config_type: Any, x: torch.Tensor, rank: int
     return None
 
 
-TASKS: dict[str, Callable[[int, dict[str, Any]], Any]] = {
-    "steps": steps_task, "memory": memory_task, "profile": profile_task, "layers": layers_task,
-}
-
-
 # ---------------------------------------------------------------------------------- main
 
 
@@ -748,29 +692,18 @@ EXACT_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 process's high-water mark is the peak of live memory rather than of glibc's retained heap."""
 
 
-def spawn_with_env(task: str, args: dict[str, Any], env: dict[str, str]) -> list[Any]:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return spawn(task, args)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def bench_steps(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
     common = {"shape": asdict(shape), "warmup": args.warmup}
-    ranks = spawn("steps", {**common, "variants": list(VARIANTS), "steps": args.steps})
+    ranks = spawn(steps_task, TP, {**common, "variants": list(VARIANTS), "steps": args.steps},
+                  timeout=TIMEOUT)
     _check_losses(ranks[0]["first_loss"], "interleaved run")
     _check_losses(ranks[0]["last_warmup_loss"], "interleaved run, last warm-up step")
     memory: dict[str, dict[str, list[dict[str, Any]]]] = {v: {} for v in VARIANTS}
     for allocator, env in (("default", {}), ("exact", EXACT_ALLOCATOR)):
         for variant in VARIANTS:  # meshtron and DTensor alternate
-            memory[variant][allocator] = spawn_with_env(
-                "memory", {**common, "variant": variant, "steps": args.memory_steps}, env)
+            memory[variant][allocator] = spawn(
+                memory_task, TP, {**common, "variant": variant, "steps": args.memory_steps},
+                timeout=TIMEOUT, env=env)
     _check_losses({v: m["default"][0]["first_loss"] for v, m in memory.items()}, "memory runs")
     times = {v: ranks[0]["times"][v] for v in VARIANTS}
 
@@ -831,7 +764,8 @@ def print_steps(result: dict[str, Any], args: argparse.Namespace, shape: Shape) 
 
 def bench_layers(args: argparse.Namespace) -> dict[str, Any]:
     dims = {"batch": 4, "seq": 128, "hidden": args.layer_hidden, "ffn": args.layer_ffn}
-    ranks = spawn("layers", {**dims, "warmup": 3, "steps": args.layer_steps})
+    ranks = spawn(layers_task, TP, {**dims, "warmup": 3, "steps": args.layer_steps},
+                  timeout=TIMEOUT)
     worst = {k: max(r["max_abs_diff"][k] for r in ranks) for k in ranks[0]["max_abs_diff"]}
     med = {k: _median(v) for k, v in ranks[0]["times"].items()}
     return {**dims, "max_abs_diff": worst,
@@ -908,8 +842,9 @@ def main() -> None:
         result["train_step"] = bench_steps(args, shape)
         print_steps(result["train_step"], args, shape)
     if args.profile:
-        result["profile"] = spawn("profile", {"shape": asdict(shape), "warmup": 2, "steps": 5,
-                                              "variants": list(VARIANTS)})[0]
+        result["profile"] = spawn(profile_task, TP, {"shape": asdict(shape), "warmup": 2,
+                                                     "steps": 5, "variants": list(VARIANTS)},
+                                  timeout=TIMEOUT)[0]
         print_profile(result["profile"])
     if "layers" not in args.skip:
         if importlib.util.find_spec("megatron") is None:
