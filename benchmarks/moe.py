@@ -283,7 +283,7 @@ def train_layout(rank: int, overrides: list[str]) -> dict[str, Any]:
 
     cfg = load_config(overrides=overrides)
     p = cfg.parallel
-    mesh = ParallelMesh(MeshLayout(WORLD, p.tp, p.cp, p.pp, p.ep), rank)
+    mesh = ParallelMesh(MeshLayout.of(p, WORLD), rank)
     trainer = Trainer(cfg, mesh, log=lambda m: None)
     params = sum(q.numel() for q in trainer.model.parameters())
     cpu_times: list[float] = []

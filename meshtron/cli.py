@@ -86,7 +86,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     init_process_group(info, cfg.run.timeout_s)
     p = cfg.parallel
-    mesh = ParallelMesh(MeshLayout(info.world_size, p.tp, p.cp, p.pp, p.ep), info.rank)
+    mesh = ParallelMesh(MeshLayout.of(p, info.world_size), info.rank)
     result = train(cfg, mesh, device=device_for(info))
     if info.rank != 0:
         return 0

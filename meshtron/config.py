@@ -26,6 +26,7 @@ import yaml
 
 from meshtron.errors import MeshtronError
 from meshtron.models.presets import MODEL_PRESETS
+from meshtron.parallel.layout import expert_fold_message
 
 ARCHS = ("llama", "gpt2")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -130,6 +131,9 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None
+    """Expert tensor parallelism: experts split over tp like the MLP (None: tp), or 1: whole
+    experts, each tp rank routing its own share of the tokens (ep then folds over tp too)."""
     vpp: int = 1
     sp: bool = False
     zero: int = 0
@@ -561,11 +565,10 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         f"{model_parallel}",
     )
     dp = world_size // model_parallel
-    _require(
-        (dp * p.cp) % p.ep == 0,
-        f"parallel.ep={p.ep} does not divide dp*cp = {dp}*{p.cp}; expert parallelism folds "
-        "into the data- and context-parallel ranks",
-    )
+    _require(p.etp in (None, 1, p.tp), f"parallel.etp={p.etp} must be 1 or parallel.tp={p.tp}")
+    folded_tp = p.tp if p.etp == 1 else 1
+    _require((dp * p.cp * folded_tp) % p.ep == 0,
+             expert_fold_message(p.ep, dp, p.cp, folded_tp))
     _require(
         m.num_heads % p.tp == 0,
         f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads}",
@@ -587,9 +590,15 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         e = m.moe.num_experts
         _require(e % p.ep == 0, f"parallel.ep={p.ep} does not divide model.moe.num_experts={e}")
         _require(
-            m.moe.expert_ffn_size % p.tp == 0,
+            p.etp == 1 or m.moe.expert_ffn_size % p.tp == 0,
             f"parallel.tp={p.tp} does not divide model.moe.expert_ffn_size="
-            f"{m.moe.expert_ffn_size} (experts split over tp like the MLP)",
+            f"{m.moe.expert_ffn_size} (experts split over tp like the MLP; parallel.etp=1 "
+            "keeps them whole)",
+        )
+        _require(
+            p.etp != 1 or p.sp or t.seq_len % p.tp == 0,
+            f"parallel.etp=1 needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp} "
+            "(each tp rank routes its share of the sequence)",
         )
     else:
         _require(p.ep == 1, f"parallel.ep={p.ep} needs a mixture-of-experts model "

@@ -41,7 +41,7 @@ def warm_data_cache(cache_dir: str) -> None:
 def run_training(overrides: list[str], rank: int = 0, world_size: int = 1) -> dict:
     cfg = load_config(overrides=overrides)
     p = cfg.parallel
-    mesh = ParallelMesh(MeshLayout(world_size, p.tp, p.cp, p.pp, p.ep), rank)
+    mesh = ParallelMesh(MeshLayout.of(p, world_size), rank)
     trainer = Trainer(cfg, mesh, log=lambda m: None)
     result = trainer.run()
     return {"loss": result.losses, "grad_norm": result.grad_norms}

@@ -41,6 +41,15 @@ def test_expert_groups_fold_into_dp_times_cp():
     assert [0, 2] in ep and [4, 6] in ep and [0, 4] in edp
 
 
+def test_whole_experts_fold_ep_over_tp_too():
+    ep, edp = MeshLayout(world_size=8, tp=2, ep=4, etp=1).expert_groups()  # tp x dp = 2 x 4
+    assert ep == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert edp == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    ep, edp = MeshLayout(world_size=8, tp=2, pp=2, ep=2, etp=1).expert_groups()
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]]  # never across pipeline stages
+    assert edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
 def test_single_process_mesh_has_no_process_groups():
     mesh = ParallelMesh.single()
     for name in ("tp", "cp", "dp", "pp", "dp_cp", "model", "world", "ep", "edp"):

@@ -76,6 +76,14 @@ def test_bad_moe_settings_are_one_line(overrides, message):
     (["--model.moe.num_experts=4", "--parallel.ep=4", "--parallel.tp=2"], 4,
      "parallel.ep=4 does not divide dp\\*cp = 2\\*1"),
     (["--parallel.ep=2"], 2, "parallel.ep=2 needs a mixture-of-experts model"),
+    (["--model.moe.num_experts=4", "--parallel.tp=2", "--parallel.etp=2", "--parallel.ep=4"], 4,
+     "parallel.ep=4 does not divide dp\\*cp = 2\\*1"),
+    (["--model.moe.num_experts=8", "--parallel.tp=2", "--parallel.etp=1", "--parallel.ep=8"], 4,
+     "parallel.ep=8 does not divide tp\\*dp\\*cp = 2\\*2\\*1; with parallel.etp=1"),
+    (["--model.moe.num_experts=4", "--parallel.tp=4", "--parallel.etp=2"], 4,
+     "parallel.etp=2 must be 1 or parallel.tp=4"),
+    (["--model.moe.num_experts=4", "--model.moe.expert_ffn_size=66", "--parallel.tp=4"], 4,
+     "parallel.tp=4 does not divide model.moe.expert_ffn_size=66"),
 ])
 def test_impossible_expert_layouts_are_refused(overrides, world, message):
     cfg = load_config(overrides=overrides)
@@ -285,6 +293,15 @@ PARITY_4 = [
     ["--parallel.ep=2", "--parallel.pp=2", "--parallel.schedule=zb-h1", "--train.micro_batch=2"],
     ["--parallel.ep=2", "--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved",
      "--model.num_layers=4", "--model.moe.every=2", "--train.micro_batch=1"],
+    # expert tensor parallel 1: whole experts, ep folded over tp as well
+    ["--parallel.tp=2", "--parallel.etp=1", "--parallel.ep=2", "--train.micro_batch=4"],
+    ["--parallel.tp=2", "--parallel.etp=1", "--parallel.ep=4", "--train.micro_batch=4",
+     "--model.moe.capacity_factor=1.0"],
+    ["--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1", "--parallel.ep=2",
+     "--train.micro_batch=2", "--model.moe.capacity_factor=1.25",
+     "--model.moe.pad_to_capacity=true", "--model.moe.bias_update=0.01"],
+    ["--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--train.micro_batch=4",
+     "--model.moe.aux_loss_scope=sequence"],
 ]
 
 

@@ -8,10 +8,13 @@ One MoE layer replaces the MLP of a block (``model.moe.*`` says which blocks)::
       -> one grouped matmul per projection over the local experts
       -> all-to-all back -> weighted sum per token (+ shared experts)
 
-Tensor parallelism splits every expert like the dense MLP (expert tensor parallel = tp): the
-router runs on the block input and its top-k weights enter the tp region (all-reduce of their
-gradient, or the sequence-parallel gather), each tp rank computes its slice of every chosen
-expert and the weighted partial outputs leave the region together.
+Tensor parallelism splits every expert like the dense MLP by default (expert tensor parallel =
+tp): the router runs on the block input and its top-k weights enter the tp region (all-reduce of
+their gradient, or the sequence-parallel gather), each tp rank computes its slice of every
+chosen expert and the weighted partial outputs leave the region together. With
+``parallel.etp=1`` experts stay whole: each tp rank routes its own part of the sequence (its SP
+chunk, or a split of the replicated stream gathered back afterwards), and the ep groups fold
+over tp as well, so tp ranks are expert-parallel peers.
 
 Auxiliary losses (load balancing, z-loss) never reach the logits: their gradient is injected
 into the backward pass at the layer's output (scaled like the language-model loss, see
@@ -29,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig, MoEConfig
-from meshtron.parallel.collectives import all_gather, all_reduce
+from meshtron.parallel.collectives import all_gather, all_reduce, gather_to_tp, split_to_tp
 from meshtron.parallel.experts import Dispatch, grouped_matmul
 from meshtron.parallel.mesh import Group, ParallelMesh
-from meshtron.parallel.tensor import ShardSpec, TPRegion, describe, replicated
+from meshtron.parallel.tensor import ShardSpec, TPRegion, describe
 
 
 def _in_backward() -> bool:
@@ -84,12 +87,15 @@ class _AttachLoss(torch.autograd.Function):
 class Router(nn.Module):
     """Scores every expert per token (in fp32) and picks each token's top-k."""
 
-    def __init__(self, cfg: ModelConfig, region: TPRegion):
+    def __init__(self, cfg: ModelConfig, region: TPRegion, tokens_split: bool):
+        """``tokens_split``: each tp rank routes only its share of the tokens (sequence
+        parallelism, or whole experts), so the weight's gradient is summed over tp."""
         super().__init__()
         moe = cfg.moe
         self.moe = moe
-        self.weight = replicated(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
-                                 region)
+        self.weight = describe(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
+                               (moe.num_experts, cfg.hidden_size), None, region.size,
+                               region.group if tokens_split else None)
         self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
         """Aux-loss-free balancing: added to the scores for selection only; a training state
         (checkpointed like a weight) moved by :meth:`update_bias`, never by the optimizer."""
@@ -139,11 +145,12 @@ class ExpertWeight(nn.Module):
 
 
 class Expert(nn.Module):
-    """One expert's FFN weights, split over tp like the dense MLP (no biases)."""
+    """One expert's FFN weights (no biases), split over tp like the dense MLP unless
+    ``whole``."""
 
-    def __init__(self, cfg: ModelConfig, region: TPRegion, data_parallel: Group):
+    def __init__(self, cfg: ModelConfig, region: TPRegion, data_parallel: Group, whole: bool):
         super().__init__()
-        tp, rank = region.size, region.group.rank
+        tp, rank = (1, 0) if whole else (region.size, region.group.rank)
         ffn, h = cfg.moe.expert_ffn_size, cfg.hidden_size
         self.gated = cfg.arch == "llama"
         up_rows = 2 * ffn if self.gated else ffn
@@ -179,7 +186,10 @@ class RowPlan:
     """With padding to capacity: each kept copy's row in the padded buffer."""
 
     @classmethod
-    def build(cls, experts: torch.Tensor, weights: torch.Tensor, moe: MoEConfig) -> RowPlan:
+    def build(cls, experts: torch.Tensor, weights: torch.Tensor | None,
+              moe: MoEConfig) -> RowPlan:
+        """The plan for token copies ``experts`` [n, k] with routing ``weights`` (needed only
+        with a capacity)."""
         num_experts, flat = moe.num_experts, experts.reshape(-1)
         routed = torch.bincount(flat, minlength=num_experts)
         if moe.capacity_factor == 0:
@@ -197,6 +207,27 @@ class RowPlan:
         return cls(routed, order, torch.full_like(routed, capacity),
                    capacity * sorted_experts + position)
 
+    def share(self, experts: torch.Tensor, batch: int, index: int, count: int) -> RowPlan:
+        """The part of this plan (made for ``experts`` [batch * seq, k] of whole sequences)
+        that falls in sequence chunk ``index`` of ``count``, numbered as that chunk's tokens."""
+        k = experts.shape[-1]
+        seq = len(experts) // batch
+        chunk = seq // count
+        token, position = self.order // k, (self.order // k) % seq
+        mine = position // chunk == index
+        order, token, position = self.order[mine], token[mine], position[mine]
+        local_copy = ((token // seq) * chunk + position - index * chunk) * k + order % k
+        sorted_experts = experts.reshape(-1)[order]
+        rows_per_expert = torch.bincount(sorted_experts, minlength=len(self.routed))
+        rows = None
+        if self.rows is not None:  # padded: each chunk pads its copies to the capacity
+            capacity = self.rows_per_expert[:1]
+            start = torch.cumsum(rows_per_expert, 0) - rows_per_expert
+            in_expert = torch.arange(len(order), device=order.device) - start[sorted_experts]
+            rows = capacity * sorted_experts + in_expert
+            rows_per_expert = self.rows_per_expert
+        return RowPlan(self.routed, local_copy, rows_per_expert, rows)
+
 
 class MoE(nn.Module):
     """Drop-in replacement for the block's MLP: [b, s, h] -> [b, s, h] (s local under SP)."""
@@ -208,11 +239,16 @@ class MoE(nn.Module):
         self.moe = moe
         self.region = region
         self.ep = mesh.ep
-        self.router = Router(cfg, region)
+        self.whole_experts = mesh.layout.etp == 1 and region.size > 1
+        """Expert tensor parallel 1: every expert whole; each tp rank routes its share."""
+        self.tokens_split = region.sequence_parallel or self.whole_experts
+        """Each tp rank routes only its part of the sequence."""
+        self.router = Router(cfg, region, self.tokens_split)
         local = moe.num_experts // mesh.ep.size
         first = mesh.ep.rank * local
-        self.experts = nn.ModuleDict({str(first + j): Expert(cfg, region, mesh.edp)
-                                      for j in range(local)})
+        self.experts = nn.ModuleDict({
+            str(first + j): Expert(cfg, region, mesh.edp, self.whole_experts)
+            for j in range(local)})
         self.shared = shared
         self.gated = cfg.arch == "llama"
         self.dropout = cfg.dropout
@@ -222,33 +258,50 @@ class MoE(nn.Module):
         self.stats = RoutingStats(moe.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s_local, h = x.shape
-        logits, probs, experts, weights = self.router(x.reshape(-1, h))
-        k = self.moe.top_k
-        if self.region.sequence_parallel:  # route the whole sequence on every tp rank
-            experts = all_gather(experts.view(b, s_local, k), self.region.group, dim=1)
-        weights = self.region.enter(weights.view(b, s_local, k))
-        tokens = self.region.enter(x).reshape(-1, h)
-        experts, weights = experts.reshape(-1, k), weights.reshape(-1, k)
-        routed = self._routed(tokens, experts, weights.to(x.dtype))
-        out = self.region.exit(routed.view(b, -1, h))
+        group, k = self.region.group, self.moe.top_k
+        mine = split_to_tp(x, group) if self.tokens_split and not self.region.sequence_parallel \
+            else x
+        b, s_mine, h = mine.shape
+        logits, probs, experts, weights = self.router(mine.reshape(-1, h))
+        chosen = experts.view(b, s_mine, k)  # every token's experts, on every tp rank
+        if self.tokens_split:
+            chosen = all_gather(chosen, group, dim=1)
+        chosen = chosen.reshape(-1, k)
+        if self.whole_experts:
+            every_weight = None
+            if self.moe.capacity_factor:  # capacity is decided over the whole micro-batch
+                every_weight = all_gather(weights.detach().view(b, s_mine, k), group, dim=1)
+            plan = self._plan(chosen, every_weight)
+            routed = self._routed(mine.reshape(-1, h), plan.share(chosen, b, group.rank,
+                                                                  group.size), weights)
+            out = routed.view(b, s_mine, h)
+            if not self.region.sequence_parallel:
+                out = gather_to_tp(out, group)
+        else:  # expert tensor parallel = tp: the whole micro-batch, each rank a slice of experts
+            weights = self.region.enter(weights.view(b, s_mine, k)).reshape(-1, k)
+            tokens = self.region.enter(x).reshape(-1, h)
+            routed = self._routed(tokens, self._plan(chosen, weights.detach()), weights)
+            out = self.region.exit(routed.view(b, -1, h))
         if self.shared is not None:
             out = out + self.shared(x)
         out = F.dropout(out, self.dropout, self.training)
         if self.training and torch.is_grad_enabled():
-            out = self._attach_aux_losses(out, logits, probs, experts, b)
+            out = self._attach_aux_losses(out, logits, probs, chosen, b)
         return out
 
     # ------------------------------------------------------------------ dispatch and experts
 
-    def _routed(self, tokens: torch.Tensor, experts: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        """Σ_k weight_k · expert_k(token) for every token of the (tp-entered) micro-batch."""
-        plan = RowPlan.build(experts, weights.detach(), self.moe)
+    def _plan(self, chosen: torch.Tensor, weights: torch.Tensor | None) -> RowPlan:
+        """The row plan of the whole micro-batch; its routing statistics are recorded."""
+        plan = RowPlan.build(chosen, weights, self.moe)
         if self.training and not _in_backward():
             self.stats.load += plan.routed.double().cpu()
-            self.stats.routed += experts.numel()
-            self.stats.dropped += experts.numel() - len(plan.order)
+            self.stats.routed += chosen.numel()
+            self.stats.dropped += chosen.numel() - len(plan.order)
+        return plan
+
+    def _routed(self, tokens: torch.Tensor, plan: RowPlan, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_k weight_k · expert_k(token) for every row of ``tokens`` (copies per ``plan``)."""
         source = plan.order // self.moe.top_k
         send = tokens[source]
         if plan.rows is not None:
@@ -258,7 +311,7 @@ class MoE(nn.Module):
         out = dispatch.back(self._experts(dispatch.send(send), dispatch.expert_counts))
         if plan.rows is not None:
             out = out[plan.rows]
-        out = out * weights.reshape(-1)[plan.order].unsqueeze(1)
+        out = out * weights.reshape(-1)[plan.order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, source, out)
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -283,9 +336,9 @@ class MoE(nn.Module):
         Units (a micro-batch, or each sequence) contribute tokens x Switch loss,
         E / (k T) Σ_e f_e P_e with f_e the copies routed to expert e and P_e the sum of its
         probabilities over the unit's T tokens (1 when perfectly balanced). The counts cover the
-        whole unit on every tp rank; under sequence parallelism each rank sums the
-        probabilities of its own positions, so its gradient is exact and the value is summed
-        over tp for the metrics.
+        whole unit on every tp rank; where tp ranks route their own parts of the sequence (SP,
+        whole experts) each sums the probabilities of its own positions, so its gradient is
+        exact and the value is summed over tp for the metrics.
         """
         moe, num_experts = self.moe, self.moe.num_experts
         per_sequence = moe.aux_loss_scope == "sequence"
@@ -299,7 +352,7 @@ class MoE(nn.Module):
         z = torch.logsumexp(logits, dim=-1).square().sum()
         if not _in_backward():
             values = torch.stack([aux.detach(), z.detach()]).double()
-            if self.region.sequence_parallel:
+            if self.tokens_split:
                 all_reduce(values, self.region.group)
             self.stats.aux += float(values[0])
             self.stats.z += float(values[1])

@@ -93,13 +93,17 @@ class DataParallelOptimizer:
 
         Unsharded, dense gradients are whole on every data-parallel rank and expert gradients
         whole on every expert-data-parallel rank (different experts on each ep rank), so the
-        experts' part is summed over ep, then everything over the model's tp x pp ranks.
+        experts' part is summed over ep, then everything over the model's tp x pp ranks (the
+        experts' part over pp only when experts are whole and ep folds over tp: etp=1).
         Sharded, every element lives on exactly one rank of the world.
         """
         dense, experts = self.reducer.grad_norm_squared()
         if self.stage > 0:
             return all_reduce(dense + experts, self.mesh.world).sqrt()
-        return all_reduce(dense + all_reduce(experts, self.mesh.ep), self.mesh.model).sqrt()
+        experts = all_reduce(experts, self.mesh.ep)
+        if self.mesh.layout.expert_folded_tp > 1:
+            return (all_reduce(dense, self.mesh.model) + all_reduce(experts, self.mesh.pp)).sqrt()
+        return all_reduce(dense + experts, self.mesh.model).sqrt()
 
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""

@@ -149,6 +149,36 @@ class _ReduceScatterSP(torch.autograd.Function):
         return all_gather(grad, ctx.group, dim=1), None
 
 
+class _SplitToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return local_chunk(x, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, dim=1), None
+
+
+class _GatherToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return local_chunk(grad, ctx.group, dim=1), None
+
+
+def split_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _SplitToTP.apply(x, group)
+
+
+def gather_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.pg is None else _GatherToTP.apply(x, group)
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.pg is None else _CopyToTP.apply(x, group)
 

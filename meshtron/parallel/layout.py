@@ -7,14 +7,20 @@ Ranks are laid out with tp innermost, then cp, then dp, then pp outermost::
 so a tensor-parallel group is a run of consecutive ranks (it stays inside a node), and the
 pipeline stages are the coarsest blocks. Expert parallelism folds into the dp x cp ranks of one
 (tp, pp) slice (Megatron's "MoE parallel folding"): ep groups are runs of ``ep`` consecutive
-ranks of that slice and the expert-data-parallel groups stride across them.
+ranks of that slice and the expert-data-parallel groups stride across them. With expert tensor
+parallelism 1 (``etp=1``, experts whole on every rank while attention is split over tp) the
+experts fold into the tp x dp x cp ranks of a pipeline stage instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshtron.errors import MeshtronError
+
+if TYPE_CHECKING:
+    from meshtron.config import ParallelConfig
 
 AXES = ("tp", "cp", "dp", "pp")
 
@@ -26,6 +32,8 @@ class MeshLayout:
     cp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
+    """Expert tensor parallelism: None or ``tp`` splits experts over tp, 1 keeps them whole."""
 
     def __post_init__(self) -> None:
         model_parallel = self.tp * self.cp * self.pp
@@ -37,11 +45,22 @@ class MeshLayout:
                 f"world size {self.world_size} is not divisible by tp*cp*pp = "
                 f"{self.tp}*{self.cp}*{self.pp} = {model_parallel}"
             )
-        if (self.dp * self.cp) % self.ep:
-            raise MeshtronError(
-                f"parallel.ep={self.ep} does not divide dp*cp = {self.dp}*{self.cp}; expert "
-                "parallelism folds into the data- and context-parallel ranks"
-            )
+        if self.etp not in (None, 1, self.tp):
+            raise MeshtronError(f"parallel.etp={self.etp} must be 1 or parallel.tp={self.tp}")
+        if (self.dp * self.cp * self.expert_folded_tp) % self.ep:
+            raise MeshtronError(expert_fold_message(self.ep, self.dp, self.cp,
+                                                    self.expert_folded_tp))
+
+    @property
+    def expert_folded_tp(self) -> int:
+        """The tp ranks the ep groups fold over: tp when experts are whole (etp=1), else 1."""
+        return self.tp if self.etp == 1 else 1
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig, world_size: int) -> MeshLayout:
+        """The layout ``parallel`` (the config section) asks for on ``world_size`` ranks."""
+        p = parallel
+        return cls(world_size, p.tp, p.cp, p.pp, p.ep, p.etp)
 
     @property
     def dp(self) -> int:
@@ -78,12 +97,23 @@ class MeshLayout:
         return sorted(seen.values())
 
     def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(ep groups, expert-dp groups), both carved out of each dp x cp group."""
+        """(ep groups, expert-dp groups), both carved out of each dp x cp group (tp x dp x cp
+        with etp=1)."""
         ep_groups, edp_groups = [], []
-        for members in self.groups(("cp", "dp")):
+        axes = ("tp", "cp", "dp") if self.expert_folded_tp > 1 else ("cp", "dp")
+        for members in self.groups(axes):
             ep_groups += [members[i : i + self.ep] for i in range(0, len(members), self.ep)]
             edp_groups += [members[i :: self.ep] for i in range(self.ep)]
         return sorted(ep_groups), sorted(edp_groups)
+
+
+def expert_fold_message(ep: int, dp: int, cp: int, tp: int) -> str:
+    if tp > 1:
+        return (f"parallel.ep={ep} does not divide tp*dp*cp = {tp}*{dp}*{cp}; with "
+                "parallel.etp=1 expert parallelism folds into the tensor-, data- and "
+                "context-parallel ranks")
+    return (f"parallel.ep={ep} does not divide dp*cp = {dp}*{cp}; expert parallelism folds "
+            "into the data- and context-parallel ranks")
 
 
 def _product(values) -> int:
