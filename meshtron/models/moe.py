@@ -259,8 +259,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, k = self.region.group, self.moe.top_k
-        mine = split_to_tp(x, group) if self.tokens_split and not self.region.sequence_parallel \
-            else x
+        mine = x  # the tokens this rank routes
+        if self.tokens_split and not self.region.sequence_parallel:
+            mine = split_to_tp(x, group)
         b, s_mine, h = mine.shape
         logits, probs, experts, weights = self.router(mine.reshape(-1, h))
         chosen = experts.view(b, s_mine, k)  # every token's experts, on every tp rank
@@ -268,15 +269,7 @@ class MoE(nn.Module):
             chosen = all_gather(chosen, group, dim=1)
         chosen = chosen.reshape(-1, k)
         if self.whole_experts:
-            every_weight = None
-            if self.moe.capacity_factor:  # capacity is decided over the whole micro-batch
-                every_weight = all_gather(weights.detach().view(b, s_mine, k), group, dim=1)
-            plan = self._plan(chosen, every_weight)
-            routed = self._routed(mine.reshape(-1, h), plan.share(chosen, b, group.rank,
-                                                                  group.size), weights)
-            out = routed.view(b, s_mine, h)
-            if not self.region.sequence_parallel:
-                out = gather_to_tp(out, group)
+            out = self._whole_experts(mine, chosen, weights)
         else:  # expert tensor parallel = tp: the whole micro-batch, each rank a slice of experts
             weights = self.region.enter(weights.view(b, s_mine, k)).reshape(-1, k)
             tokens = self.region.enter(x).reshape(-1, h)
@@ -288,6 +281,19 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             out = self._attach_aux_losses(out, logits, probs, chosen, b)
         return out
+
+    def _whole_experts(self, mine: torch.Tensor, chosen: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+        """Expert tensor parallel 1: this rank's tokens ``mine`` [b, s/tp, h] through whole
+        experts, planned over the whole micro-batch (``chosen``), output gathered back over tp
+        unless the stream is sequence-parallel."""
+        group, (b, s_mine, h) = self.region.group, mine.shape
+        every_weight = None
+        if self.moe.capacity_factor:  # capacity is decided over the whole micro-batch
+            every_weight = all_gather(weights.detach().view(b, s_mine, -1), group, dim=1)
+        plan = self._plan(chosen, every_weight).share(chosen, b, group.rank, group.size)
+        out = self._routed(mine.reshape(-1, h), plan, weights).view(b, s_mine, h)
+        return out if self.region.sequence_parallel else gather_to_tp(out, group)
 
     # ------------------------------------------------------------------ dispatch and experts
 
