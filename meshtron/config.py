@@ -525,6 +525,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
     _require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+    _require(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not implemented yet (the "
+             "mesh reserves the axis); use parallel.cp=1")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     _require(
         m.hidden_size % m.num_heads == 0,

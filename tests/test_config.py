@@ -49,6 +49,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["--precision.dtype=fp64"], "precision.dtype='fp64' is not one of fp32, bf16, fp16"),
         (["--model.num_heads=3"], "model.hidden_size=256 is not divisible by model.num_heads=3"),
         (["--parallel.zero=5"], "parallel.zero must be 0, 1, 2 or 3"),
+        (["--parallel.cp=2"], "context parallelism is not implemented yet"),
         (["train.steps=3"], None),
         (["--train"], "must look like --section.field=value"),
     ],
