@@ -81,12 +81,10 @@ per-round ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -541,21 +539,16 @@ def group_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine(directory: Path) -> dict[str, Any]:
-    import torch
+    from host import host_info  # imports torch, which this module loads only where needed
 
-    models = [line.split(":", 1)[1].strip() for line in
-              Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
     df = subprocess.run(["df", "-PT", str(directory)], capture_output=True, text=True)
     fields = df.stdout.splitlines()[-1].split() if df.returncode == 0 else []
-    return {
-        "cpu": models[0] if models else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "loadavg_start": Path("/proc/loadavg").read_text().strip(),
-        "filesystem": {"device": fields[0], "type": fields[1], "mount": fields[6],
-                       "available_kb": int(fields[4])} if len(fields) >= 7 else None,
-        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-    }
+    return host_info(
+        loadavg_start=Path("/proc/loadavg").read_text().strip(),
+        filesystem={"device": fields[0], "type": fields[1], "mount": fields[6],
+                    "available_kb": int(fields[4])} if len(fields) >= 7 else None,
+        memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+    )
 
 
 def combine(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -73,12 +73,10 @@ optimizer state kept between steps) is printed with the formula of docs/parallel
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import logging
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -88,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from host import host_info
 from spawn import spawn
 
 WORLD = 2
@@ -327,23 +326,13 @@ def setup_task(rank: int, world: int, *args: Any) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    import torch
-
-    models = [line.split(":", 1)[1].strip() for line in
-              Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
     try:
         import importlib.metadata
 
         ds_version = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
         ds_version = None
-    return {
-        "cpu": models[0] if models else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "deepspeed": ds_version,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "load_average": os.getloadavg(),
-    }
+    return host_info(deepspeed=ds_version)
 
 
 def formula_bytes(zero: int, numel: int, padded: int) -> dict[str, int]:

@@ -55,10 +55,8 @@ MoE layers.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -68,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host import host_info
 from spawn import spawn
 
 SEED = 1234
@@ -400,16 +399,7 @@ def print_ep(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def machine() -> dict[str, Any]:
     """CPU, cores, versions, date and load average, for the report."""
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in
-              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-              if line.startswith("model name")]
-    return {
-        "cpu": models[0] if models else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "load_average": os.getloadavg(), "grouped_mm": hasattr(torch, "_grouped_mm"),
-    }
+    return host_info(grouped_mm=hasattr(torch, "_grouped_mm"))
 
 
 def main() -> None:

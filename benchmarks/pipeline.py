@@ -72,11 +72,9 @@ action's duration includes time its process waited for a core, and the measured 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -87,6 +85,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from host import host_info
 from spawn import spawn
 from torch import nn
 from torch.distributed import pipelining
@@ -320,16 +319,7 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in
-              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-              if line.startswith("model name")]
-    return {
-        "cpu": models[0] if models else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "load_average": os.getloadavg(),
-    }
+    return host_info()
 
 
 def _check_losses(losses: dict[str, float], what: str) -> None:

@@ -30,10 +30,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,6 +42,7 @@ from typing import Any
 
 import torch
 import transformers
+from host import host_info
 from torch import nn
 
 from meshtron.checkpoint.hf_mapping import hf_config_kwargs, to_hf
@@ -76,19 +74,8 @@ SHAPES = {
 
 
 def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in
-              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-              if line.startswith("model name")]
-    return {
-        "cpu": models[0] if models else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
+    return host_info(transformers=transformers.__version__,
+                     torch_threads=torch.get_num_threads())
 
 
 def step_functions(cfg: Config, shape: Shape) -> tuple[int, Callable[[], float],

@@ -81,13 +81,11 @@ megatron-core (about 5 s and 100 MB).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -100,6 +98,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from host import host_info
 from spawn import spawn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -652,24 +651,13 @@ def _megatron_sp_error(layers: Any, config_type: Any, x: torch.Tensor, rank: int
 
 
 def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in
-              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-              if line.startswith("model name")]
-
     def version(package: str) -> str | None:
         try:
             return importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {
-        "cpu": models[0] if models else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__,
-        "megatron_core": version("megatron-core"), "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "load_average": os.getloadavg(),
-    }
+    return host_info(megatron_core=version("megatron-core"))
 
 
 def _median(values: list[float]) -> float:
