@@ -31,6 +31,7 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check meshtron tests benchmarks
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) runs

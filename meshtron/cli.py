@@ -17,11 +17,14 @@ from meshtron.errors import MeshtronError
 
 
 def _config_reference() -> str:
-    """Every config field as '--section.field (default ...)', for `meshtron train --help`."""
+    """Every config field as '--section.field (default ...): what it does', for
+    `meshtron train --help`."""
     from meshtron.config import MOE_DEFAULTS, Config, config_key
+    from meshtron.config.docs import field_docs, summary
 
     def fields(obj: object, prefix: str) -> list[str]:
         out = []
+        docs = field_docs(type(obj))
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             name = f"{prefix}.{config_key(f.name)}"
@@ -30,13 +33,13 @@ def _config_reference() -> str:
                 continue
             if value is None and prefix == "model.moe":  # unset: the preset's, else this
                 value = MOE_DEFAULTS.get(f.name)
-            out.append(f"    --{name} (default {value!r})")
+            out.append(f"    --{name} (default {value!r}): {summary(docs[f.name])}")
         return out
 
     lines = ["config fields (set in --config YAML or as --section.field=value):"]
     defaults = Config()
     for section in dataclasses.fields(Config):
-        lines.append(f"  {section.name}:")
+        lines.append(f"  {section.name}: {summary(type(getattr(defaults, section.name)).__doc__)}")
         lines += fields(getattr(defaults, section.name), section.name)
     return "\n".join(lines)
 
@@ -62,31 +65,30 @@ def _split_overrides(extra: list[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from meshtron.config import load_config, validate
+    from meshtron.config import load_config
 
     if args.nproc < 1:
         raise MeshtronError(f"--nproc must be at least 1, got {args.nproc}")
     cfg = load_config(args.config, _split_overrides(extra))  # before torch: errors are instant
 
-    from meshtron.parallel.runtime import process_info
+    from meshtron.parallel.mesh.process import process_info
+    from meshtron.plan import check_run
 
     info = process_info()
-    if args.nproc > 1 and not info.distributed:
-        validate(cfg, world_size=args.nproc)  # fail here, before any process starts
-        from meshtron.parallel.launch import launch_local
+    launching = args.nproc > 1 and not info.distributed
+    check_run(cfg, args.nproc if launching else info.world_size)  # before any process group
+    if launching:
+        from meshtron.parallel.mesh.launch import launch_local
 
         forwarded = (["--config", args.config] if args.config else []) + extra
         return launch_local(args.nproc, forwarded)
-    validate(cfg, world_size=info.world_size)
 
-    from meshtron.parallel.layout import MeshLayout
-    from meshtron.parallel.mesh import ParallelMesh
-    from meshtron.parallel.runtime import device_for, init_process_group
+    from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+    from meshtron.parallel.mesh.process import device_for, init_process_group
     from meshtron.training.trainer import train
 
     init_process_group(info, cfg.run.timeout_s)
-    p = cfg.parallel
-    mesh = ParallelMesh(MeshLayout.of(p, info.world_size), info.rank)
+    mesh = ParallelMesh(MeshLayout.of(cfg.parallel, info.world_size), info.rank)
     result = train(cfg, mesh, device=device_for(info))
     if info.rank != 0:
         return 0
@@ -154,8 +156,8 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
-    from meshtron.parallel.schedule_plot import plot_schedule
-    from meshtron.parallel.schedules import COMM_KINDS, build_schedule
+    from meshtron.parallel.pipeline.schedules import COMM_KINDS, build_schedule
+    from meshtron.parallel.pipeline.timeline import plot_schedule
 
     schedule = build_schedule(args.schedule, args.pp, args.vpp, args.microbatches)
     print(f"schedule {schedule.name}: pp={schedule.pp} vpp={schedule.vpp} "
@@ -261,7 +263,7 @@ def _finish(code: int) -> int:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from meshtron.parallel.runtime import exit_process
+            from meshtron.parallel.mesh.process import exit_process
 
             exit_process(code)
     return code

@@ -36,7 +36,7 @@ def _worker(fn: Callable, rank: int, world_size: int, rendezvous: str, out_dir: 
         code = 1
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
+    from meshtron.parallel.mesh.process import exit_process
 
     exit_process(code)
 

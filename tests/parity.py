@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from meshtron.config import load_config
 from meshtron.data import build_training_data
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.trainer import Trainer
 
 PARITY_RTOL = 1e-4

@@ -8,15 +8,14 @@ import torch
 from meshtron.config import load_config
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.memory import activation_bytes_per_layer, measure_saved_bytes
 from tests.distributed import run_distributed
 
 BATCH, SEQ = 2, 16
 
 
-def per_layer_measured(overrides: list[str], mesh: ParallelMesh, sp: bool) -> int:
+def per_layer_measured(overrides: list[str], mesh: ParallelMesh) -> int:
     """Saved bytes of a 2-layer model minus those of a 1-layer model: one block's share."""
     tokens = torch.randint(0, 500, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     saved = []
@@ -24,7 +23,7 @@ def per_layer_measured(overrides: list[str], mesh: ParallelMesh, sp: bool) -> in
         cfg = load_config(overrides=["--model.vocab_size=512", "--model.hidden_size=64",
                                      "--model.num_heads=4", "--model.ffn_hidden_size=96",
                                      f"--model.num_layers={layers}", *overrides]).model
-        model = Transformer(cfg, mesh, sequence_parallel=sp)
+        model = Transformer(cfg, mesh)
         initialize(model, seed=0, std=0.02, num_layers=layers)
         saved.append(measure_saved_bytes(model, tokens))
     return saved[1] - saved[0], cfg
@@ -33,7 +32,7 @@ def per_layer_measured(overrides: list[str], mesh: ParallelMesh, sp: bool) -> in
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_formula_matches_one_process(kv_heads):
     measured, cfg = per_layer_measured([f"--model.num_kv_heads={kv_heads}"],
-                                       ParallelMesh.single(), sp=False)
+                                       ParallelMesh.single())
     assert measured == activation_bytes_per_layer(cfg, BATCH, SEQ)
 
 
@@ -46,11 +45,11 @@ def test_recompute_modes_keep_less():
 
 
 def tp_measurements(rank: int, world_size: int) -> list[tuple[int, int]]:
-    mesh = ParallelMesh(MeshLayout(world_size, tp=world_size), rank)
     out = []
     for sp in (False, True):
+        mesh = ParallelMesh(MeshLayout(world_size, tp=world_size, sp=sp), rank)
         for kv in (4, 1):  # kv heads split over tp, or shared by the tp ranks
-            measured, cfg = per_layer_measured([f"--model.num_kv_heads={kv}"], mesh, sp)
+            measured, cfg = per_layer_measured([f"--model.num_kv_heads={kv}"], mesh)
             out.append((measured, activation_bytes_per_layer(cfg, BATCH, SEQ, world_size, sp)))
     return out
 

@@ -21,7 +21,7 @@ from meshtron.checkpoint.store import (
     verify_checkpoint,
 )
 from meshtron.errors import MeshtronError
-from meshtron.parallel.tensor import ShardSpec
+from meshtron.parallel.mesh.params import ShardSpec
 
 
 def save(root, step, value=1.0, keep_last=0):

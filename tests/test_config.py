@@ -3,8 +3,9 @@
 import pytest
 import yaml
 
-from meshtron.config import load_config, validate
+from meshtron.config import load_config
 from meshtron.errors import MeshtronError
+from meshtron.plan import check_run
 
 
 def test_defaults_resolve_from_the_preset():
@@ -46,7 +47,7 @@ def test_resolved_config_round_trips(tmp_path):
                                     "train.micro_batch=3"),
         (["--train.seq_len=4096"], "train.seq_len=4096 exceeds the model's positions"),
         (["--model.preset=tinny"], "unknown model.preset 'tinny' (did you mean 'tiny'?)"),
-        (["--precision.dtype=fp64"], "precision.dtype='fp64' is not one of fp32, bf16, fp16"),
+        (["--precision.dtype=fp8"], "precision.dtype='fp8' is not one of fp32, bf16, fp16, fp64"),
         (["--model.num_heads=3"], "model.hidden_size=256 is not divisible by model.num_heads=3"),
         (["--parallel.zero=5"], "parallel.zero must be 0, 1, 2 or 3"),
         (["--parallel.cp=2"], "context parallelism is not implemented yet"),
@@ -58,8 +59,8 @@ def test_bad_config_gives_one_clear_line(overrides, message):
     if message is None:  # a bare `section.field=value` is accepted too
         assert load_config(overrides=overrides).train.steps == 3
         return
-    with pytest.raises(MeshtronError) as err:
-        load_config(overrides=overrides)
+    with pytest.raises(MeshtronError) as err:  # a field's own checks, then the run plan's
+        check_run(load_config(overrides=overrides), 1)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -80,7 +81,7 @@ def test_yaml_errors(tmp_path):
 def test_layout_checks_need_the_world_size():
     cfg = load_config(overrides=["--parallel.tp=3"])
     with pytest.raises(MeshtronError, match="world size 4 is not divisible"):
-        validate(cfg, world_size=4)
+        check_run(cfg, 4)
     cfg = load_config(overrides=["--parallel.tp=3"])
     with pytest.raises(MeshtronError, match="parallel.tp=3 does not divide model.num_heads=8"):
-        validate(cfg, world_size=3)
+        check_run(cfg, 3)

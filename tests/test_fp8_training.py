@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.config import load_config, validate
+from meshtron.config import load_config
 from meshtron.errors import MeshtronError
+from meshtron.plan import check_run
 from tests.distributed import run_distributed
 from tests.parity import run_layouts, run_training, test_overrides
 
@@ -75,8 +76,8 @@ def test_blockwise_block_must_divide_the_layer_dimensions(tmp_path):
         "--precision.fp8=blockwise", "--precision.fp8_block=128"])
     with pytest.raises(MeshtronError, match="model.hidden_size = 64 divisible by "
                                             "precision.fp8_block=128"):
-        validate(cfg, world_size=1)
+        check_run(cfg, 1)
     cfg = load_config(overrides=test_overrides(str(tmp_path), str(tmp_path)) + [
         "--precision.fp8=blockwise", "--precision.fp8_block=64", "--parallel.tp=2"])
     with pytest.raises(MeshtronError, match=r"hidden_size / parallel.tp = 32"):
-        validate(cfg, world_size=2)
+        check_run(cfg, 2)

@@ -9,8 +9,7 @@ import torch
 
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import run_training, test_overrides

@@ -2,10 +2,10 @@
 
 import pytest
 
-from meshtron.config import load_config, validate
+from meshtron.config import load_config
 from meshtron.errors import MeshtronError
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.plan import check_run
 
 
 def test_rank_order_is_tp_cp_dp_pp():
@@ -79,5 +79,5 @@ def test_single_process_mesh_has_no_process_groups():
 def test_impossible_layouts_are_refused_in_one_line(world, overrides, message):
     cfg = load_config(overrides=overrides)
     with pytest.raises(MeshtronError) as err:
-        validate(cfg, world_size=world)
+        check_run(cfg, world)
     assert message in str(err.value) and "\n" not in str(err.value)

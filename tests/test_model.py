@@ -8,16 +8,16 @@ from meshtron.config import load_config
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.generation import filter_logits, generate
 from meshtron.models.init import initialize
-from meshtron.models.transformer import Transformer
+from meshtron.models.transformer import WHOLE_MODEL, ModelOptions, Transformer
 
 transformers = pytest.importorskip("transformers")
 
 
-def build(*overrides, seed=3):
+def build(*overrides, seed=3, options=WHOLE_MODEL):
     cfg = load_config(overrides=["--model.vocab_size=300", "--model.hidden_size=64",
                                  "--model.num_heads=4", "--model.ffn_hidden_size=96",
                                  "--model.num_layers=2", *overrides]).model
-    model = Transformer(cfg)
+    model = Transformer(cfg, options=options)
     initialize(model, seed=seed, std=0.02, num_layers=cfg.num_layers)
     return cfg, model
 
@@ -107,8 +107,7 @@ def test_kv_cache_decoding_equals_full_forward():
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recompute_gives_identical_gradients(mode):
     _, ref = build()
-    _, other = build()
-    other.set_recompute(mode)
+    _, other = build(options=ModelOptions(recompute=mode))
     tokens = torch.randint(0, 300, (2, 17))
     grads = []
     for model in (ref, other):

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from meshtron.config import load_config, validate
+from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size
 from meshtron.models.init import initialize
 from meshtron.models.moe import MoE
-from meshtron.parallel.experts import _padded_bmm, grouped_matmul
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.tensor import TPRegion
+from meshtron.parallel.experts.grouped import _padded_bmm, grouped_matmul
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.tensor.layers import TPRegion
+from meshtron.plan import check_run
 from meshtron.training.metrics import read_metrics
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
@@ -30,9 +30,11 @@ def moe_config(*extra: str):
                                   *extra]).model
 
 
-def build_layer(cfg, mesh: ParallelMesh | None = None, seed: int = 7) -> MoE:
+def build_layer(cfg, mesh: ParallelMesh | None = None, seed: int = 7,
+                loss_weight: float = 0.0) -> MoE:
     mesh = mesh or ParallelMesh.single()
-    layer = MoE(cfg, TPRegion(mesh.tp), mesh, shared=None)
+    layer = MoE(cfg, TPRegion(mesh.tp), mesh, shared=None, gated=True,
+                loss_weight=lambda: loss_weight)
     initialize(layer, seed=seed, std=0.1, num_layers=2)
     return layer.train()
 
@@ -88,7 +90,7 @@ def test_bad_moe_settings_are_one_line(overrides, message):
 def test_impossible_expert_layouts_are_refused(overrides, world, message):
     cfg = load_config(overrides=overrides)
     with pytest.raises(MeshtronError, match=message):
-        validate(cfg, world_size=world)
+        check_run(cfg, world)
 
 
 def test_presets_give_published_sizes():
@@ -199,16 +201,13 @@ def test_aux_loss_gradient_is_injected_with_the_loss_weight():
     weight had been added to the objective."""
     torch.manual_seed(0)
     cfg = moe_config("--model.moe.aux_loss=0.1", "--model.moe.z_loss=0.01")
-    layer = build_layer(cfg)
-    layer.loss_weight = 0.5
+    layer, plain = build_layer(cfg, loss_weight=0.5), build_layer(cfg)  # the same weights
     x = torch.randn(2, 8, 32)
     layer(x).sum().backward()
     injected = layer.router.weight.grad.clone()
     layer.router.weight.grad = None
-    layer.loss_weight = 0.0
-    layer(x).sum().backward()
-    without = layer.router.weight.grad.clone()
-    layer.router.weight.grad = None
+    plain(x).sum().backward()
+    without = plain.router.weight.grad.clone()
     logits, probs, experts, _ = layer.router(x.view(-1, 32))
     counts = torch.bincount(experts.flatten(), minlength=4).float()
     aux = 4 / (2 * 16) * (counts * probs.sum(0)).sum()

@@ -7,12 +7,13 @@ import re
 import pytest
 import torch
 
-from meshtron.config import load_config, validate
+from meshtron.config import load_config
 from meshtron.errors import MeshtronError
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.partition import balanced_counts, plan_pipeline
-from meshtron.parallel.schedules import build_schedule
+from meshtron.models.flops import layer_and_head_cost
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.pipeline.partition import balanced_counts, partition_layers
+from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.plan import check_run
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import assert_layouts_match, run_layouts, run_training, test_overrides
@@ -29,20 +30,20 @@ def test_balanced_split_charges_the_output_layer():
 
 def test_plan_chunks_interleave_over_stages():
     cfg = load_config(overrides=["--model.num_layers=8", "--model.vocab_size=512"]).model
-    plan = plan_pipeline(cfg, pp=2, vpp=2, seq_len=64)
+    plan = partition_layers(cfg, pp=2, vpp=2, costs=layer_and_head_cost(cfg, 64))
     assert plan.chunks_of(0) == [[0, 1], [4, 5]]
     assert plan.chunks_of(1) == [[2, 3], [6, 7]]
-    explicit = plan_pipeline(cfg, pp=2, vpp=1, seq_len=64, explicit=[3, 5])
+    explicit = partition_layers(cfg, pp=2, vpp=1, costs=(1.0, 0.0), explicit=[3, 5])
     assert explicit.chunks_of(1) == [[3, 4, 5, 6, 7]]
 
 
 def test_stage_builds_only_its_layers():
     cfg = load_config(overrides=["--model.num_layers=3", "--model.vocab_size=512",
                                  "--model.tie_embeddings=true"]).model
-    plan = plan_pipeline(cfg, pp=1, vpp=1, seq_len=64, explicit=[3])
-    from meshtron.models.transformer import Transformer
+    plan = partition_layers(cfg, pp=1, vpp=1, costs=(1.0, 0.0), explicit=[3])
+    from meshtron.models.transformer import ModelOptions, Transformer
 
-    model = Transformer(cfg, plan=plan)
+    model = Transformer(cfg, options=ModelOptions(stage=plan.stage_layers(0)))
     assert sorted(model.layers) == ["0", "1", "2"] and model.has_embedding and model.has_head
 
 
@@ -66,7 +67,7 @@ BAD_LAYOUTS = [
 def test_bad_pipeline_layouts_are_refused(overrides, world, expected, tmp_path):
     with pytest.raises(MeshtronError, match=re.escape(expected)) as err:
         cfg = load_config(overrides=test_overrides(str(tmp_path), str(tmp_path)) + overrides)
-        validate(cfg, world_size=world)
+        check_run(cfg, world)
     assert "\n" not in str(err.value)
 
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from meshtron.parallel.runtime import process_info
+from meshtron.parallel.mesh.process import process_info
 from tests.distributed import run_distributed
 
 

@@ -7,7 +7,7 @@ from collections import Counter, deque
 import pytest
 
 from meshtron.errors import MeshtronError
-from meshtron.parallel.schedules import (
+from meshtron.parallel.pipeline.schedules import (
     COMM_KINDS,
     Action,
     Schedule,

@@ -9,17 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.tensor import (
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.mesh.params import ShardSpec, layout_of
+from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ShardSpec,
     TPRegion,
     VocabParallelEmbedding,
     gather_full,
-    vocab_parallel_loss_sum,
 )
+from meshtron.parallel.tensor.loss import vocab_parallel_loss_sum
 from tests.distributed import run_distributed
 from tests.parity import run_training, test_overrides
 
@@ -33,7 +32,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _load(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     with torch.no_grad():
-        param.copy_(param.shard.take(full) if param.shard is not None else full)
+        shard = layout_of(param).shard
+        param.copy_(shard.take(full) if shard is not None else full)
 
 
 def _check_column(region: TPRegion, sp: bool) -> None:
@@ -46,7 +46,7 @@ def _check_column(region: TPRegion, sp: bool) -> None:
     x_full = x.clone().requires_grad_()
     x_in = (x.chunk(region.size, dim=1)[region.group.rank] if sp else x).clone().requires_grad_()
     y = layer(region.enter(x_in))
-    spec = layer.weight.shard
+    spec = layout_of(layer.weight).shard
     # the local output columns are this rank's slice of the full output's last dim
     _close(gather_full(y.movedim(-1, 0).contiguous(), spec, region.group).movedim(0, -1),
            F.linear(x, w, b))
@@ -77,11 +77,11 @@ def _check_row(region: TPRegion, sp: bool) -> None:
     x_full, w_full = x.clone().requires_grad_(), w.clone().requires_grad_()
     b_full = b.clone().requires_grad_()
     (F.linear(x_full, w_full, b_full) * r).sum().backward()
-    _close(layer.weight.grad, layer.weight.shard.take(w_full.grad))
+    _close(layer.weight.grad, layout_of(layer.weight).shard.take(w_full.grad))
     _close(x_in.grad, x_full.grad.chunk(n, dim=-1)[rank])
     bias_grad = layer.bias.grad.clone()
     if sp:  # the replicated bias saw only this rank's positions: summed over tp
-        assert layer.bias.grad_sync is region.group
+        assert layout_of(layer.bias).grad_sync is region.group
         torch.distributed.all_reduce(bias_grad, group=region.group.pg)
     _close(bias_grad, b_full.grad)
 

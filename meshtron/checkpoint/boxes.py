@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from meshtron.parallel.tensor import ShardSpec
+from meshtron.parallel.mesh.params import ShardSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

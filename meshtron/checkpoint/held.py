@@ -4,8 +4,9 @@ Global tensors are named ``model/<parameter>`` and ``optim/<parameter>/<state>``
 ``exp_avg_sq``, and ``master`` when parameters are not fp32), with layout-free parameter names.
 A rank holds a flat range of a parameter-shaped tp-local tensor: all of it (parameters under
 ZeRO 0-2, AdamW state under ZeRO 0) or the part inside its chunk of a gradient bucket (ZeRO-3
-parameters, the sharded optimizer's state). :class:`Held` aliases the live storage, so the
-loader writes straight into the model and the optimizer.
+parameters, the sharded optimizer's state); the optimizer says which
+(:meth:`~meshtron.optim.data_parallel.DataParallelOptimizer.held_tensors`). :class:`Held`
+aliases the live storage, so the loader writes straight into the model and the optimizer.
 
 Every element is written by exactly one rank: one of the data-parallel ranks, in turn, for what
 all dp ranks replicate (so they share the writing; for MoE experts, the expert-data-parallel
@@ -23,17 +24,16 @@ import torch
 from torch import nn
 
 from meshtron.checkpoint.boxes import Box, flat_range_boxes, local_to_global
-from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.optim.grad_buckets import Bucket
-from meshtron.optim.sharded_adamw import ShardedAdamW
-from meshtron.parallel.mesh import Group, ParallelMesh
+from meshtron.optim.data_parallel import DataParallelOptimizer, HeldState
+from meshtron.parallel.mesh.groups import Group, ParallelMesh
+from meshtron.parallel.mesh.params import global_names, layout_of
 
 
 @dataclass
 class Held:
     name: str
     param: nn.Parameter
-    """Whose geometry applies: ``global_shape`` and ``shard`` (see parallel/tensor.py)."""
+    """Whose layout applies: the global shape and the slice held (see parallel/mesh/params.py)."""
     local_shape: tuple[int, ...]
     flat: torch.Tensor
     """This rank's elements, 1-D, aliasing live storage."""
@@ -46,13 +46,14 @@ class Held:
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self.param, "global_shape", self.local_shape))
+        return layout_of(self.param).global_shape
 
     def boxes(self) -> list[tuple[Box, Box]]:
         """(local box, global box) pairs that together cover ``flat``."""
         out = []
+        shard = layout_of(self.param).shard
         for box in flat_range_boxes(self.local_shape, self.start, self.start + self.flat.numel()):
-            out += local_to_global(box, getattr(self.param, "shard", None), self.global_shape)
+            out += local_to_global(box, shard, self.global_shape)
         return out
 
     def view(self, local_box: Box) -> torch.Tensor:
@@ -82,22 +83,16 @@ def _contiguous(size: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return True
 
 
-def global_parameters(model: nn.Module) -> dict[int, str]:
-    """``id(param)`` -> global name (a tied copy carries the name of what it copies)."""
-    return {id(p): getattr(p, "global_name", n) for n, p in model.named_parameters()}
-
-
 def _unique_writer(param: nn.Parameter, mesh: ParallelMesh) -> bool:
     """Not a pipeline copy, and the first of the tp ranks sharing a replicated parameter."""
-    if getattr(param, "global_name", None) is not None:
-        return False
-    return mesh.tp.rank % getattr(param, "replicas", 1) == 0
+    layout = layout_of(param)
+    return not layout.is_copy and mesh.tp.rank % layout.replicas == 0
 
 
 def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                  mesh: ParallelMesh) -> list[Held]:
     """Everything of the model and its optimizer that this rank holds, in a fixed order."""
-    names = global_parameters(model)
+    names = global_names(model)
     turns: dict[str, itertools.count] = {}
 
     def my_turn(group: Group) -> bool:
@@ -106,57 +101,16 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
         turn = next(turns.setdefault(group.name, itertools.count()))
         return turn % group.size == group.rank
 
-    def dp_group(param: nn.Parameter) -> Group:
-        return getattr(param, "data_parallel", mesh.dp_cp)
+    def held(state: HeldState) -> Held:
+        name = names[id(state.param)]
+        writes = _unique_writer(state.param, mesh)
+        if state.replicated:
+            group = layout_of(state.param).data_parallel
+            writes = my_turn(mesh.dp_cp if group is None else group) and writes
+        if state.kind == "param":
+            return Held(f"model/{name}", state.param, state.local_shape, state.flat, state.start,
+                        writes)
+        return Held(f"optim/{name}/{state.kind}", state.param, state.local_shape, state.flat,
+                    state.start, writes, f"model/{name}" if state.kind == "master" else None)
 
-    out: list[Held] = []
-    sharded = isinstance(optimizer.adamw, ShardedAdamW)
-    chunks = optimizer.flats if sharded else []
-    whole_params = list(model.parameters())
-    if optimizer.units is not None:  # ZeRO-3: each rank holds its chunk of the parameters
-        for flat in chunks:
-            out += _bucket_ranges("model/{}", names, flat.bucket, flat.chunk, flat.start, mesh)
-        whole_params = [p for p in whole_params if not p.requires_grad]  # not in the buckets
-    for param in whole_params:
-        out.append(Held(f"model/{names[id(param)]}", param, tuple(param.shape),
-                        param.data.view(-1), 0,
-                        my_turn(dp_group(param)) and _unique_writer(param, mesh)))
-    if sharded:
-        adamw = optimizer.adamw
-        replicated = optimizer.stage == 0  # whole buckets on every dp rank
-        for flat, master, moments in zip(chunks, adamw.master, adamw.moments):
-            states = dict(moments)
-            if flat.chunk.dtype != torch.float32:
-                states["master"] = master
-            for key, chunk in states.items():
-                for held in _bucket_ranges(f"optim/{{}}/{key}", names, flat.bucket, chunk,
-                                           flat.start, mesh):
-                    held.writes &= not replicated or my_turn(flat.group)
-                    if key == "master":
-                        held.fallback = "model/" + held.name[len("optim/"):-len("/master")]
-                    out.append(held)
-    else:
-        for param, state in optimizer.adamw.state.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    out.append(Held(f"optim/{names[id(param)]}/{key}", param, tuple(param.shape),
-                                    state[key].view(-1), 0,
-                                    my_turn(dp_group(param)) and _unique_writer(param, mesh)))
-    return out
-
-
-def _bucket_ranges(pattern: str, names: dict[int, str], bucket: Bucket, chunk: torch.Tensor,
-                   chunk_start: int, mesh: ParallelMesh) -> list[Held]:
-    """Per parameter of ``bucket``: the part of this rank's chunk (bucket elements
-    chunk_start.. chunk_start + len(chunk)) that belongs to it."""
-    out = []
-    chunk_end = chunk_start + chunk.numel()
-    for i, param in enumerate(bucket.params):
-        lo = max(chunk_start, bucket.offsets[i])
-        hi = min(chunk_end, bucket.offsets[i] + bucket.shapes[i].numel())
-        if lo >= hi:
-            continue
-        out.append(Held(pattern.format(names[id(param)]), param, tuple(bucket.shapes[i]),
-                        chunk[lo - chunk_start : hi - chunk_start], lo - bucket.offsets[i],
-                        _unique_writer(param, mesh)))
-    return out
+    return [held(state) for state in optimizer.held_tensors(model)]

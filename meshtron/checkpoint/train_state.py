@@ -18,12 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.checkpoint.held import Held, global_parameters, held_tensors
+from meshtron.checkpoint.held import Held, held_tensors
 from meshtron.checkpoint.shards import DTYPES, Piece, ShardReader
 from meshtron.checkpoint.store import open_checkpoint
 from meshtron.errors import MeshtronError
 from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.mesh.params import global_names
+from meshtron.precision.policy import LossScaler
 
 
 @torch.no_grad()
@@ -49,8 +51,12 @@ def capture(model: nn.Module, optimizer: DataParallelOptimizer, mesh: ParallelMe
     return pieces
 
 
-def optimizer_meta(optimizer: DataParallelOptimizer) -> dict[str, Any]:
-    return {"optimizer": {"steps": optimizer.steps_taken}}
+def state_meta(optimizer: DataParallelOptimizer, scaler: LossScaler | None) -> dict[str, Any]:
+    """The manifest's part of the training state: optimizer steps and the fp16 loss scale."""
+    meta: dict[str, Any] = {"optimizer": {"steps": optimizer.steps_taken}}
+    if scaler is not None:
+        meta["loss_scale"] = [scaler.scale, scaler.clean_steps]
+    return meta
 
 
 def _check_shapes(path: Path, reader: ShardReader, helds: list[Held]) -> None:
@@ -80,7 +86,7 @@ def _load(reader: ShardReader, helds: list[Held]) -> None:
 def load_weights(path: Path, model: nn.Module) -> None:
     """Only the parameters, into a one-process model (inference, conversion)."""
     _, reader = open_checkpoint(path)
-    names = global_parameters(model)
+    names = global_names(model)
     helds = [Held(f"model/{names[id(p)]}", p, tuple(p.shape), p.data.view(-1), 0, True)
              for p in model.parameters()]
     _check_shapes(path, reader, helds)
@@ -88,9 +94,11 @@ def load_weights(path: Path, model: nn.Module) -> None:
 
 
 def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn.Module,
-            optimizer: DataParallelOptimizer, mesh: ParallelMesh) -> None:
-    """Parameters, optimizer state and this rank's RNG state, resharded to this layout.
-    Optimizer state absent from the checkpoint (a converted model) starts from zero."""
+            optimizer: DataParallelOptimizer, mesh: ParallelMesh,
+            scaler: LossScaler | None = None) -> None:
+    """Parameters, optimizer state, the loss scale and this rank's RNG state, resharded to
+    this layout. Optimizer state absent from the checkpoint (a converted model) starts from
+    zero."""
     optimizer.init_state()
     helds = held_tensors(model, optimizer, mesh)
     _check_shapes(path, reader, helds)
@@ -99,6 +107,8 @@ def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn
     optimizer.masters_from_params()
     _load(reader, [h for h in helds if not h.name.startswith("model/")])
     optimizer.steps_taken = int(manifest.get("optimizer", {}).get("steps", 0))
+    if scaler is not None and "loss_scale" in manifest:
+        scaler.scale, scaler.clean_steps = manifest["loss_scale"]
     rng = manifest.get("rng", {})
     key = rng.get(str(mesh.global_rank)) or rng.get("0")
     if key is not None:

@@ -12,11 +12,11 @@ from meshtron.data.indexed import (
     dtype_for_vocab,
     indexed_prefix,
 )
-from meshtron.data.pipeline import TrainingData, build_training_data
 from meshtron.data.preprocess import prepare_dataset, preprocess
 from meshtron.data.sampler import GlobalSampler
 from meshtron.data.sources import TextSource, open_source
 from meshtron.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
+from meshtron.data.training_data import TrainingData, build_training_data
 
 __all__ = [
     "EOS_TOKEN",

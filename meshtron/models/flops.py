@@ -1,17 +1,25 @@
-"""Parameter count and training FLOPs per token, from the config alone (no model is built).
+"""Parameter counts and FLOPs, from the config and its architecture alone (no model is built).
 
-Used for MFU in the trainer's metrics and by planning tools for shapes too big to instantiate.
-FLOPs follow the Megatron/PaLM convention: 2 FLOPs per multiply-add, a backward pass costs
-twice the forward, and attention scores are counted for the full (not causally halved) s x s
-matrix, so training FLOPs per token = 6 * (matmul weights) + 12 * layers * seq * heads * head_dim.
+Used for MFU in the trainer's metrics, by the pipeline's layer balancing and by planning tools
+for shapes too big to instantiate. FLOPs follow the Megatron/PaLM convention: 2 FLOPs per
+multiply-add, a backward pass costs twice the forward, and attention scores are counted for the
+full (not causally halved) s x s matrix, so training FLOPs per token = 6 * (matmul weights) +
+12 * layers * seq * heads * head_dim.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtron.config import ModelConfig
-from meshtron.models.transformer import padded_vocab_size
+from meshtron.models.arch import architecture_of
+
+
+def padded_vocab_size(cfg: ModelConfig) -> int:
+    """Vocabulary rounded up to ``vocab_multiple``: the same under every layout."""
+    assert cfg.vocab_size is not None, "model.vocab_size must be resolved before building"
+    return math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple
 
 
 @dataclass(frozen=True)
@@ -29,32 +37,43 @@ class ModelSize:
         return self.params - self.embedding_params
 
 
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """The q, kv and output projections of one block."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
+    return qkv + cfg.num_heads * head_dim * cfg.hidden_size
+
+
+def mlp_matmul_params(cfg: ModelConfig, ffn: int) -> int:
+    """One MLP (or expert) of ``ffn`` hidden units: gate, up and down, or up and down."""
+    return (3 if architecture_of(cfg).gated_mlp else 2) * cfg.hidden_size * ffn
+
+
 def model_size(cfg: ModelConfig) -> ModelSize:
+    arch = architecture_of(cfg)
     h, ffn, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
     head_dim = h // cfg.num_heads
     vocab = padded_vocab_size(cfg)
-    gpt2 = cfg.arch == "gpt2"
-    norm = 2 * h if gpt2 else h
-    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
-    proj = cfg.num_heads * head_dim * h
-    per_ffn_unit = (2 if gpt2 else 3) * h
-    mlp = per_ffn_unit * ffn
-    layer_bias = ((cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim + h + ffn + h) if gpt2 else 0
-    dense_layer = qkv + proj + mlp + layer_bias + 2 * norm
+    norm = arch.norm_vectors * h
+    attention = attention_matmul_params(cfg)
+    mlp = mlp_matmul_params(cfg, ffn)
+    attention_bias = ((cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim + h) if arch.bias else 0
+    mlp_bias = (ffn + h) if arch.bias else 0
+    dense_layer = attention + mlp + attention_bias + mlp_bias + 2 * norm
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
     params = (layers - moe_layers) * dense_layer
-    matmul = (layers - moe_layers) * (qkv + proj + mlp)
+    matmul = (layers - moe_layers) * (attention + mlp)
     if moe_layers:
         moe = cfg.moe
-        shared = per_ffn_unit * moe.shared_experts * moe.expert_ffn_size
-        shared_bias = (moe.shared_experts * moe.expert_ffn_size + h) if gpt2 else 0
-        expert = per_ffn_unit * moe.expert_ffn_size
-        attention_bias = layer_bias - (ffn + h if gpt2 else 0)
+        shared_ffn = moe.shared_experts * moe.expert_ffn_size
+        shared = mlp_matmul_params(cfg, shared_ffn)
+        shared_bias = (shared_ffn + h) if arch.bias and shared_ffn else 0
+        expert = mlp_matmul_params(cfg, moe.expert_ffn_size)
         router = moe.num_experts * h
-        params += moe_layers * (qkv + proj + router + moe.num_experts * expert + shared
+        params += moe_layers * (attention + router + moe.num_experts * expert + shared
                                 + attention_bias + shared_bias + 2 * norm)
-        matmul += moe_layers * (qkv + proj + router + moe.top_k * expert + shared)
-    embedding = vocab * h + (cfg.max_seq_len * h if gpt2 else 0)
+        matmul += moe_layers * (attention + router + moe.top_k * expert + shared)
+    embedding = vocab * h + (0 if arch.rotary else cfg.max_seq_len * h)
     output = 0 if cfg.tie_embeddings else vocab * h
     return ModelSize(
         params=embedding + params + norm + output,
@@ -67,3 +86,11 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """FLOPs of forward + backward per trained token (see the module docstring)."""
     attention_width = cfg.num_heads * (cfg.hidden_size // cfg.num_heads)
     return 6.0 * model_size(cfg).matmul_params + 12.0 * cfg.num_layers * seq_len * attention_width
+
+
+def layer_and_head_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of one dense transformer layer (attention scores causally
+    halved) and of the output layer: the costs the pipeline's layer balancing weighs."""
+    attention_width = cfg.num_heads * (cfg.hidden_size // cfg.num_heads)
+    layer = 2.0 * (attention_matmul_params(cfg) + mlp_matmul_params(cfg, cfg.ffn_hidden_size))
+    return layer + 2 * seq_len * attention_width, 2.0 * cfg.hidden_size * padded_vocab_size(cfg)

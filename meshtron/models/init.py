@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from meshtron.parallel.mesh.params import layout_of
+
 RESIDUAL_OUTPUTS = ("attn.proj.weight", "down.weight")
 """Projections that write into the residual stream: their std is scaled by 1/sqrt(2 * layers)."""
 
@@ -46,12 +48,11 @@ def initial_value(
 def initialize(model: nn.Module, *, seed: int, std: float, num_layers: int) -> None:
     """Initialise every parameter of ``model`` from its global value.
 
-    Parameter names are global; a sharded parameter carries ``global_shape`` and ``shard``
-    (see :mod:`meshtron.parallel.tensor`) and keeps only its slice of the full value.
+    Parameter names are global; each parameter's layout gives the global shape and the slice
+    it keeps (a pipeline's copy of a tied weight is named as what it copies).
     """
     for name, param in model.named_parameters():
-        name = getattr(param, "global_name", name)  # a pipeline's copy of a tied weight
-        shape = tuple(getattr(param, "global_shape", param.shape))
-        full = initial_value(name, shape, seed=seed, std=std, num_layers=num_layers)
-        shard = getattr(param, "shard", None)
-        param.copy_(shard.take(full) if shard is not None else full)
+        layout = layout_of(param)
+        full = initial_value(layout.global_name or name, layout.global_shape, seed=seed,
+                             std=std, num_layers=num_layers)
+        param.copy_(layout.shard.take(full) if layout.shard is not None else full)

@@ -19,27 +19,28 @@ over tp as well, so tp ranks are expert-parallel peers.
 Auxiliary losses (load balancing, z-loss) never reach the logits: their gradient is injected
 into the backward pass at the layer's output (scaled like the language-model loss, see
 ``loss_weight``), so they work unchanged inside pipeline schedules. Expert parameters are
-summed over the expert-data-parallel group only (``param.data_parallel``).
+summed over the expert-data-parallel group only (their layout's ``data_parallel``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.autograd import in_backward
 from meshtron.config import ModelConfig, MoEConfig
-from meshtron.parallel.collectives import all_gather, all_reduce, gather_to_tp, split_to_tp
-from meshtron.parallel.experts import Dispatch, grouped_matmul
-from meshtron.parallel.mesh import Group, ParallelMesh
-from meshtron.parallel.tensor import ShardSpec, TPRegion, describe
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+from meshtron.parallel.experts.dispatch import Dispatch
+from meshtron.parallel.experts.grouped import grouped_matmul
+from meshtron.parallel.mesh.groups import Group, ParallelMesh
+from meshtron.parallel.mesh.params import ShardSpec
+from meshtron.parallel.tensor.collectives import all_gather, all_reduce, gather_to_tp, split_to_tp
+from meshtron.parallel.tensor.layers import TPRegion, sharded
+from meshtron.precision.policy import at_least_fp32
 
 
 @dataclass
@@ -76,16 +77,17 @@ class _AttachLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, loss, weight):
         ctx.weight = weight
-        ctx.loss_shape = loss.shape
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.new_full(ctx.loss_shape, ctx.weight, dtype=torch.float32), None
+        return grad, grad.new_full(ctx.loss_shape, ctx.weight, dtype=ctx.loss_dtype), None
 
 
 class Router(nn.Module):
-    """Scores every expert per token (in fp32) and picks each token's top-k."""
+    """Scores every expert per token (in fp32, fp64 in fp64 runs) and picks each token's
+    top-k."""
 
     def __init__(self, cfg: ModelConfig, region: TPRegion, tokens_split: bool):
         """``tokens_split``: each tp rank routes only its share of the tokens (sequence
@@ -93,18 +95,19 @@ class Router(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.moe = moe
-        self.weight = describe(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
-                               (moe.num_experts, cfg.hidden_size), None, region.size,
-                               region.group if tokens_split else None)
+        self.weight = sharded(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
+                              (moe.num_experts, cfg.hidden_size), None, region.size,
+                              region.group if tokens_split else None)
         self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
         """Aux-loss-free balancing: added to the scores for selection only; a training state
         (checkpointed like a weight) moved by :meth:`update_bias`, never by the optimizer."""
-        describe(self.expert_bias, (moe.num_experts,), None, region.size)
+        sharded(self.expert_bias, (moe.num_experts,), None, region.size)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [n, h] -> (logits [n, E], probabilities [n, E], experts [n, k], weights [n, k])."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        dtype = at_least_fp32(x.dtype)
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
         scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
         select = scores.detach() + self.expert_bias
         if moe.groups > 1:
@@ -145,26 +148,27 @@ class ExpertWeight(nn.Module):
 
 
 class Expert(nn.Module):
-    """One expert's FFN weights (no biases), split over tp like the dense MLP unless
-    ``whole``."""
+    """One expert's FFN weights (no biases; SwiGLU's fused [gate | up] when ``gated``), split
+    over tp like the dense MLP unless ``whole``; summed over ``data_parallel`` (the expert-data-
+    parallel group) rather than dp x cp."""
 
-    def __init__(self, cfg: ModelConfig, region: TPRegion, data_parallel: Group, whole: bool):
+    def __init__(self, cfg: ModelConfig, region: TPRegion, data_parallel: Group, whole: bool,
+                 gated: bool):
         super().__init__()
         tp, rank = (1, 0) if whole else (region.size, region.group.rank)
         ffn, h = cfg.moe.expert_ffn_size, cfg.hidden_size
-        self.gated = cfg.arch == "llama"
-        up_rows = 2 * ffn if self.gated else ffn
-        up = describe(nn.Parameter(torch.empty(up_rows // tp, h)), (up_rows, h),
-                      ShardSpec(0, rank, tp, parts=2 if self.gated else 1) if tp > 1 else None)
-        down = describe(nn.Parameter(torch.empty(h, ffn // tp)), (h, ffn),
-                        ShardSpec(1, rank, tp) if tp > 1 else None)
-        if self.gated:
+        self.gated = gated
+        up_rows = 2 * ffn if gated else ffn
+        up = sharded(nn.Parameter(torch.empty(up_rows // tp, h)), (up_rows, h),
+                     ShardSpec(0, rank, tp, parts=2 if gated else 1) if tp > 1 else None,
+                     data_parallel=data_parallel)
+        down = sharded(nn.Parameter(torch.empty(h, ffn // tp)), (h, ffn),
+                       ShardSpec(1, rank, tp) if tp > 1 else None, data_parallel=data_parallel)
+        if gated:
             self.gate_up = ExpertWeight(up)
         else:
             self.up = ExpertWeight(up)
         self.down = ExpertWeight(down)
-        for param in self.parameters():
-            param.data_parallel = data_parallel
 
     @property
     def up_weight(self) -> torch.Tensor:
@@ -233,13 +237,16 @@ class MoE(nn.Module):
     """Drop-in replacement for the block's MLP: [b, s, h] -> [b, s, h] (s local under SP)."""
 
     def __init__(self, cfg: ModelConfig, region: TPRegion, mesh: ParallelMesh,
-                 shared: nn.Module | None):
+                 shared: nn.Module | None, gated: bool, loss_weight: Callable[[], float]):
+        """``loss_weight`` gives, at each forward, the gradient of the auxiliary losses per
+        unit of loss: the weight the language-model loss sum gets (loss scale / global
+        tokens)."""
         super().__init__()
         moe = cfg.moe
         self.moe = moe
         self.region = region
         self.ep = mesh.ep
-        self.whole_experts = mesh.layout.etp == 1 and region.size > 1
+        self.whole_experts = mesh.layout.whole_experts
         """Expert tensor parallel 1: every expert whole; each tp rank routes its share."""
         self.tokens_split = region.sequence_parallel or self.whole_experts
         """Each tp rank routes only its part of the sequence."""
@@ -247,14 +254,12 @@ class MoE(nn.Module):
         local = moe.num_experts // mesh.ep.size
         first = mesh.ep.rank * local
         self.experts = nn.ModuleDict({
-            str(first + j): Expert(cfg, region, mesh.edp, self.whole_experts)
+            str(first + j): Expert(cfg, region, mesh.edp, self.whole_experts, gated)
             for j in range(local)})
         self.shared = shared
-        self.gated = cfg.arch == "llama"
+        self.gated = gated
         self.dropout = cfg.dropout
-        self.loss_weight = 0.0
-        """Gradient of the auxiliary losses per unit of loss (set per step: loss scale / global
-        tokens, the weight the language-model loss sum gets)."""
+        self.loss_weight = loss_weight
         self.stats = RoutingStats(moe.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -300,7 +305,7 @@ class MoE(nn.Module):
     def _plan(self, chosen: torch.Tensor, weights: torch.Tensor | None) -> RowPlan:
         """The row plan of the whole micro-batch; its routing statistics are recorded."""
         plan = RowPlan.build(chosen, weights, self.moe)
-        if self.training and not _in_backward():
+        if self.training and not in_backward():
             self.stats.load += plan.routed.double().cpu()
             self.stats.routed += chosen.numel()
             self.stats.dropped += chosen.numel() - len(plan.order)
@@ -356,15 +361,16 @@ class MoE(nn.Module):
         prob_sums = probs.view(units, -1, num_experts).sum(1)
         aux = (counts * prob_sums).sum() * (num_experts / (moe.top_k * unit_tokens))
         z = torch.logsumexp(logits, dim=-1).square().sum()
-        if not _in_backward():
+        if not in_backward():
             values = torch.stack([aux.detach(), z.detach()]).double()
             if self.tokens_split:
                 all_reduce(values, self.region.group)
             self.stats.aux += float(values[0])
             self.stats.z += float(values[1])
         loss = moe.aux_loss * aux + moe.z_loss * z
-        if loss.requires_grad and self.loss_weight:
-            out = _AttachLoss.apply(out, loss, self.loss_weight)
+        weight = self.loss_weight()
+        if loss.requires_grad and weight:
+            out = _AttachLoss.apply(out, loss, weight)
         return out
 
 

@@ -16,11 +16,18 @@ stage        parameters  gradients   optimizer state     communication per step
 With a single data-parallel rank there is nothing to shard: any stage runs as stage 0.
 bf16/fp16 parameters (2N) always get fp32 master weights (4N, sharded like the moments), so
 stage 0 then runs the same flat-buffer AdamW as the sharded stages, on whole buckets.
+
+Two classes behind one interface: :class:`ReplicatedOptimizer` (torch's AdamW on the whole
+model: stage 0 in fp32 or fp64) and :class:`ShardedOptimizer` (flat buffers of which each rank
+updates its chunk: every other case). :func:`build_optimizer` picks one. Both say what they
+hold through :meth:`DataParallelOptimizer.held_tensors`, which is all a checkpoint reads.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,47 +35,60 @@ from torch import nn
 from meshtron.config import TrainConfig
 from meshtron.optim.adamw import build_adamw, set_learning_rate
 from meshtron.optim.flat_params import FlatParams
-from meshtron.optim.grad_buckets import GradReducer
+from meshtron.optim.grad_buckets import Bucket, GradReducer
 from meshtron.optim.param_sharding import ShardedUnits
-from meshtron.optim.sharded_adamw import ShardedAdamW
-from meshtron.parallel.collectives import all_reduce
-from meshtron.parallel.mesh import ParallelMesh
+from meshtron.optim.sharded_adamw import MOMENTS, ShardedAdamW
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.tensor.collectives import all_reduce
+from meshtron.precision.policy import at_least_fp32
 
 
-class DataParallelOptimizer:
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zero: int,
-                 bucket_mb: float, reduce_dtype: torch.dtype | None = None,
-                 on_event: Callable[[str, int], None] | None = None):
+@dataclass
+class HeldState:
+    """A flat range of one parameter-shaped tensor of the training state that this rank holds,
+    aliasing live storage (a checkpoint loads straight into it)."""
+
+    kind: str
+    """``param``, or an optimizer state: ``exp_avg``, ``exp_avg_sq``, ``master``."""
+    param: nn.Parameter
+    local_shape: tuple[int, ...]
+    """Shape of the parameter on this rank (kept: ZeRO-3 empties parameters between uses)."""
+    flat: torch.Tensor
+    start: int
+    """Row-major index in the local tensor of ``flat[0]``."""
+    replicated: bool
+    """Every rank of the parameter's data-parallel group holds this same range."""
+
+
+class DataParallelOptimizer(ABC):
+    """Gradient buckets reduced over the data-parallel ranks, the global grad norm, clipping,
+    and an AdamW step on what this rank owns."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, stage: int,
+                 bucket_mb: float, reduce_dtype: torch.dtype | None,
+                 on_event: Callable[[str, int], None] | None):
         self.mesh = mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.stage = zero if mesh.dp_cp.size > 1 else 0
-        blocks = model.blocks() if self.stage == 3 else []
-        units = None
-        if blocks:
-            in_blocks = {id(p) for block in blocks for p in block.parameters()}
-            units = [[p for p in block.parameters() if p.requires_grad] for block in blocks]
-            units.append([p for p in self.params if id(p) not in in_blocks])  # may be empty
+        self.stage = stage
         self.reducer = GradReducer(
-            self.params, mesh.dp_cp, stage=self.stage, bucket_bytes=int(bucket_mb * 2**20),
-            dtype=reduce_dtype or self.params[0].dtype, units=units, on_event=on_event,
+            self.params, mesh.dp_cp, stage=stage, bucket_bytes=int(bucket_mb * 2**20),
+            dtype=reduce_dtype or self.params[0].dtype,
+            units=self._units(model) if stage == 3 else None, on_event=on_event,
         )
-        self.flats: list[FlatParams] = []
-        self.units: ShardedUnits | None = None
-        self.low_precision = self.params[0].dtype != torch.float32
-        if self.stage == 0 and not self.low_precision:
-            self.adamw: torch.optim.AdamW | ShardedAdamW = build_adamw(model, t)
-        else:  # ZeRO, or bf16/fp16 parameters that need fp32 master weights
-            self.flats = [FlatParams(b, sharded=self.stage == 3, whole=self.stage == 0)
-                          for b in self.reducer.buckets]
-            self.adamw = ShardedAdamW(self.reducer, self.flats, t)
-        if blocks:
-            self.units = ShardedUnits(model, blocks, self.flats, self.reducer)
 
+    def _units(self, model: nn.Module) -> list[list[nn.Parameter]]:
+        """ZeRO-3's units: each block's trainable parameters, then everything else."""
+        blocks = model.blocks()
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        units = [[p for p in block.parameters() if p.requires_grad] for block in blocks]
+        return units + [[p for p in self.params if id(p) not in in_blocks]]  # may be empty
+
+    # ------------------------------------------------------------------ one step
+
+    @abstractmethod
     def hold_shared_parameters(self) -> None:
-        """ZeRO-3 under a pipeline schedule: keep the parameters outside the blocks (embedding,
-        final norm, output layer) gathered for the whole step, as micro-batches interleave."""
-        if self.units is not None:
-            self.units.hold_root = True
+        """Keep the parameters every micro-batch uses available for the whole step (called
+        by pipeline schedules, whose micro-batches interleave)."""
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -86,7 +106,7 @@ class DataParallelOptimizer:
         and undo the loss scale."""
         self.reducer.sync_replicated()
         if unscale != 1.0:
-            self.reducer.scale_(torch.tensor(unscale))
+            self.reducer.scale_(unscale)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradient, each replicated copy counted once.
@@ -108,27 +128,66 @@ class DataParallelOptimizer:
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
         if max_norm > 0 and norm > max_norm:
-            self.reducer.scale_(torch.tensor(max_norm / (norm + 1e-6)))
+            self.reducer.scale_(max_norm / (norm + 1e-6))
+
+    @abstractmethod
+    def step(self, lr: float) -> None:
+        """Update the weights this rank owns from the reduced gradients."""
+
+    # ------------------------------------------------------------------ state
+
+    @abstractmethod
+    def init_state(self) -> None:
+        """Create zero optimizer state where none exists yet (before a checkpoint is loaded
+        into it)."""
+
+    @property
+    @abstractmethod
+    def steps_taken(self) -> int:
+        """Optimizer steps so far (Adam's bias correction depends on it)."""
+
+    @steps_taken.setter
+    @abstractmethod
+    def steps_taken(self, steps: int) -> None: ...
+
+    @abstractmethod
+    def masters_from_params(self) -> None:
+        """Reset fp32 master weights from the parameters (after loading parameters)."""
+
+    @abstractmethod
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps: parameters, gradients, fp32 master weights
+        (none when the parameters are fp32 and unsharded) and the Adam moments."""
+
+    @abstractmethod
+    def held_tensors(self, model: nn.Module) -> list[HeldState]:
+        """Everything of ``model`` and of this optimizer that this rank holds, in a fixed
+        order: what a checkpoint saves and loads."""
+
+
+class ReplicatedOptimizer(DataParallelOptimizer):
+    """ZeRO-0 with fp32 (or fp64) parameters: torch's AdamW over the whole model, gradients
+    pointed at the all-reduced buckets."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *,
+                 bucket_mb: float, reduce_dtype: torch.dtype | None = None,
+                 on_event: Callable[[str, int], None] | None = None):
+        super().__init__(model, mesh, t, stage=0, bucket_mb=bucket_mb,
+                         reduce_dtype=reduce_dtype, on_event=on_event)
+        self.adamw = build_adamw(model, t)
+
+    def hold_shared_parameters(self) -> None:
+        """Every parameter stays whole: nothing to hold."""
 
     def step(self, lr: float) -> None:
-        if isinstance(self.adamw, ShardedAdamW):
-            self.adamw.step(lr)
-            if self.units is not None:  # nothing gathered before the update may be reused
-                self.units.free_all()
-            return
         for bucket in self.reducer.buckets:  # torch's AdamW reads .grad: point it at the buffers
             for i, param in enumerate(bucket.params):
                 param.grad = bucket.view(bucket.grad, i).to(param.dtype)  # a copy if bf16
         set_learning_rate(self.adamw, lr)
         self.adamw.step()
 
-    # ------------------------------------------------------------------ checkpoints, memory
-
     def init_state(self) -> None:
-        """Create zero optimizer state where none exists yet (before a checkpoint is loaded
-        into it: torch's AdamW makes its state lazily at the first step)."""
-        if isinstance(self.adamw, ShardedAdamW):
-            return
+        """torch's AdamW makes its state lazily at the first step; make it now."""
         for param in (p for group in self.adamw.param_groups for p in group["params"]):
             state = self.adamw.state[param]  # created in torch's own order of first use
             if not state:
@@ -139,35 +198,123 @@ class DataParallelOptimizer:
 
     @property
     def steps_taken(self) -> int:
-        """Optimizer steps so far (Adam's bias correction depends on it)."""
-        if isinstance(self.adamw, ShardedAdamW):
-            return self.adamw.steps
         state = self.adamw.state.get(self.params[0], {})
         return int(state["step"]) if "step" in state else 0
 
     @steps_taken.setter
     def steps_taken(self, steps: int) -> None:
-        if isinstance(self.adamw, ShardedAdamW):
-            self.adamw.steps = steps
-            return
         self.init_state()
         for param in self.params:
             self.adamw.state[param]["step"] = torch.tensor(float(steps))
 
     def masters_from_params(self) -> None:
-        """Reset the fp32 master chunks from the parameters (after loading parameters)."""
-        if isinstance(self.adamw, ShardedAdamW):
-            for flat, master in zip(self.flats, self.adamw.master):
-                master.copy_(flat.chunk)
+        """No master weights: the parameters are the weights AdamW updates."""
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps: parameters, gradients, fp32 master weights
-        (none when the parameters are fp32 and unsharded) and the Adam moments."""
-        grads = self.reducer.grad_bytes()
-        if isinstance(self.adamw, ShardedAdamW):
-            params = sum(flat.nbytes() for flat in self.flats)
-            return {"params": params, "grads": grads, **self.adamw.state_bytes()}
         params = sum(p.numel() * p.element_size() for p in self.params)
         moments = sum(v.numel() * v.element_size() for s in self.adamw.state.values()
                       for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-        return {"params": params, "grads": grads, "master": 0, "optimizer": moments}
+        return {"params": params, "grads": self.reducer.grad_bytes(), "master": 0,
+                "optimizer": moments}
+
+    def held_tensors(self, model: nn.Module) -> list[HeldState]:
+        out = [_whole("param", p, p.data) for p in model.parameters()]
+        for param, state in self.adamw.state.items():
+            out += [_whole(key, param, state[key]) for key in MOMENTS if key in state]
+        return out
+
+
+class ShardedOptimizer(DataParallelOptimizer):
+    """Flat parameter buffers per gradient bucket, each rank updating its chunk with fp32
+    masters and moments (ZeRO 1-3; and ZeRO-0 for bf16/fp16 parameters, on whole buckets)."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, stage: int,
+                 bucket_mb: float, reduce_dtype: torch.dtype | None = None,
+                 on_event: Callable[[str, int], None] | None = None):
+        super().__init__(model, mesh, t, stage=stage, bucket_mb=bucket_mb,
+                         reduce_dtype=reduce_dtype, on_event=on_event)
+        self.flats = [FlatParams(b, sharded=stage == 3, whole=stage == 0)
+                      for b in self.reducer.buckets]
+        self.adamw = ShardedAdamW(self.reducer, self.flats, t)
+        self.units = (ShardedUnits(model, model.blocks(), self.flats, self.reducer)
+                      if stage == 3 else None)
+
+    def hold_shared_parameters(self) -> None:
+        """ZeRO-3 under a pipeline schedule: keep the parameters outside the blocks (embedding,
+        final norm, output layer) gathered for the whole step, as micro-batches interleave."""
+        if self.units is not None:
+            self.units.hold_root = True
+
+    def step(self, lr: float) -> None:
+        self.adamw.step(lr)
+        if self.units is not None:  # nothing gathered before the update may be reused
+            self.units.free_all()
+
+    def init_state(self) -> None:
+        """The state exists from the start."""
+
+    @property
+    def steps_taken(self) -> int:
+        return self.adamw.steps
+
+    @steps_taken.setter
+    def steps_taken(self, steps: int) -> None:
+        self.adamw.steps = steps
+
+    def masters_from_params(self) -> None:
+        for flat, master in zip(self.flats, self.adamw.master):
+            master.copy_(flat.chunk)
+
+    def memory_bytes(self) -> dict[str, int]:
+        params = sum(flat.nbytes() for flat in self.flats)
+        return {"params": params, "grads": self.reducer.grad_bytes(), **self.adamw.state_bytes()}
+
+    def held_tensors(self, model: nn.Module) -> list[HeldState]:
+        out: list[HeldState] = []
+        whole = list(model.parameters())
+        if self.units is not None:  # ZeRO-3: each rank holds its chunk of the parameters
+            for flat in self.flats:
+                out += _bucket_ranges("param", flat.bucket, flat.chunk, flat.start, False)
+            whole = [p for p in whole if not p.requires_grad]  # not in the buckets
+        out += [_whole("param", p, p.data) for p in whole]
+        for flat, master, moments in zip(self.flats, self.adamw.master, self.adamw.moments):
+            states = dict(moments)
+            if master.dtype != flat.chunk.dtype:
+                states["master"] = master
+            for kind, chunk in states.items():
+                out += _bucket_ranges(kind, flat.bucket, chunk, flat.start, self.stage == 0)
+        return out
+
+
+def _whole(kind: str, param: nn.Parameter, tensor: torch.Tensor) -> HeldState:
+    return HeldState(kind, param, tuple(tensor.shape), tensor.view(-1), 0, True)
+
+
+def _bucket_ranges(kind: str, bucket: Bucket, chunk: torch.Tensor, chunk_start: int,
+                   replicated: bool) -> list[HeldState]:
+    """Per parameter of ``bucket``: the part of this rank's chunk (bucket elements
+    chunk_start.. chunk_start + len(chunk)) that belongs to it."""
+    out = []
+    chunk_end = chunk_start + chunk.numel()
+    for i, param in enumerate(bucket.params):
+        lo = max(chunk_start, bucket.offsets[i])
+        hi = min(chunk_end, bucket.offsets[i] + bucket.shapes[i].numel())
+        if lo < hi:
+            out.append(HeldState(kind, param, tuple(bucket.shapes[i]),
+                                 chunk[lo - chunk_start : hi - chunk_start],
+                                 lo - bucket.offsets[i], replicated))
+    return out
+
+
+def build_optimizer(model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zero: int,
+                    bucket_mb: float, reduce_dtype: torch.dtype | None = None,
+                    on_event: Callable[[str, int], None] | None = None
+                    ) -> DataParallelOptimizer:
+    """The optimizer for ``parallel.zero`` on this mesh (stage 0 when dp x cp is one rank)."""
+    stage = zero if mesh.dp_cp.size > 1 else 0
+    dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
+    if stage == 0 and at_least_fp32(dtype) == dtype:
+        return ReplicatedOptimizer(model, mesh, t, bucket_mb=bucket_mb,
+                                   reduce_dtype=reduce_dtype, on_event=on_event)
+    return ShardedOptimizer(model, mesh, t, stage=stage, bucket_mb=bucket_mb,
+                            reduce_dtype=reduce_dtype, on_event=on_event)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.optim.grad_buckets import Bucket
-from meshtron.parallel.collectives import start_all_gather
+from meshtron.parallel.tensor.collectives import start_all_gather
 
 
 class FlatParams:

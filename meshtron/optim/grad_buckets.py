@@ -18,9 +18,9 @@ What the reduction is depends on the ZeRO stage:
 Buckets never mix parameters with different weight decay, replication, gradient-sync group or
 data-parallel group, so the optimizer and the grad norm can treat a bucket's chunk as one flat
 tensor, and a tied embedding's two pipeline copies sit alone in identically shaped buckets.
-A parameter's data-parallel group is dp x cp, or ``param.data_parallel`` where it has one (the
-expert-data-parallel group of MoE experts, which different ep ranks do not share); a bucket is
-reduced and sharded over its own group.
+A parameter's data-parallel group is dp x cp, or its layout's ``data_parallel`` where it has one
+(the expert-data-parallel group of MoE experts, which different ep ranks do not share); a bucket
+is reduced and sharded over its own group.
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.parallel.collectives import all_reduce, start_all_reduce, start_reduce_scatter
-from meshtron.parallel.mesh import Group
+from meshtron.parallel.mesh.groups import Group
+from meshtron.parallel.mesh.params import layout_of
+from meshtron.parallel.tensor.collectives import (
+    all_reduce,
+    start_all_reduce,
+    start_reduce_scatter,
+)
+from meshtron.precision.policy import at_least_fp32
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
@@ -88,10 +94,11 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, group: Group,
     buckets: list[Bucket] = []
     open_: dict[tuple[bool, int, str, str], Bucket] = {}
     for param in params:
-        copies = getattr(param, "replicas", 1) * getattr(param, "pipeline_copies", 1)
-        sync = getattr(param, "grad_sync", None)
-        reduce_over = getattr(param, "data_parallel", group)
-        key = (param.dim() >= 2, copies, sync.name if sync is not None else "", reduce_over.name)
+        layout = layout_of(param)
+        sync = layout.grad_sync
+        reduce_over = layout.data_parallel if layout.data_parallel is not None else group
+        key = (param.dim() >= 2, layout.copies, sync.name if sync is not None else "",
+               reduce_over.name)
         bucket = open_.get(key)
         if bucket is None or bucket.numel * element_size >= bucket_bytes:
             bucket = Bucket(len(buckets), [], [], [], 0, 0, key[0], key[1], reduce_over)
@@ -220,14 +227,14 @@ class GradReducer:
         return bucket.grad[start:end]
 
     def sync_replicated(self) -> None:
-        """Sum gradients of parameters with ``grad_sync`` over that group (e.g. norm weights
+        """Sum gradients of parameters with a ``grad_sync`` group over it (e.g. norm weights
         under sequence parallelism): the part of each that lies in this rank's gradient."""
         pieces: dict[int, tuple[Group, list[torch.Tensor]]] = {}
         for bucket in self.buckets:
             start, end = (0, bucket.padded) if self.stage == 0 else bucket.chunk_range()
             local = self.local_grad(bucket)
             for i, param in enumerate(bucket.params):
-                group = getattr(param, "grad_sync", None)
+                group = layout_of(param).grad_sync
                 lo = max(start, bucket.offsets[i])
                 hi = min(end, bucket.offsets[i] + bucket.shapes[i].numel())
                 if group is not None and lo < hi:
@@ -240,15 +247,19 @@ class GradReducer:
         """Sums of squared gradients held here, each replicated copy counted once: of the
         parameters reduced over ``group``, and of those with their own data-parallel group."""
         device = self.buckets[0].params[0].device
-        totals = torch.zeros(2, dtype=torch.float32, device=device)
+        totals = torch.zeros(2, dtype=at_least_fp32(self.dtype), device=device)
         for bucket in self.buckets:
             own = 0 if bucket.group is self.group else 1
-            totals[own] += self.local_grad(bucket).float().square().sum() / bucket.replicas
+            grad = self.local_grad(bucket).to(totals.dtype)
+            totals[own] += grad.square().sum() / bucket.replicas
         return totals[0], totals[1]
 
-    def scale_(self, factor: torch.Tensor) -> None:
+    def scale_(self, factor: float) -> None:
+        """Multiply every gradient by ``factor`` (a scalar of the norm's dtype: fp32, or fp64
+        in fp64 runs)."""
+        scalar = torch.tensor(factor, dtype=at_least_fp32(self.dtype))
         for bucket in self.buckets:
-            self.local_grad(bucket).mul_(factor)
+            self.local_grad(bucket).mul_(scalar)
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage that persist between steps on this rank."""

@@ -14,12 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtron.autograd import in_backward
 from meshtron.optim.flat_params import FlatParams
 from meshtron.optim.grad_buckets import Bucket, GradReducer
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class ShardedUnits:
@@ -45,7 +42,7 @@ class ShardedUnits:
         model.register_forward_hook(self._after_model)
         for i, block in enumerate(blocks):
             block.register_forward_pre_hook(
-                lambda m, args, i=i: self._enter(i, prefetch=-1 if _in_backward() else i + 1))
+                lambda m, args, i=i: self._enter(i, prefetch=-1 if in_backward() else i + 1))
             block.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i))
             block.register_full_backward_pre_hook(
                 lambda m, grad, i=i: self._enter(i, prefetch=i - 1))
@@ -59,7 +56,7 @@ class ShardedUnits:
                 flat.start_gather()
 
     def _after_forward(self, unit: int) -> None:
-        if not _in_backward():  # a recomputed forward inside backward keeps its parameters
+        if not in_backward():  # a recomputed forward inside backward keeps its parameters
             self.free(unit)
 
     def _after_model(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:

@@ -1,10 +1,10 @@
 """AdamW over this rank's chunk of every gradient bucket (the distributed optimizer, ZeRO-1/2/3).
 
-A rank keeps fp32 master weights and both Adam moments only for its 1/dp chunk of each bucket's
-flat parameters (:class:`FlatParams`), updates that chunk from its reduce-scattered gradient,
-and hands it back to the flat parameters (which all-gather it under ZeRO-1/2). The update is
-element for element the one of ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
-moments).
+A rank keeps fp32 master weights (fp64 in fp64 runs) and both Adam moments only for its 1/dp
+chunk of each bucket's flat parameters (:class:`FlatParams`), updates that chunk from its
+reduce-scattered gradient, and hands it back to the flat parameters (which all-gather it under
+ZeRO-1/2). The update is element for element the one of ``torch.optim.AdamW`` (decoupled
+weight decay, bias-corrected moments).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from meshtron.config import TrainConfig
 from meshtron.optim.flat_params import FlatParams
 from meshtron.optim.grad_buckets import GradReducer
+from meshtron.precision.policy import at_least_fp32
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -26,7 +27,8 @@ class ShardedAdamW:
         self.flats = flats
         self.t = t
         self.steps = 0
-        self.master = [flat.chunk.float().clone() for flat in flats]
+        self.master = [flat.chunk.to(at_least_fp32(flat.chunk.dtype), copy=True)
+                       for flat in flats]
         self.moments = [{k: torch.zeros_like(m) for k in MOMENTS} for m in self.master]
 
     @torch.no_grad()
@@ -38,7 +40,7 @@ class ShardedAdamW:
         works = []
         for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
                                                  self.moments):
-            grad = self.reducer.local_grad(bucket).float()
+            grad = self.reducer.local_grad(bucket).to(master.dtype)
             if bucket.decay and t.weight_decay:
                 master.mul_(1 - lr * t.weight_decay)
             exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]

@@ -5,6 +5,10 @@ forward and backward run in it; norms, softmax and the loss compute in fp32 insi
 The optimizer keeps fp32 master weights and moments (sharded under ZeRO) and writes rounded
 copies back into the parameters; gradients are reduced in ``precision.reduce_dtype``.
 
+fp64 is for verification: everything, gradient reductions and optimizer state included, stays
+in fp64, so layouts that do the same math agree to ~1e-12 and a parity failure cannot hide in
+fp32 rounding.
+
 fp16 uses dynamic loss scaling. The scaler decides from the global grad norm, which every rank
 computes identically after the reductions, so a step with an overflow is skipped on all ranks
 together.
@@ -15,7 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp64": torch.float64}
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms, softmax, losses and optimizer state compute in: fp32 for fp32 and the
+    16-bit formats, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class LossScaler:
@@ -36,11 +47,19 @@ class LossScaler:
             self.scale *= 2
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 class Precision:
-    def __init__(self, dtype: str, device: torch.device, loss_scaling: bool = True):
+    """The number formats of one run (``precision.*``) and its fp16 loss scaler."""
+
+    def __init__(self, dtype: str, device: torch.device, loss_scaling: bool = True,
+                 reduce_dtype: str = "fp32"):
         self.name = dtype
         self.device = device
         self.param_dtype = PARAM_DTYPES[dtype]
+        self.reduce_dtype = torch.float64 if dtype == "fp64" else REDUCE_DTYPES[reduce_dtype]
+        """What gradient buckets hold and are reduced in (fp64 runs keep fp64 throughout)."""
         self.scaler = LossScaler() if dtype == "fp16" and loss_scaling else None
 
     def cast_parameters(self, model: nn.Module) -> None:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.parallel.collectives import all_reduce
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.pipeline import PipelineExecutor
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.precision.policy import Precision
 
 
@@ -52,8 +52,7 @@ def train_step(
     """
     optimizer.zero_grad()
     chunks = micro_batches(local_batch, micro_batch)
-    scale = precision.loss_scale
-    model.set_aux_loss_weight(scale / global_tokens)
+    scale = precision.loss_scale  # the model's MoE losses read the same weight at forward
     if pipeline is not None:
         loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
     else:

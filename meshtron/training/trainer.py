@@ -16,25 +16,24 @@ import torch
 from meshtron.checkpoint import train_state
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint
-from meshtron.config import Config, PrecisionConfig, micro_batch_size, validate
+from meshtron.config import Config, PrecisionConfig
 from meshtron.data import TrainingData, build_training_data
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
 from meshtron.models.moe import step_routing_stats
 from meshtron.models.transformer import Transformer
-from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.optim.schedule import learning_rate
-from meshtron.parallel.collectives import all_reduce
-from meshtron.parallel.linear import FP8Options
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.partition import plan_pipeline
-from meshtron.parallel.pipeline import PipelineExecutor
-from meshtron.parallel.schedules import build_schedule
+from meshtron.optim.data_parallel import build_optimizer
+from meshtron.optim.lr_schedule import learning_rate
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.tensor.collectives import all_reduce
+from meshtron.parallel.tensor.linear import FP8Options
+from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
-from meshtron.training.memory import activation_bytes_per_layer
+from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
@@ -58,18 +57,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def resolve_vocab(cfg: Config, data: TrainingData) -> None:
-    """The model's vocabulary defaults to the tokenizer's and may not be smaller."""
-    tokenizer_vocab = data.tokenizer.vocab_size
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer_vocab
-    elif cfg.model.vocab_size < tokenizer_vocab:
-        raise MeshtronError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-            f"{tokenizer_vocab} tokens"
-        )
 
 
 MOE_SHAPE = ("num_experts", "expert_ffn_size", "shared_experts", "dense_layers", "every")
@@ -109,57 +96,58 @@ def _quiet(message: str) -> None:
 
 
 class Trainer:
-    """Owns one rank's share of a run. Only global rank 0 logs and writes the run directory."""
+    """Owns one rank's share of a run. Only global rank 0 logs and writes the run directory.
+
+    The run follows the plan of ``cfg`` on the mesh's world size (``mesh`` must have the
+    layout the plan gives), made once the tokenizer is known: ``self.cfg`` is the planned
+    config, with the model's vocabulary resolved."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
                  device: torch.device | None = None):
-        self.cfg = cfg
         self.mesh = mesh or ParallelMesh.single()
         self.is_rank0 = self.mesh.global_rank == 0
         self.log = log if self.is_rank0 else _quiet
         self.device = device or torch.device("cpu")
         self.run_dir = Path(cfg.run.dir)
-        validate(cfg, world_size=self.mesh.layout.world_size)
         torch.manual_seed(cfg.train.seed)
 
-        self.data = self._build_data()
-        resolve_vocab(cfg, self.data)
-
-        p = cfg.parallel
-        self.plan = None
-        if p.pp > 1:
-            self.plan = plan_pipeline(cfg.model, p.pp, p.vpp, cfg.train.seq_len, p.pp_layers)
-        self.model = Transformer(cfg.model, self.mesh, sequence_parallel=p.sp, plan=self.plan)
+        self.data = self._build_data(cfg)
+        self.plan = plan = plan_run(cfg, self.mesh.layout.world_size,
+                                    self.data.tokenizer.vocab_size)
+        if plan.layout != self.mesh.layout:
+            raise MeshtronError(f"the mesh's layout {self.mesh.layout} is not the config's "
+                                f"{plan.layout}")
+        self.cfg = cfg = plan.config
+        p, pc = cfg.parallel, cfg.precision
+        self.precision = Precision(pc.dtype, self.device, loss_scaling=pc.loss_scaling,
+                                   reduce_dtype=pc.reduce_dtype)
+        options = plan.model_options(
+            self.mesh.pp.rank,
+            fp8=(lambda: fp8_options(pc, self.mesh)) if pc.fp8 != "none" else None,
+            aux_loss_weight=lambda: self.precision.loss_scale / plan.tokens_per_step)
+        self.model = Transformer(cfg.model, self.mesh, options)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
-        self.precision = Precision(cfg.precision.dtype, self.device,
-                                   loss_scaling=cfg.precision.loss_scaling)
         self.precision.cast_parameters(self.model)
-        if cfg.precision.fp8 != "none":
-            self.model.use_fp8(lambda: fp8_options(cfg.precision, self.mesh))
-        self.model.set_recompute(cfg.train.recompute)
-        if p.zero and self.mesh.dp_cp.size == 1:
+        if p.zero and not plan.zero:
             self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
                      "shard, running as zero 0")
-        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.precision.reduce_dtype]
-        self.optimizer = DataParallelOptimizer(self.model, self.mesh, cfg.train, zero=p.zero,
-                                               bucket_mb=p.bucket_mb, reduce_dtype=reduce_dtype)
-        world = self.mesh.layout.world_size
-        self.micro_batch = micro_batch_size(cfg, world)
-        self.dp_share = cfg.train.global_batch // self.mesh.dp.size
+        self.optimizer = build_optimizer(self.model, self.mesh, cfg.train, zero=p.zero,
+                                         bucket_mb=p.bucket_mb,
+                                         reduce_dtype=self.precision.reduce_dtype)
+        self.micro_batch = plan.micro_batch
+        self.dp_share = plan.dp_share
         self.pipeline = None
-        if self.plan is not None:
-            schedule = build_schedule(p.schedule, p.pp, p.vpp, self.dp_share // self.micro_batch)
-            self.pipeline = PipelineExecutor(self.model, self.mesh, self.plan, schedule,
-                                             cfg.model.hidden_size)
+        if plan.schedule is not None:
+            self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
+                                             plan.schedule, cfg.model.hidden_size)
         self.step = 0
         size = model_size(cfg.model)
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
-                 f"cp={cfg.parallel.cp} dp={self.mesh.dp.size} pp={cfg.parallel.pp}"
-                 f"{' sp' if cfg.parallel.sp else ''}; micro-batch {self.micro_batch} x "
-                 f"{cfg.train.global_batch // (self.micro_batch * self.mesh.dp.size)} "
-                 f"accumulation steps")
+                 f"cp={cfg.parallel.cp} dp={plan.dp} pp={cfg.parallel.pp}"
+                 f"{' sp' if cfg.parallel.sp else ''}; micro-batch {plan.micro_batch} x "
+                 f"{plan.micro_batches} accumulation steps")
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
@@ -171,10 +159,10 @@ class Trainer:
                      f"{moe.num_experts // p.ep} per rank (ep={p.ep}); "
                      f"{size.matmul_params / 1e6:.2f}M matmul parameters active per token")
         if self.pipeline is not None:
-            schedule = self.pipeline.schedule
+            schedule = plan.schedule
             self.log(f"pipeline: {p.schedule} over {p.pp} stages with layers "
-                     f"{self.plan.describe()}, {schedule.microbatches} micro-batches; bubble "
-                     f"{100 * schedule.theoretical_bubble():.1f}% in theory")
+                     f"{plan.partition.describe()}, {schedule.microbatches} micro-batches; "
+                     f"bubble {100 * schedule.theoretical_bubble():.1f}% in theory")
         self._log_activation_memory()
         self._log_state_memory()
         self.saver = CheckpointSaver(
@@ -192,7 +180,7 @@ class Trainer:
         keeps in flight through one chunk each. MoE layers keep routing-dependent amounts, so
         there is no formula for them."""
         cfg, p = self.cfg, self.cfg.parallel
-        if cfg.model.arch != "llama" or cfg.model.is_moe:
+        if not formula_covers(cfg.model):
             return
         layers, held = len(self.model.blocks()), 1
         if self.pipeline is not None:
@@ -220,10 +208,9 @@ class Trainer:
         self.log(f"state per rank ({self.cfg.precision.dtype}, zero {self.optimizer.stage}): "
                  f"{parts}")
 
-    def _build_data(self) -> TrainingData:
+    def _build_data(self, cfg: Config) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
         def build() -> TrainingData:
-            cfg = self.cfg
             return build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, self.log)
 
         if self.mesh.world.pg is None:
@@ -260,11 +247,9 @@ class Trainer:
             return
         manifest, reader = open_checkpoint(path)
         check_resumable(self.cfg, manifest, path)
-        train_state.restore(path, manifest, reader, self.model, self.optimizer, self.mesh)
+        train_state.restore(path, manifest, reader, self.model, self.optimizer, self.mesh,
+                            self.precision.scaler)
         self.step = int(manifest["step"])
-        scaler = self.precision.scaler
-        if scaler is not None and "loss_scale" in manifest:
-            scaler.scale, scaler.clean_steps = manifest["loss_scale"]
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
@@ -275,7 +260,7 @@ class Trainer:
         pieces = train_state.capture(self.model, self.optimizer, self.mesh, self.saver.buffers)
         meta = {"config": cfg.to_dict(), "layout": self.mesh.layout.sizes(),
                 "data": {"next_batch": self.step, "seed": cfg.train.seed},
-                **train_state.optimizer_meta(self.optimizer), **self._scaler_meta()}
+                **train_state.state_meta(self.optimizer, self.precision.scaler)}
         path = self.saver.save(self.step, pieces, meta,
                                {"tokenizer.json": Path(self.data.tokenizer.path)})
         if not cfg.checkpoint.async_ and self.mesh.world.pg is not None:
@@ -287,10 +272,6 @@ class Trainer:
         self.saver.close()
         if self.mesh.world.pg is not None:
             torch.distributed.barrier()
-
-    def _scaler_meta(self) -> dict:
-        scaler = self.precision.scaler
-        return {} if scaler is None else {"loss_scale": [scaler.scale, scaler.clean_steps]}
 
     def validation_loss(self) -> float:
         t = self.cfg.train
@@ -306,7 +287,7 @@ class Trainer:
             self.log(f"run already complete at step {self.step} (train.steps={t.steps}); "
                      "raise train.steps or use a new run.dir to train more")
             return result
-        tokens_per_step = t.global_batch * t.seq_len
+        tokens_per_step = self.plan.tokens_per_step
         flops_per_step = training_flops_per_token(cfg.model, t.seq_len) * tokens_per_step
         peak = peak_flops(self.device, t.peak_flops)
         writer = MetricsWriter(self.run_dir) if self.is_rank0 else None

@@ -7,7 +7,8 @@ embedding, the last one the final norm, the output layer and the loss.
 
 The balanced split minimises the most expensive virtual stage, where a layer costs its forward
 FLOPs per token and the output layer + loss is charged its own FLOPs in the same unit (the
-embedding lookup does no matrix multiply and is free). ``parallel.pp_layers`` overrides it.
+embedding lookup does no matrix multiply and is free; the plan passes
+:func:`meshtron.models.flops.layer_and_head_cost`). ``parallel.pp_layers`` overrides it.
 """
 
 from __future__ import annotations
@@ -17,17 +18,6 @@ from functools import cache
 
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
-from meshtron.models.transformer import padded_vocab_size
-
-
-def layer_and_head_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """Forward FLOPs per token of one transformer layer and of the output layer."""
-    h, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
-    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
-    proj = cfg.num_heads * head_dim * h
-    mlp = (2 if cfg.arch == "gpt2" else 3) * h * cfg.ffn_hidden_size
-    attention = 2 * seq_len * cfg.num_heads * head_dim
-    return 2.0 * (qkv + proj + mlp) + attention, 2.0 * h * padded_vocab_size(cfg)
 
 
 def balanced_counts(num_layers: int, stages: int, layer_cost: float,
@@ -52,7 +42,17 @@ def balanced_counts(num_layers: int, stages: int, layer_cost: float,
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class StageLayers:
+    """The part of the model one pipeline stage holds: its chunks of global layer indices, in
+    the order its forward passes run them, and whether it holds the embedding and the head."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    embedding: bool
+    head: bool
+
+
+@dataclass(frozen=True)
+class PipelinePartition:
     """The layer split of a ``pp`` x ``vpp`` pipeline (``counts`` per virtual stage)."""
 
     pp: int
@@ -79,6 +79,11 @@ class PipelinePlan:
 
     def holds_head(self, stage: int) -> bool:
         return stage == self.pp - 1
+
+    def stage_layers(self, stage: int) -> StageLayers:
+        """What the model of pipeline stage ``stage`` holds."""
+        return StageLayers(tuple(tuple(c) for c in self.chunks_of(stage)),
+                           self.holds_embedding(stage), self.holds_head(stage))
 
     def describe(self) -> str:
         """Layers per stage, e.g. ``3 | 1`` (``2+2 | 2+2`` with chunks)."""
@@ -115,14 +120,15 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int, explicit: list[int] |
         )
 
 
-def plan_pipeline(cfg: ModelConfig, pp: int, vpp: int, seq_len: int,
-                  explicit: list[int] | None = None) -> PipelinePlan:
-    """The split given by ``explicit`` (``parallel.pp_layers``) or the balanced one."""
+def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, float],
+                     explicit: list[int] | None = None) -> PipelinePartition:
+    """The split given by ``explicit`` (``parallel.pp_layers``) or the one balanced for
+    ``costs``: the forward FLOPs per token of one layer and of the output layer."""
     check_layer_split(cfg, pp, vpp, explicit)
     stages = pp * vpp
     if explicit:
-        return PipelinePlan(pp, vpp, tuple(explicit))
+        return PipelinePartition(pp, vpp, tuple(explicit))
     if vpp > 1:  # interleaving assumes equal chunks, as in Megatron
-        return PipelinePlan(pp, vpp, (cfg.num_layers // stages,) * stages)
-    layer, head = layer_and_head_cost(cfg, seq_len)
-    return PipelinePlan(pp, vpp, tuple(balanced_counts(cfg.num_layers, stages, layer, head)))
+        return PipelinePartition(pp, vpp, (cfg.num_layers // stages,) * stages)
+    layer, head = costs
+    return PipelinePartition(pp, vpp, tuple(balanced_counts(cfg.num_layers, stages, layer, head)))

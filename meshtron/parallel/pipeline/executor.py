@@ -9,31 +9,47 @@ sends, so matching is unambiguous for transports that match by tag (gloo) or by 
 
 Gradient reduction over data-parallel ranks is driven the same way as without a pipeline: each
 action that produces weight gradients (B, and W under a split backward) is one "micro-batch" of
-the optimizer's reducer, and the last of them on this stage is the one that communicates
-(every one under ZeRO-2/3).
+the gradient synchronisation (:class:`GradientSync`, which the data-parallel optimizer
+provides), and the last of them on this stage is the one that communicates (every one under
+ZeRO-2/3).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.partition import PipelinePlan
-from meshtron.parallel.schedules import Action, Schedule
-from meshtron.parallel.weight_grad import WeightGradStore
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.pipeline.partition import PipelinePartition
+from meshtron.parallel.pipeline.schedules import Action, Schedule
+from meshtron.parallel.tensor.weight_grad import WeightGradStore
 
 _DIRECTIONS = {"F": 0, "B": 1}
 
 
-class PipelineExecutor:
-    """Runs ``schedule``'s actions for this rank's stage on ``model`` (built for ``plan``)."""
+class GradientSync(Protocol):
+    """What the executor asks of whoever reduces the gradients its actions produce."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, plan: PipelinePlan,
+    def begin_micro_batch(self, last: bool) -> None:
+        """A gradient-producing action starts; ``last``: the step's last one on this stage."""
+
+    def end_micro_batch(self) -> None:
+        """That action's gradients are complete."""
+
+    def hold_shared_parameters(self) -> None:
+        """Keep parameters used by every micro-batch available for the whole step (ZeRO-3's
+        embedding and head, as micro-batches interleave)."""
+
+
+class PipelineExecutor:
+    """Runs ``schedule``'s actions for this rank's stage on ``model`` (built for ``plan``,
+    with ``split_weight_grads`` when the schedule splits the backward)."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, plan: PipelinePartition,
                  schedule: Schedule, hidden_size: int):
         self.model = model
         self.mesh = mesh
@@ -42,8 +58,9 @@ class PipelineExecutor:
         self.stage = mesh.pp.rank
         self.actions = schedule.stages[self.stage]
         self.hidden_size = hidden_size
-        self.store = WeightGradStore() if schedule.split_backward else None
-        model.split_weight_grads(self.store)
+        self.store: WeightGradStore | None = model.grad_store
+        assert (self.store is not None) == schedule.split_backward, (
+            "a zero-bubble schedule needs a model built with split_weight_grads, and only it")
         grad_actions = [i for i, a in enumerate(self.actions) if a.kind in ("B", "W")]
         self.last_grad_action = grad_actions[-1] if grad_actions else -1
         self.trace: list[tuple[Action, float, float]] | None = None
@@ -79,7 +96,7 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ training step
 
-    def train(self, micro_batches: list[torch.Tensor], optimizer: DataParallelOptimizer, *,
+    def train(self, micro_batches: list[torch.Tensor], optimizer: GradientSync, *,
               loss_weight: float) -> torch.Tensor:
         """Forward and backward of every micro-batch through this stage; returns the sum of
         token losses (non-zero on the last stage only). ``loss_weight`` multiplies each

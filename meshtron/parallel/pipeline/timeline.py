@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtron.errors import MeshtronError
-from meshtron.parallel.schedules import Schedule
+from meshtron.parallel.pipeline.schedules import Schedule
 
 KIND_COLOURS = (("F", "#4C72B0"), ("B", "#DD8452"), ("W", "#55A868"))
 

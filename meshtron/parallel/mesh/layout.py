@@ -34,6 +34,8 @@ class MeshLayout:
     ep: int = 1
     etp: int | None = None
     """Expert tensor parallelism: None or ``tp`` splits experts over tp, 1 keeps them whole."""
+    sp: bool = False
+    """Sequence parallelism: the residual stream is split over tp by sequence (with tp > 1)."""
 
     def __post_init__(self) -> None:
         model_parallel = self.tp * self.cp * self.pp
@@ -52,6 +54,15 @@ class MeshLayout:
                                                     self.expert_folded_tp))
 
     @property
+    def sequence_parallel(self) -> bool:
+        return self.sp and self.tp > 1
+
+    @property
+    def whole_experts(self) -> bool:
+        """Expert tensor parallel 1 with tp > 1: experts whole, each tp rank routes its share."""
+        return self.etp == 1 and self.tp > 1
+
+    @property
     def expert_folded_tp(self) -> int:
         """The tp ranks the ep groups fold over: tp when experts are whole (etp=1), else 1."""
         return self.tp if self.etp == 1 else 1
@@ -60,7 +71,7 @@ class MeshLayout:
     def of(cls, parallel: ParallelConfig, world_size: int) -> MeshLayout:
         """The layout ``parallel`` (the config section) asks for on ``world_size`` ranks."""
         p = parallel
-        return cls(world_size, p.tp, p.cp, p.pp, p.ep, p.etp)
+        return cls(world_size, p.tp, p.cp, p.pp, p.ep, p.etp, p.sp)
 
     @property
     def dp(self) -> int:

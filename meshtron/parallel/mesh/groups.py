@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from meshtron.parallel.layout import MeshLayout
+from meshtron.parallel.mesh.layout import MeshLayout
 
 
 @dataclass

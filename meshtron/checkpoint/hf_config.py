@@ -1,0 +1,80 @@
+"""Hugging Face ``config.json`` to and from meshtron's :class:`ModelConfig`.
+
+Which family a file belongs to comes from its ``model_type`` (or, in older files, its
+``architectures`` class name), looked up in the architecture registry; the family's field
+table and checks (see :mod:`meshtron.models.arch`) do the rest. Nothing here imports
+``transformers``: its config files are read and written as JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from meshtron.checkpoint.hf_mapping import hf_config_kwargs, hf_format
+from meshtron.config import ModelConfig
+from meshtron.errors import MeshtronError
+from meshtron.models.arch import hf_model_types
+from meshtron.models.arch.spec import HFConfig
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def supported_families() -> str:
+    """'Llama, Mistral, Mixtral and GPT-2': the families meshtron converts, for messages."""
+    names = [t.display for _, t in hf_model_types().values()]
+    return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _model_type(hf: dict[str, Any], where: str) -> str:
+    known = hf_model_types()
+    model_type = hf.get("model_type")
+    if model_type is None:  # older files name only the class
+        by_class = {t.class_name: name for name, (_, t) in known.items()}
+        model_type = next((by_class[a] for a in hf.get("architectures") or [] if a in by_class),
+                          None)
+    if model_type not in known:
+        found = model_type or "/".join(hf.get("architectures") or []) or "unknown"
+        raise MeshtronError(f"{where}: unsupported architecture '{found}'; meshtron converts "
+                            f"{supported_families()}")
+    return model_type
+
+
+def hf_model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """A meshtron ``ModelConfig`` from an HF ``config.json`` dict, refusing what meshtron's
+    blocks cannot compute exactly (rope scaling, biases, sliding windows, other activations,
+    a Mixtral routing each token to one expert)."""
+    arch, model_type = hf_model_types()[_model_type(hf, where)]
+    reader = HFConfig(hf, model_type.defaults, where)
+    values = {ours: reader.get(theirs) for ours, theirs in arch.hf.fields}
+    arch.hf.from_config(reader, values)
+    cfg = ModelConfig(**values)
+    cfg.vocab_size, cfg.vocab_multiple = _vocab(reader.saved(), reader.get("vocab_size"))
+    return cfg
+
+
+def _vocab(saved: dict[str, Any], vocab: int) -> tuple[int, int]:
+    """(vocab_size, vocab_multiple) whose padded size is exactly ``vocab``: the values meshtron
+    exported when they fit, else the largest power of two up to 128 that divides ``vocab``
+    (tensor parallelism needs tp to divide vocab_multiple)."""
+    size, multiple = saved.get("vocab_size"), saved.get("vocab_multiple")
+    if (isinstance(size, int) and isinstance(multiple, int) and 0 < size <= vocab
+            and multiple > 0 and math.ceil(size / multiple) * multiple == vocab):
+        return size, multiple
+    return vocab, math.gcd(vocab, 128)
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict[str, Any]:
+    """The ``config.json`` of the HF twin of ``cfg``."""
+    fmt = hf_format(cfg)
+    model_type = fmt.model_types[0]
+    saved = {"vocab_size": cfg.vocab_size, "vocab_multiple": cfg.vocab_multiple,
+             **fmt.saved(cfg)}
+    return {
+        "architectures": [model_type.class_name], "model_type": model_type.name,
+        **hf_config_kwargs(cfg),
+        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None,
+        "torch_dtype": DTYPE_NAMES.get(dtype, "float32"), "meshtron": saved,
+    }

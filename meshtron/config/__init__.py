@@ -1,0 +1,45 @@
+"""Configuration: the schema (:mod:`.sections`), YAML and dotted overrides (:mod:`.parse`),
+checks of each field (:mod:`.checks`), named model shapes (:mod:`.presets`) and field
+documentation (:mod:`.docs`). Nothing here imports torch or any layer above it.
+"""
+
+from meshtron.config.checks import validate
+from meshtron.config.parse import config_from_dict, load_config, parse_override, resolve
+from meshtron.config.presets import MODEL_PRESETS
+from meshtron.config.sections import (
+    MOE_DEFAULTS,
+    SCHEDULES,
+    SECTIONS,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainConfig,
+    config_key,
+)
+
+__all__ = [
+    "MODEL_PRESETS",
+    "MOE_DEFAULTS",
+    "SCHEDULES",
+    "SECTIONS",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_key",
+    "load_config",
+    "parse_override",
+    "resolve",
+    "validate",
+]

@@ -1,0 +1,147 @@
+"""Checks of a resolved config that need nothing but the config: each value's type, choice and
+range, and the consistency of each section with itself (the head count dividing the width, a
+mixture of experts' routing).
+
+What relates sections to each other, to an architecture or to a world size is checked once,
+by the run plan (:mod:`meshtron.plan`). Every failure is one sentence in a
+:class:`~meshtron.errors.MeshtronError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from meshtron.config.sections import (
+    AUX_LOSS_SCOPES,
+    DTYPES,
+    EXPERT_COMPUTE,
+    FP8_RECIPES,
+    RECOMPUTE,
+    REDUCE_DTYPES,
+    ROUTER_SCORES,
+    SCHEDULES,
+    Config,
+    ModelConfig,
+)
+from meshtron.errors import MeshtronError
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, or nothing."""
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise MeshtronError(message)
+
+
+def choice(value: str, choices: Iterable[str], name: str) -> None:
+    choices = tuple(choices)
+    require(value in choices,
+            f"{name}='{value}' is not one of {', '.join(choices)}{suggest(value, choices)}")
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible values with one sentence each."""
+    m, p, t, d, pc = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.precision
+    choice(pc.dtype, DTYPES, "precision.dtype")
+    choice(pc.reduce_dtype, REDUCE_DTYPES, "precision.reduce_dtype")
+    choice(pc.fp8, FP8_RECIPES, "precision.fp8")
+    choice(pc.fp8_grad, ("e5m2", "e4m3"), "precision.fp8_grad")
+    choice(pc.fp8_amax, ("max", "most_recent"), "precision.fp8_amax")
+    choice(p.schedule, SCHEDULES, "parallel.schedule")
+    choice(t.recompute, RECOMPUTE, "train.recompute")
+    positive = {
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,
+        "model.ffn_hidden_size": m.ffn_hidden_size, "model.vocab_multiple": m.vocab_multiple,
+        "model.max_seq_len": m.max_seq_len,
+        "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
+        "parallel.vpp": p.vpp, "train.steps": t.steps, "train.global_batch": t.global_batch,
+        "train.seq_len": t.seq_len, "train.eval_batches": t.eval_batches,
+        "train.log_every": t.log_every, "data.vocab_size": d.vocab_size,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "precision.fp8_block": pc.fp8_block, "precision.fp8_history": pc.fp8_history,
+    }
+    for name, value in positive.items():
+        require(value is not None and value > 0,
+                f"{name} must be a positive integer, got {value}")
+    if m.vocab_size is not None:
+        require(m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
+    if t.micro_batch is not None:
+        require(t.micro_batch > 0, f"train.micro_batch must be positive, got {t.micro_batch}")
+        require(t.global_batch % t.micro_batch == 0,
+                f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch="
+                f"{t.micro_batch}")
+    nonneg = {
+        "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every,
+        "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
+        "checkpoint.every": cfg.checkpoint.every, "model.dropout": m.dropout,
+    }
+    for name, value in nonneg.items():
+        require(value >= 0, f"{name} must not be negative, got {value}")
+    require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    require(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
+    require(m.dropout < 1, f"model.dropout must be below 1, got {m.dropout}")
+    require(0 < d.valid_fraction < 1,
+            f"data.valid_fraction must lie in (0, 1), got {d.valid_fraction}")
+    require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
+    require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
+    require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+    require(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not implemented yet (the "
+            "mesh reserves the axis); use parallel.cp=1")
+    require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
+    require(not (pc.dtype == "fp64" and pc.fp8 != "none"),
+            "precision.dtype=fp64 is for verification runs and does not combine with "
+            f"precision.fp8={pc.fp8}")
+    require(not (pc.dtype == "fp64" and pc.reduce_dtype != "fp32"),
+            "precision.dtype=fp64 reduces gradients in fp64; leave precision.reduce_dtype at "
+            "fp32")
+    check_model_shape(m)
+
+
+def check_model_shape(m: ModelConfig) -> None:
+    """The model section on its own: heads, kv heads and the mixture of experts."""
+    require(
+        m.hidden_size % m.num_heads == 0,
+        f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}",
+    )
+    require(
+        m.num_heads % m.num_kv_heads == 0,
+        f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}",
+    )
+    if m.is_moe:
+        _check_moe(m)
+
+
+def _check_moe(m: ModelConfig) -> None:
+    moe = m.moe
+    e = moe.num_experts
+    require(e > 0, f"model.moe.num_experts must not be negative, got {e}")
+    for name in ("top_k", "expert_ffn_size", "every", "groups", "topk_groups"):
+        value = getattr(moe, name)
+        require(value > 0, f"model.moe.{name} must be a positive integer, got {value}")
+    for name in ("shared_experts", "dense_layers", "aux_loss", "z_loss", "bias_update",
+                 "capacity_factor"):
+        value = getattr(moe, name)
+        require(value >= 0, f"model.moe.{name} must not be negative, got {value}")
+    choice(moe.score, ROUTER_SCORES, "model.moe.score")
+    choice(moe.aux_loss_scope, AUX_LOSS_SCOPES, "model.moe.aux_loss_scope")
+    choice(moe.compute, EXPERT_COMPUTE, "model.moe.compute")
+    require(moe.top_k <= e, f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={e}")
+    require(e % moe.groups == 0,
+            f"model.moe.groups={moe.groups} does not divide model.moe.num_experts={e}")
+    require(moe.topk_groups <= moe.groups, f"model.moe.topk_groups={moe.topk_groups} exceeds "
+            f"model.moe.groups={moe.groups}")
+    require(
+        moe.top_k <= moe.topk_groups * (e // moe.groups),
+        f"model.moe.top_k={moe.top_k} exceeds the experts of the model.moe.topk_groups="
+        f"{moe.topk_groups} groups a token may use ({moe.topk_groups * (e // moe.groups)})",
+    )
+    require(moe.dense_layers < m.num_layers, f"model.moe.dense_layers={moe.dense_layers} "
+            f"leaves no MoE layer among model.num_layers={m.num_layers}")
+    require(not (moe.pad_to_capacity and moe.capacity_factor == 0),
+            "model.moe.pad_to_capacity needs a model.moe.capacity_factor above 0")

@@ -1,0 +1,48 @@
+"""The documentation of config fields, read from the strings under their declarations.
+
+Python keeps no runtime record of an attribute's docstring, so the class source is parsed:
+a string expression right after an annotated field documents that field. ``meshtron train
+--help`` shows each field's first sentence.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+from functools import cache
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``{attribute name: its docstring}`` for the fields of dataclass ``cls``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for statement, following in zip(body, body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[statement.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def summary(doc: str) -> str:
+    """The first sentence of ``doc`` on one line (a sentence ends at '. ' or the end)."""
+    return re.split(r"(?<!\.)\.\s", " ".join(doc.split()), maxsplit=1)[0].rstrip(".")
+
+
+def undocumented(cls: type) -> list[str]:
+    """Fields of ``cls`` (and of its nested sections) without documentation."""
+    docs = field_docs(cls)
+    missing = []
+    for f in dataclasses.fields(cls):
+        if not docs.get(f.name):
+            missing.append(f"{cls.__name__}.{f.name}")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            missing += undocumented(type(default))
+    return missing

@@ -1,0 +1,204 @@
+"""Building a config: defaults, then a YAML file, then ``--section.field=value`` overrides.
+
+Each name is checked (unknown sections and keys get a close-match suggestion) and each value is
+coerced to its annotated type; :func:`resolve` then fills what was left unset from the model
+preset, so the written ``config.yaml`` states every value used, and
+:func:`~meshtron.config.checks.validate` checks each field. Checks that relate sections to each
+other or to a world size belong to the run plan (:mod:`meshtron.plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshtron.config.checks import suggest, validate
+from meshtron.config.presets import MODEL_PRESETS
+from meshtron.config.sections import MOE_DEFAULTS, SECTIONS, Config, attribute_name, config_key
+from meshtron.errors import MeshtronError
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML- or CLI-parsed value to the annotated type, or explain why not."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(v, item_tp, where) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise MeshtronError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _set_field(cfg: Any, section: str, key: str, value: Any) -> None:
+    """Set ``section.key`` of ``cfg``; ``key`` may be dotted into a nested section
+    (``model.moe.top_k``), and a mapping value sets a nested section field by field."""
+    known = hasattr(cfg, attribute_name(section))
+    if not known or not dataclasses.is_dataclass(getattr(cfg, section)):
+        raise MeshtronError(f"unknown config section '{section}'{suggest(section, SECTIONS)}")
+    sec_obj = getattr(cfg, section)
+    hints = {config_key(k): v for k, v in typing.get_type_hints(type(sec_obj)).items()}
+    head, _, rest = key.partition(".")
+    if head not in hints:
+        raise MeshtronError(
+            f"unknown config key '{section}.{key}'" + _suggest_dotted(section, head, hints)
+        )
+    nested = dataclasses.is_dataclass(hints[head])
+    if nested and rest:
+        try:
+            return _set_field(sec_obj, head, rest, value)
+        except MeshtronError as err:
+            raise MeshtronError(str(err).replace(f"'{head}.", f"'{section}.{head}.")) from None
+    if nested and isinstance(value, dict):
+        for sub_key, sub_value in value.items():
+            _set_field(cfg, section, f"{head}.{sub_key}", sub_value)
+        return
+    if nested or rest:
+        raise MeshtronError(f"config key '{section}.{key}' does not name a field")
+    setattr(sec_obj, attribute_name(key), _coerce(value, hints[key], f"{section}.{key}"))
+
+
+def _suggest_dotted(section: str, key: str, hints: dict[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(hints), n=1)
+    return f" (did you mean '{section}.{close[0]}'?)" if close else ""
+
+
+def _apply_mapping(cfg: Config, data: Any, source: str) -> None:
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise MeshtronError(f"{source}: expected a mapping of config sections at the top level")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise MeshtronError(
+                f"{source}: unknown config section '{section}'{suggest(str(section), SECTIONS)}"
+            )
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise MeshtronError(f"{source}: section '{section}' must be a mapping of fields")
+        for key, value in values.items():
+            try:
+                _set_field(cfg, section, str(key), value)
+            except MeshtronError as err:
+                raise MeshtronError(f"{source}: {err}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.field=value`` (leading dashes allowed) into its parts."""
+    body = text.lstrip("-")
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise MeshtronError(f"override '{text}' must look like --section.field=value")
+    name, raw = body.split("=", 1)
+    section, key = name.split(".", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file, then overrides; resolved and validated."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise MeshtronError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise MeshtronError(f"{p}: not valid YAML{where}") from None
+        _apply_mapping(cfg, data, str(p))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _set_field(cfg, section, key, value)
+    resolve(cfg)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a resolved config (for example one stored in a checkpoint)."""
+    cfg = Config()
+    _apply_mapping(cfg, data, "config")
+    resolve(cfg)
+    validate(cfg)
+    return cfg
+
+
+def resolve(cfg: Config) -> None:
+    """Fill unset model fields from the preset; everything else keeps its explicit value."""
+    m = cfg.model
+    if m.preset not in MODEL_PRESETS:
+        raise MeshtronError(
+            f"unknown model.preset '{m.preset}'{suggest(m.preset, MODEL_PRESETS)}; "
+            f"choose one of {', '.join(MODEL_PRESETS)}"
+        )
+    for key, value in MODEL_PRESETS[m.preset].items():
+        if key == "moe":
+            continue
+        if getattr(m, key) is None:
+            setattr(m, key, value)
+    for key, value in {**MOE_DEFAULTS, **MODEL_PRESETS[m.preset].get("moe", {})}.items():
+        if getattr(m.moe, key) is None:
+            setattr(m.moe, key, value)
+    if m.moe.expert_ffn_size is None:
+        m.moe.expert_ffn_size = m.ffn_hidden_size
+    if m.num_kv_heads is None:
+        m.num_kv_heads = m.num_heads
+    if m.rope_theta is None:
+        m.rope_theta = 10000.0
+    if m.norm_eps is None:
+        m.norm_eps = 1e-5
+    if m.tie_embeddings is None:
+        m.tie_embeddings = False
+    if cfg.data.path is not None:
+        cfg.data.path = [p for p in cfg.data.path if p] or None

@@ -1,0 +1,308 @@
+"""The config schema: one dataclass per section, every field documented where it is declared.
+
+The string under each field is its documentation: ``meshtron train --help`` prints its first
+sentence (see :mod:`meshtron.config.docs`), so every field has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
+REDUCE_DTYPES = ("fp32", "bf16")
+FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("micro_batch", "sequence")
+EXPERT_COMPUTE = ("grouped", "loop")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (``model.moe.*``); ``num_experts`` 0 keeps every MLP dense. Unset
+    fields (None) come from the preset, then from the defaults in :data:`MOE_DEFAULTS`."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE layer; 0 keeps every MLP dense."""
+    top_k: int | None = None
+    """Experts each token is routed to."""
+    expert_ffn_size: int | None = None
+    """Hidden units of one expert (fine-grained experts are narrower); None: ffn_hidden_size."""
+    shared_experts: int | None = None
+    """Always-on experts (DeepSeek), computed as one dense MLP of shared x expert_ffn_size."""
+    dense_layers: int | None = None
+    """The first this many layers keep a dense MLP."""
+    every: int | None = None
+    """After the dense layers, every this-many-th layer is MoE (1: all of them)."""
+    score: str | None = None
+    """Router scores: softmax or sigmoid."""
+    normalize_topk: bool | None = None
+    """Rescale the chosen experts' weights to sum to one."""
+    route_scale: float | None = None
+    """Multiplier of the routing weights."""
+    groups: int | None = None
+    """Group-limited routing (DeepSeek-V3): experts form this many groups."""
+    topk_groups: int | None = None
+    """Group-limited routing: each token chooses its experts inside its best this-many
+    groups."""
+    aux_loss: float | None = None
+    """Coefficient of the load-balancing loss (Switch/GShard form); 0 disables."""
+    aux_loss_scope: str | None = None
+    """Balance over each micro_batch or each sequence."""
+    z_loss: float | None = None
+    """Coefficient of the router z-loss (mean squared logsumexp of the logits)."""
+    bias_update: float | None = None
+    """Aux-loss-free balancing: per-expert selection bias moved by this much per step towards
+    the mean load (DeepSeek-V3's gamma); 0 disables."""
+    capacity_factor: float | None = None
+    """Tokens an expert takes per micro-batch, as a multiple of the balanced share; 0: dropless."""
+    pad_to_capacity: bool | None = None
+    """With a capacity: every expert computes exactly its capacity (padding with zeros)."""
+    compute: str | None = None
+    """Expert FFNs as one grouped matmul (grouped) or one matmul per expert (loop)."""
+
+
+MOE_DEFAULTS: dict[str, Any] = dict(
+    num_experts=0, top_k=2, shared_experts=0, dense_layers=0, every=1, score="softmax",
+    normalize_topk=True, route_scale=1.0, groups=1, topk_groups=1, aux_loss=0.01,
+    aux_loss_scope="micro_batch", z_loss=0.0, bias_update=0.0, capacity_factor=0.0,
+    pad_to_capacity=False, compute="grouped",
+)
+
+
+@dataclass
+class ModelConfig:
+    """Model shape. Unset fields (None) come from ``preset``; explicit values win."""
+
+    preset: str = "tiny"
+    """A named model shape (see meshtron/config/presets.py); explicit fields override it."""
+    arch: str | None = None
+    """Architecture: llama (RMSNorm, rotary, SwiGLU) or gpt2 (LayerNorm, learned positions)."""
+    num_layers: int | None = None
+    """Transformer blocks."""
+    hidden_size: int | None = None
+    """Width of the residual stream."""
+    num_heads: int | None = None
+    """Query heads of attention."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: num_heads."""
+    ffn_hidden_size: int | None = None
+    """Hidden units of the dense MLP."""
+    vocab_size: int | None = None
+    """Vocabulary size; None takes the tokenizer's."""
+    vocab_multiple: int = 128
+    """The embedding is padded to a multiple of this, identically under every layout."""
+    max_seq_len: int | None = None
+    """Positions the model supports (rotary tables or learned position embeddings)."""
+    rope_theta: float | None = None
+    """Base of the rotary position frequencies."""
+    norm_eps: float | None = None
+    """Epsilon of the normalisation layers."""
+    tie_embeddings: bool | None = None
+    """Use the token embedding as the output layer's weight."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weights (residual outputs scaled by 1/sqrt(2 layers))."""
+    dropout: float = 0.0
+    """Dropout probability (0, as in modern LLMs, keeps runs layout-independent)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts settings (model.moe.*)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe.num_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (global index) has experts in place of its MLP."""
+        moe = self.moe
+        return (self.is_moe and layer >= moe.dense_layers
+                and (layer - moe.dense_layers) % moe.every == 0)
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split. dp is derived: world_size / (tp * cp * pp)."""
+
+    tp: int = 1
+    """Tensor-parallel ranks (heads, MLP units and vocabulary split over them)."""
+    pp: int = 1
+    """Pipeline stages."""
+    cp: int = 1
+    """Context-parallel ranks (the mesh reserves the axis; not implemented yet)."""
+    ep: int = 1
+    """Expert-parallel ranks, folded out of the data- and context-parallel ranks."""
+    etp: int | None = None
+    """Expert tensor parallelism: experts split over tp like the MLP (None: tp), or 1: whole
+    experts, each tp rank routing its own share of the tokens (ep then folds over tp too)."""
+    vpp: int = 1
+    """Model chunks per pipeline stage (interleaved schedule)."""
+    sp: bool = False
+    """Sequence parallelism: the residual stream between tp regions is split by sequence."""
+    zero: int = 0
+    """ZeRO stage: 0 replicates optimizer state, 1 shards it over dp, 2 also gradients, 3 also
+    parameters."""
+    bucket_mb: float = 25.0
+    """Gradients are reduced in buckets of about this many MiB, overlapping backward."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs vpp >= 2) or zb-h1."""
+    pp_layers: list[int] | None = None
+    """Layers per virtual pipeline stage (pp * vpp counts in model order); unset: balanced."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation: steps, batch, learning-rate schedule, AdamW, evaluation."""
+
+    steps: int = 200
+    """Optimizer steps of the whole run."""
+    global_batch: int = 8
+    """Sequences per optimizer step, summed over micro-batches and data-parallel ranks."""
+    micro_batch: int | None = None
+    """Sequences per forward pass per rank; None means global_batch / dp (no accumulation)."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warm-up."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seed of the initial weights and of the data order (both layout-free)."""
+    log_every: int = 10
+    """Log and write a metrics row every this many steps."""
+    eval_every: int = 100
+    """Evaluate on the validation split every this many steps (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Global batches of the validation split per evaluation."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention cores) or full (whole layers)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU; None looks it up (GPUs) or measures it (CPU)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is tokenised."""
+
+    path: list[str] | None = None
+    """Raw text (.txt, folder, .jsonl) or indexed-dataset prefixes; 'w:path' entries blend."""
+    cache_dir: str = "~/.cache/meshtron"
+    """Where tokenizers and preprocessed datasets are cached."""
+    tokenizer: str | None = None
+    """A tokenizer.json to use; None trains a byte-level BPE on the training text."""
+    vocab_size: int = 8192
+    """Vocabulary size of a tokenizer trained here."""
+    valid_fraction: float = 0.02
+    """Share of each dataset's documents held out for validation."""
+    corpus_max_mb: float = 8.0
+    """Size cap of the embedded default corpus (the standard library's sources)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Number formats of parameters, activations, gradients and the FP8 recipe."""
+
+    dtype: str = "fp32"
+    """Parameters and activations: fp32, bf16/fp16 with fp32 master weights, or fp64 for
+    verification runs."""
+    reduce_dtype: str = "fp32"
+    """Gradient buckets and their data-parallel reduction: fp32, or bf16 (half the bytes)."""
+    loss_scaling: bool = True
+    """Dynamic loss scaling under fp16 (an overflow without it stops training)."""
+    fp8: str = "none"
+    """FP8 for the blocks' linear layers: none, tensorwise, delayed or blockwise scaling."""
+    fp8_grad: str = "e5m2"
+    """FP8 format of output gradients: e5m2 or e4m3 (activations and weights are e4m3)."""
+    fp8_block: int = 128
+    """Block size of blockwise scaling (1 x block activation tiles, block x block weights)."""
+    fp8_history: int = 1024
+    """Delayed scaling: steps of amax history."""
+    fp8_amax: str = "max"
+    """Delayed scaling: the scale comes from the history's max or its most_recent amax."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are written, and whether a run resumes from them."""
+
+    dir: str | None = None
+    """Where checkpoints go; None means <run.dir>/checkpoints."""
+    every: int = 0
+    """Save every this many steps; 0 saves only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after each save."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in checkpoint.dir when there is one."""
+    async_: bool = False
+    """Copy the state to host memory and write it while training goes on (at most one save
+    in flight; a failed save is reported at the next step). Set as ``checkpoint.async``."""
+
+
+@dataclass
+class RunConfig:
+    """The run directory and how the run reports."""
+
+    dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, TensorBoard events, loss.png."""
+    progress: bool = True
+    """Show a live progress bar on stderr."""
+    plot: bool = True
+    """Write loss.png into the run directory at the end."""
+    timeout_s: float = 600.0
+    """How long a rank waits in a collective before giving up (a peer died or hangs)."""
+
+
+@dataclass
+class Config:
+    """A whole run's settings, one attribute per section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {section: {config_key(k): v for k, v in values.items()}
+                for section, values in dataclasses.asdict(self).items()}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.run.dir) / "checkpoints")
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def config_key(attr: str) -> str:
+    """A field's name in YAML and overrides (``async_`` is ``async``: Python keywords cannot
+    be attribute names)."""
+    return attr[:-1] if attr.endswith("_") and keyword.iskeyword(attr[:-1]) else attr
+
+
+def attribute_name(key: str) -> str:
+    """Inverse of :func:`config_key`."""
+    return f"{key}_" if keyword.iskeyword(key) else key

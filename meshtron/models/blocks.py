@@ -1,0 +1,202 @@
+"""The parts of a transformer block, written once against the parallel layers.
+
+Which parts a block has (its norm, rotary or learned positions, a gated MLP, biases) comes from
+its :class:`~meshtron.models.arch.spec.Architecture`; how its linear layers compute (FP8, a
+deferred weight gradient) from a :class:`~meshtron.parallel.tensor.linear.LinearMode`. Both
+are fixed when the block is built.
+
+Fused projections keep their parts in a fixed order: ``kv`` = [k heads | v heads], ``gate_up``
+= [gate | up]. Queries and keys/values are separate projections so that each splits over tp on
+its own (kv heads are replicated when tp > num_kv_heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from meshtron.config import ModelConfig
+from meshtron.models.arch.spec import Architecture
+from meshtron.models.moe import MoE
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPRegion,
+    replicated,
+)
+from meshtron.parallel.tensor.linear import LinearMode
+
+_SDPA_GQA = torch.__version__ >= "2.5"
+"""``scaled_dot_product_attention`` takes ``enable_gqa`` (shares kv heads without copies)."""
+
+
+def make_norm(cfg: ModelConfig, arch: Architecture, region: TPRegion) -> nn.Module:
+    norm = arch.norm(cfg.hidden_size, cfg.norm_eps)
+    for param in norm.parameters():
+        replicated(param, region)
+    return norm
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (the half-split convention of HF Llama)."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x`` of shape [b, heads, s, head_dim] for positions start..start+s-1."""
+        s = x.shape[-2]
+        cos = self.cos[start : start + s].to(x.dtype)
+        sin = self.sin[start : start + s].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Pre-allocated keys and values for incremental decoding."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store this layer's new keys/values at the current length; return all so far."""
+        end = self.length + k.shape[-2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    """Self-attention with heads split over tp; kv heads split or, when fewer than tp ranks,
+    shared by groups of tp / num_kv_heads ranks. ``selective_recompute`` recomputes the
+    attention core in backward instead of keeping its intermediate state."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, arch: Architecture, region: TPRegion,
+                 mesh: ParallelMesh, mode: LinearMode, selective_recompute: bool = False):
+        super().__init__()
+        tp = region.size
+        self.layer = layer
+        self.region = region
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.num_heads = cfg.num_heads // tp
+        kv_pieces = min(tp, cfg.num_kv_heads)
+        self.num_kv_heads = cfg.num_kv_heads // kv_pieces
+        share = mesh.tp_subgroup(tp // kv_pieces) if kv_pieces < tp else None
+        h, d, bias = cfg.hidden_size, self.head_dim, arch.bias
+        self.q = ColumnParallelLinear(h, cfg.num_heads * d, bias, region, mode=mode)
+        self.kv = ColumnParallelLinear(h, 2 * cfg.num_kv_heads * d, bias, region, parts=2,
+                                       pieces=kv_pieces, share_group=share, mode=mode)
+        self.proj = RowParallelLinear(cfg.num_heads * d, h, bias, region, mode=mode)
+        self.dropout = cfg.dropout
+        self.selective_recompute = selective_recompute
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal unless an explicit mask is given."""
+        gqa = {}
+        if self.num_kv_heads != self.num_heads:
+            # Measured on CPU only: on GPUs which kernels take GQA depends on dtype and torch
+            # version (fp32 may fall back to the math kernel), so they keep the copies.
+            if _SDPA_GQA and q.device.type == "cpu":
+                gqa = {"enable_gqa": True}
+            else:
+                repeat = self.num_heads // self.num_kv_heads
+                k = k.repeat_interleave(repeat, dim=1)
+                v = v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[-2] > 1,
+            dropout_p=self.dropout if self.training else 0.0, **gqa,
+        )
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = self.region.enter(x)
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                for t in self.kv(x).chunk(2, dim=-1))
+        start = cache.length if cache is not None else 0
+        if rotary is not None:
+            q, k = rotary(q, start), rotary(k, start)
+        mask = None
+        if cache is not None:
+            k, v = cache.append(self.layer, k, v)
+            if start > 0 and s > 1:  # a chunk after a prefix: causal within the chunk
+                keys = torch.arange(start + s, device=x.device)
+                mask = keys[None, :] <= (start + torch.arange(s, device=x.device))[:, None]
+        if self.selective_recompute and self.training:
+            y = checkpoint(self.core, q, k, v, mask, use_reentrant=False)
+        else:
+            y = self.core(q, k, v, mask)
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    """SwiGLU or GELU feed-forward block, split over tp by hidden units."""
+
+    def __init__(self, cfg: ModelConfig, arch: Architecture, region: TPRegion, mode: LinearMode,
+                 ffn: int | None = None):
+        super().__init__()
+        self.region = region
+        self.gated = arch.gated_mlp
+        ffn = ffn or cfg.ffn_hidden_size
+        h = cfg.hidden_size
+        if self.gated:
+            self.gate_up = ColumnParallelLinear(h, 2 * ffn, arch.bias, region, parts=2, mode=mode)
+        else:
+            self.up = ColumnParallelLinear(h, ffn, arch.bias, region, mode=mode)
+        self.down = RowParallelLinear(ffn, h, arch.bias, region, mode=mode)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.region.enter(x)
+        if self.gated and (self.gate_up.grad_store is not None or self.gate_up.fp8 is not None
+                           or self.gate_up.bias is not None):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.gated:
+            # Two products with the [gate | up] halves of the weight: contiguous outputs, and
+            # backward concatenates weight-sized gradients rather than activation-sized ones.
+            gate, up = (F.linear(x, w) for w in self.gate_up.weight.chunk(2))
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(self.up(x), approximate="tanh")
+        return F.dropout(self.down(h), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, arch: Architecture, region: TPRegion,
+                 mesh: ParallelMesh, mode: LinearMode, selective_recompute: bool,
+                 aux_loss_weight: Callable[[], float]):
+        super().__init__()
+        self.attn_norm = make_norm(cfg, arch, region)
+        self.attn = Attention(cfg, layer, arch, region, mesh, mode, selective_recompute)
+        self.mlp_norm = make_norm(cfg, arch, region)
+        if cfg.is_moe_layer(layer):
+            moe = cfg.moe
+            shared = (MLP(cfg, arch, region, mode, moe.shared_experts * moe.expert_ffn_size)
+                      if moe.shared_experts else None)
+            self.mlp: MLP | MoE = MoE(cfg, region, mesh, shared, arch.gated_mlp,
+                                      aux_loss_weight)
+        else:
+            self.mlp = MLP(cfg, arch, region, mode)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary, cache)
+        return x + self.mlp(self.mlp_norm(x))

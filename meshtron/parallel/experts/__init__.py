@@ -1,0 +1,2 @@
+"""Expert parallelism: token dispatch over the ep group (:mod:`.dispatch`) and grouped
+expert matmuls (:mod:`.grouped`)."""

@@ -1,0 +1,193 @@
+"""The run plan: how one config runs on a given number of ranks, decided and checked once.
+
+:func:`plan_run` turns (config, world size, the tokenizer's vocabulary) into one immutable
+:class:`RunPlan`: the mesh layout, the batch split (micro-batch size and count), the padded
+vocabulary, the pipeline's layer partition and schedule, and what each rank's model is built
+with. Every check that relates config sections to each other, to the architecture or to the
+world size is written here once (each config field on its own is checked by
+:mod:`meshtron.config.checks`; the mesh's own invariants by
+:class:`~meshtron.parallel.mesh.layout.MeshLayout`). The trainer, the CLI, the benchmarks and
+the tuner start from a plan; nothing changes a config after it is planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshtron.config import Config, ModelConfig
+from meshtron.config.checks import require
+from meshtron.errors import MeshtronError
+from meshtron.models.arch import architecture_of
+from meshtron.models.flops import layer_and_head_cost, padded_vocab_size
+from meshtron.models.transformer import ModelOptions, no_aux_gradient
+from meshtron.parallel.mesh.layout import MeshLayout
+from meshtron.parallel.pipeline.partition import (
+    PipelinePartition,
+    check_layer_split,
+    partition_layers,
+)
+from meshtron.parallel.pipeline.schedules import Schedule, build_schedule
+from meshtron.parallel.tensor.linear import FP8Options
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything about a run that follows from its config and its world size."""
+
+    config: Config
+    """The run's config with the model's vocabulary resolved (what config.yaml records)."""
+    layout: MeshLayout
+    micro_batch: int
+    """Sequences per forward pass on one rank."""
+    micro_batches: int
+    """Forward passes per optimizer step on one data-parallel rank."""
+    padded_vocab: int
+    partition: PipelinePartition | None
+    """Which layers each pipeline stage holds (None without a pipeline)."""
+    schedule: Schedule | None
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def dp_share(self) -> int:
+        """Sequences of each global batch that one data-parallel rank trains on."""
+        return self.micro_batch * self.micro_batches
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one global batch: every micro-batch's loss is divided by this count."""
+        return self.config.train.global_batch * self.config.train.seq_len
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage that runs: with one data-parallel rank there is nothing to shard."""
+        return self.config.parallel.zero if self.dp * self.layout.cp > 1 else 0
+
+    def model_options(self, pp_rank: int, *, fp8: Callable[[], FP8Options] | None = None,
+                      aux_loss_weight: Callable[[], float] = no_aux_gradient) -> ModelOptions:
+        """What the model of pipeline stage ``pp_rank`` is built with."""
+        return ModelOptions(
+            stage=self.partition.stage_layers(pp_rank) if self.partition else None,
+            recompute=self.config.train.recompute, fp8=fp8,
+            split_weight_grads=self.schedule is not None and self.schedule.split_backward,
+            aux_loss_weight=aux_loss_weight)
+
+
+def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -> RunPlan:
+    """The plan of ``cfg`` on ``world_size`` ranks; the model's vocabulary defaults to the
+    tokenizer's ``tokenizer_vocab`` and may not be smaller. Raises :class:`MeshtronError`
+    with one sentence for anything that cannot work."""
+    check_model(cfg)
+    layout = MeshLayout.of(cfg.parallel, world_size)
+    _check_layout(cfg, layout)
+    micro_batch, micro_batches = _batch_split(cfg, layout.dp)
+    p = cfg.parallel
+    schedule = None
+    if p.pp > 1 or p.vpp > 1:
+        check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers)
+        schedule = build_schedule(p.schedule, p.pp, p.vpp, micro_batches)
+        require(not (p.schedule == "zb-h1" and p.zero == 3 and layout.dp * p.cp > 1),
+                "parallel.schedule=zb-h1 computes weight gradients after the block's backward "
+                "has released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with zb-h1")
+    if cfg.precision.fp8 == "blockwise":
+        _check_fp8_blocks(cfg)
+    model = _resolve_vocab(cfg.model, tokenizer_vocab)
+    partition = None
+    if schedule is not None:
+        costs = layer_and_head_cost(model, cfg.train.seq_len)
+        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers)
+    return RunPlan(dataclasses.replace(cfg, model=model), layout, micro_batch, micro_batches,
+                   padded_vocab_size(model), partition, schedule)
+
+
+def check_run(cfg: Config, world_size: int) -> None:
+    """Every check of :func:`plan_run` that can be made before the tokenizer exists (all but
+    the model's vocabulary covering the tokenizer's): before any process starts. No check
+    depends on the vocabulary's size, only on ``model.vocab_multiple``."""
+    plan_run(cfg, world_size, tokenizer_vocab=cfg.model.vocab_size or cfg.model.vocab_multiple)
+
+
+def check_model(cfg: Config) -> None:
+    """What the model needs of its architecture and of the training sequence length."""
+    m = cfg.model
+    arch = architecture_of(m)
+    require((m.hidden_size // m.num_heads) % 2 == 0 or not arch.rotary,
+            "the head dimension (hidden_size / num_heads) must be even for rotary embeddings")
+    require(cfg.train.seq_len <= m.max_seq_len, f"train.seq_len={cfg.train.seq_len} exceeds "
+            f"the model's positions (model.max_seq_len={m.max_seq_len})")
+
+
+def _resolve_vocab(m: ModelConfig, tokenizer_vocab: int | None) -> ModelConfig:
+    if m.vocab_size is None:
+        if tokenizer_vocab is None:
+            raise MeshtronError("model.vocab_size is unset and no tokenizer gives it")
+        return dataclasses.replace(m, vocab_size=tokenizer_vocab)
+    require(tokenizer_vocab is None or m.vocab_size >= tokenizer_vocab,
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer_vocab} tokens")
+    return m
+
+
+def _check_layout(cfg: Config, layout: MeshLayout) -> None:
+    """The model and the sequence must split the way the layout cuts them."""
+    m, p, t, tp = cfg.model, cfg.parallel, cfg.train, layout.tp
+    require(m.num_heads % tp == 0, f"parallel.tp={tp} does not divide model.num_heads="
+            f"{m.num_heads}")
+    require(m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0,
+            f"parallel.tp={tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other")
+    require(m.ffn_hidden_size % tp == 0,
+            f"parallel.tp={tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
+    require(m.vocab_multiple % tp == 0, f"parallel.tp={tp} does not divide model.vocab_multiple="
+            f"{m.vocab_multiple} (the padded vocabulary must split evenly over tp)")
+    if m.is_moe:
+        e = m.moe.num_experts
+        require(e % p.ep == 0, f"parallel.ep={p.ep} does not divide model.moe.num_experts={e}")
+        require(p.etp == 1 or m.moe.expert_ffn_size % tp == 0,
+                f"parallel.tp={tp} does not divide model.moe.expert_ffn_size="
+                f"{m.moe.expert_ffn_size} (experts split over tp like the MLP; parallel.etp=1 "
+                "keeps them whole)")
+        require(p.etp != 1 or p.sp or t.seq_len % tp == 0,
+                f"parallel.etp=1 needs train.seq_len={t.seq_len} divisible by parallel.tp={tp} "
+                "(each tp rank routes its share of the sequence)")
+    else:
+        require(p.ep == 1, f"parallel.ep={p.ep} needs a mixture-of-experts model "
+                "(set model.moe.num_experts)")
+    if p.sp:
+        require(t.seq_len % tp == 0,
+                f"parallel.sp needs train.seq_len={t.seq_len} divisible by parallel.tp={tp}")
+
+
+def _batch_split(cfg: Config, dp: int) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per step) of one data-parallel rank."""
+    t = cfg.train
+    require(t.global_batch % dp == 0,
+            f"train.global_batch={t.global_batch} is not divisible by the data-parallel size {dp}")
+    share = t.global_batch // dp
+    micro_batch = t.micro_batch or share
+    require(share % micro_batch == 0,
+            f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch="
+            f"{micro_batch} x data-parallel size {dp}")
+    return micro_batch, share // micro_batch
+
+
+def _check_fp8_blocks(cfg: Config) -> None:
+    """Every tp-local dimension a blockwise-scaled linear layer reduces or produces must be a
+    whole number of blocks."""
+    m, tp, block = cfg.model, cfg.parallel.tp, cfg.precision.fp8_block
+    head_dim = m.hidden_size // m.num_heads
+    dims = {"model.hidden_size": m.hidden_size,
+            "model.hidden_size / parallel.tp": m.hidden_size // tp,
+            "model.ffn_hidden_size / parallel.tp": m.ffn_hidden_size // tp,
+            "kv heads x head dim per tp rank": m.num_kv_heads * head_dim // min(tp, m.num_kv_heads)}
+    for name, value in dims.items():
+        require(value % block == 0,
+                f"precision.fp8=blockwise needs {name} = {value} divisible by precision.fp8_block="
+                f"{block}; pick a block that divides it, pad the model, or use tensorwise scaling")

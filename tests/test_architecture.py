@@ -1,0 +1,79 @@
+"""The shape of the code itself: declared import layers, no cycles, small modules, one name
+per role, documented config fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from meshtron.cli import build_parser
+from meshtron.config import Config, config_key
+from meshtron.config.docs import field_docs, summary, undocumented
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 500
+
+
+def test_import_layers_and_no_cycles():
+    """The contracts in pyproject.toml: the layer order of docs/architecture.md, and no import
+    cycle between sibling modules or packages anywhere in meshtron."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+@pytest.mark.parametrize("folder", ["meshtron", "benchmarks"])
+def test_no_module_is_over_500_lines(folder):
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says its role: two ``pipeline.py`` in different packages would not."""
+    names = Counter(p.name for p in (ROOT / "meshtron").rglob("*.py") if p.name != "__init__.py")
+    assert [name for name, count in names.items() if count > 1] == []
+
+
+def test_every_config_field_is_documented():
+    sections = [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)]
+    assert [m for section in sections for m in undocumented(section)] == []
+
+
+def test_train_help_describes_every_field():
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = train.format_help()
+    fields = [line for line in text.splitlines() if line.startswith("    --")]
+    lines = {line.split(" (default")[0].strip(): line for line in fields}
+
+    def check(obj: object, prefix: str) -> int:
+        count = 0
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            name = f"{prefix}.{config_key(f.name)}"
+            if dataclasses.is_dataclass(value):
+                count += check(value, name)
+                continue
+            line, doc = lines[f"--{name}"], summary(docs[f.name])
+            assert len(doc) > 10 and line.endswith(f": {doc}"), line
+            count += 1
+        return count
+
+    defaults = Config()
+    total = sum(check(getattr(defaults, f.name), f.name) for f in dataclasses.fields(Config))
+    assert total == len(lines) > 80
+
+
+def test_summary_is_the_first_sentence():
+    assert summary("Save every this many steps; 0 saves only at the end.") == (
+        "Save every this many steps; 0 saves only at the end")
+    assert summary("ZeRO stage: 0 replicates state. 1 shards it.\n  More.") == (
+        "ZeRO stage: 0 replicates state")
