@@ -1,7 +1,11 @@
 """The parity harness: per-step loss and grad norm of a layout vs the single-process run.
 
 Several layouts run one after another inside one group of spawned processes (start-up dominates
-on CPU), each with its own mesh and run directory.
+on CPU), each with its own mesh and run directory. A layout that sets no ``precision.*`` runs
+twice: in fp32, compared at 1e-4 relative (the contract), and in fp64, compared at 1e-9, which
+tells "the same math" from "the same rounding": fp32 rounding amplified by an unstable step
+can drift past 1e-4 where the math is identical, and a real difference in the math cannot
+hide under 1e-4 in fp64.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.trainer import Trainer
 
 PARITY_RTOL = 1e-4
+FP64_RTOL = 1e-9
 STEPS = 20
 
 
@@ -46,11 +51,22 @@ def run_training(overrides: list[str], rank: int = 0, world_size: int = 1) -> di
     return {"loss": result.losses, "grad_norm": result.grad_norms}
 
 
+def run_layout(overrides: list[str], rank: int = 0, world_size: int = 1) -> dict:
+    """``run_training`` in fp32, plus an ``fp64`` result where the run fixes no precision
+    setting (fp64 does not combine with bf16, fp16 or FP8)."""
+    result = run_training(overrides, rank, world_size)
+    if not any(o.startswith("--precision.") for o in overrides):
+        run_dir = next(o for o in reversed(overrides) if o.startswith("--run.dir="))
+        result["fp64"] = run_training(overrides + ["--precision.dtype=fp64", f"{run_dir}-fp64"],
+                                      rank, world_size)
+    return result
+
+
 def run_layouts(rank: int, world_size: int, cache_dir: str, root: str,
                 layouts: list[list[str]]) -> list[dict]:
     """Worker body: train every layout in turn; returns one result per layout."""
     return [
-        run_training(test_overrides(cache_dir, f"{root}/layout{i}") + layout, rank, world_size)
+        run_layout(test_overrides(cache_dir, f"{root}/layout{i}") + layout, rank, world_size)
         for i, layout in enumerate(layouts)
     ]
 
@@ -62,6 +78,11 @@ def model_overrides(layout: list[str]) -> list[str]:
 
 
 def assert_parity(reference: dict, candidate: dict, what: str, rtol: float = PARITY_RTOL) -> None:
+    """Per-step loss and grad norm within ``rtol`` of the reference, and the fp64 runs (where
+    the candidate has one, the reference must too) within :data:`FP64_RTOL`."""
+    if "fp64" in candidate:
+        assert "fp64" in reference, f"{what}: the reference has no fp64 run"
+        assert_parity(reference["fp64"], candidate["fp64"], f"{what} [fp64]", FP64_RTOL)
     for key in ("loss", "grad_norm"):
         ref, got = reference[key], candidate[key]
         assert len(ref) == len(got) == STEPS, f"{what}: {len(got)} steps, expected {STEPS}"
@@ -79,6 +100,6 @@ def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], ca
     for i, layout in enumerate(layouts):
         key = tuple(model_overrides(layout))
         if key not in references:
-            references[key] = run_training(test_overrides(cache_dir, f"{root}/ref{i}") + list(key))
+            references[key] = run_layout(test_overrides(cache_dir, f"{root}/ref{i}") + list(key))
         for rank, per_rank in enumerate(results):
             assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})")

@@ -94,3 +94,18 @@ def test_fp16_overflow_without_loss_scaling_stops_with_a_clear_error(tiny_overri
     with pytest.raises(MeshtronError, match="without loss scaling") as err:
         trainer.run()
     assert "\n" not in str(err.value) and torch.equal(weight.detach(), before)
+
+
+def test_fp64_keeps_every_state_in_fp64(tiny_overrides):
+    """Verification runs: fp64 parameters, gradient buckets and AdamW moments (8 + 8 + 16
+    bytes per parameter at ZeRO 0, no masters)."""
+    cfg = load_config(overrides=tiny_overrides + ["--precision.dtype=fp64", "--train.steps=2"])
+    trainer = Trainer(cfg, log=lambda m: None)
+    result = trainer.run()
+    opt = trainer.optimizer
+    n, padded = sum(p.numel() for p in opt.params), sum(b.padded for b in opt.reducer.buckets)
+    assert {p.dtype for p in opt.params} == {torch.float64}
+    assert {b.grad.dtype for b in opt.reducer.buckets} == {torch.float64}
+    assert opt.memory_bytes() == {"params": 8 * n, "grads": 8 * padded, "master": 0,
+                                  "optimizer": 16 * n}
+    assert all(math.isfinite(x) for x in result.losses + result.grad_norms)

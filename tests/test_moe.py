@@ -19,7 +19,14 @@ from meshtron.plan import check_run
 from meshtron.training.metrics import read_metrics
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.parity import PARITY_RTOL, assert_parity, run_layouts, run_training, test_overrides
+from tests.parity import (
+    PARITY_RTOL,
+    assert_parity,
+    run_layout,
+    run_layouts,
+    run_training,
+    test_overrides,
+)
 
 MOE = ["--model.moe.num_experts=4", "--model.moe.top_k=2", "--model.moe.expert_ffn_size=64"]
 
@@ -317,8 +324,8 @@ def test_expert_parallel_training_matches_one_process(world_size, data_cache, tm
     results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
                               timeout=900)
     for i, layout in enumerate(layouts):
-        reference = run_training(test_overrides(data_cache, f"{tmp_path}/ref{i}")
-                                 + reference_overrides(layout))
+        reference = run_layout(test_overrides(data_cache, f"{tmp_path}/ref{i}")
+                               + reference_overrides(layout))
         for rank, per_rank in enumerate(results):
             assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
     metrics = read_metrics(tmp_path / "layout1")

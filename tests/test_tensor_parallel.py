@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.parity import assert_parity, model_overrides, run_layouts, run_training, test_overrides
+from tests.parity import assert_layouts_match, run_layouts
 
 LAYOUTS = {
     2: [
@@ -29,8 +29,4 @@ LAYOUTS = {
 def test_tensor_parallel_parity(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
     results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts)
-    for i, layout in enumerate(layouts):
-        reference = run_training(
-            test_overrides(data_cache, str(tmp_path / f"ref{i}")) + model_overrides(layout))
-        for rank, per_rank in enumerate(results):
-            assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
+    assert_layouts_match(layouts, results, data_cache, tmp_path)
