@@ -17,7 +17,7 @@ from meshtron.checkpoint.hf_mapping import hf_config_kwargs, hf_format
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
 from meshtron.models.arch import hf_model_types
-from meshtron.models.arch.spec import HFConfig
+from meshtron.models.architecture import HFConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

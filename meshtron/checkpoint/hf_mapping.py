@@ -1,7 +1,7 @@
 """Name and layout mapping between meshtron's global parameters and Hugging Face models.
 
 Pure tensor maps (no ``transformers`` import), read from each architecture's HF format (see
-:mod:`meshtron.models.arch`): one table of :class:`~meshtron.models.arch.spec.TensorRule` per
+:mod:`meshtron.models.arch`): one table of :class:`~meshtron.models.architecture.TensorRule` per
 architecture, applied one way by :func:`to_hf` and the other by :func:`from_hf`, so the two
 are inverses by construction. The padded vocabulary rows are kept, so the HF model's vocab is
 the padded size.
@@ -16,7 +16,7 @@ import torch
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
 from meshtron.models.arch import architecture_of
-from meshtron.models.arch.spec import HFFormat, TensorRule
+from meshtron.models.architecture import HFFormat, TensorRule
 from meshtron.models.flops import padded_vocab_size
 from meshtron.models.transformer import Transformer
 

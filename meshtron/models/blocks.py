@@ -1,7 +1,8 @@
 """The parts of a transformer block, written once against the parallel layers.
 
-Which parts a block has (its norm, rotary or learned positions, a gated MLP, biases) comes from
-its :class:`~meshtron.models.arch.spec.Architecture`; how its linear layers compute (FP8, a
+Which parts a block has (its norm and attention, rotary or learned positions, a gated MLP,
+biases) comes from
+its :class:`~meshtron.models.architecture.Architecture`; how its linear layers compute (FP8, a
 deferred weight gradient) from a :class:`~meshtron.parallel.tensor.linear.LinearMode`. Both
 are fixed when the block is built.
 
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
-from meshtron.models.arch.spec import Architecture
+from meshtron.models.architecture import Architecture
 from meshtron.models.moe import MoE
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.tensor.layers import (
@@ -104,6 +105,13 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
 
+    @staticmethod
+    def matmul_params(cfg: ModelConfig) -> int:
+        """The q, kv and output projection weights of one block."""
+        head_dim = cfg.hidden_size // cfg.num_heads
+        qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
+        return qkv + cfg.num_heads * head_dim * cfg.hidden_size
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal unless an explicit mask is given."""
@@ -185,7 +193,7 @@ class Block(nn.Module):
                  aux_loss_weight: Callable[[], float]):
         super().__init__()
         self.attn_norm = make_norm(cfg, arch, region)
-        self.attn = Attention(cfg, layer, arch, region, mesh, mode, selective_recompute)
+        self.attn = arch.attention(cfg, layer, arch, region, mesh, mode, selective_recompute)
         self.mlp_norm = make_norm(cfg, arch, region)
         if cfg.is_moe_layer(layer):
             moe = cfg.moe

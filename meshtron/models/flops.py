@@ -37,13 +37,6 @@ class ModelSize:
         return self.params - self.embedding_params
 
 
-def attention_matmul_params(cfg: ModelConfig) -> int:
-    """The q, kv and output projections of one block."""
-    head_dim = cfg.hidden_size // cfg.num_heads
-    qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
-    return qkv + cfg.num_heads * head_dim * cfg.hidden_size
-
-
 def mlp_matmul_params(cfg: ModelConfig, ffn: int) -> int:
     """One MLP (or expert) of ``ffn`` hidden units: gate, up and down, or up and down."""
     return (3 if architecture_of(cfg).gated_mlp else 2) * cfg.hidden_size * ffn
@@ -55,7 +48,7 @@ def model_size(cfg: ModelConfig) -> ModelSize:
     head_dim = h // cfg.num_heads
     vocab = padded_vocab_size(cfg)
     norm = arch.norm_vectors * h
-    attention = attention_matmul_params(cfg)
+    attention = arch.attention.matmul_params(cfg)
     mlp = mlp_matmul_params(cfg, ffn)
     attention_bias = ((cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim + h) if arch.bias else 0
     mlp_bias = (ffn + h) if arch.bias else 0
@@ -92,5 +85,6 @@ def layer_and_head_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """Forward FLOPs per token of one dense transformer layer (attention scores causally
     halved) and of the output layer: the costs the pipeline's layer balancing weighs."""
     attention_width = cfg.num_heads * (cfg.hidden_size // cfg.num_heads)
-    layer = 2.0 * (attention_matmul_params(cfg) + mlp_matmul_params(cfg, cfg.ffn_hidden_size))
+    attention = architecture_of(cfg).attention.matmul_params(cfg)
+    layer = 2.0 * (attention + mlp_matmul_params(cfg, cfg.ffn_hidden_size))
     return layer + 2 * seq_len * attention_width, 2.0 * cfg.hidden_size * padded_vocab_size(cfg)

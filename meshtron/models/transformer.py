@@ -3,7 +3,7 @@
 The model only knows the parallel layer types it is built from (column/row-parallel linears, a
 vocab-parallel embedding and loss) and the tensor-parallel region it runs in; on a one-process
 mesh those layers are plain linears and the region's communication is a no-op. What it is made
-of comes from its :class:`~meshtron.models.arch.spec.Architecture`; everything about how this
+of comes from its :class:`~meshtron.models.architecture.Architecture`; everything about how this
 rank builds and runs it (its pipeline stage's layers, recompute, FP8, deferred weight
 gradients, the MoE losses' gradient weight) from :class:`ModelOptions`, fixed at construction.
 

@@ -14,7 +14,7 @@ from meshtron.config.checks import choice
 from meshtron.models.arch.gpt2 import GPT2
 from meshtron.models.arch.llama import LLAMA
 from meshtron.models.arch.mixtral import MIXTRAL
-from meshtron.models.arch.spec import Architecture, HFModelType
+from meshtron.models.architecture import Architecture, HFModelType
 
 ARCHITECTURES = MappingProxyType({a.name: a for a in (LLAMA, MIXTRAL, GPT2)})
 CONFIG_ARCHS = ("llama", "gpt2")

@@ -8,7 +8,8 @@ from typing import Any
 from torch import nn
 
 from meshtron.config import ModelConfig
-from meshtron.models.arch.spec import Architecture, HFConfig, HFFormat, HFModelType, TensorRule
+from meshtron.models.architecture import Architecture, HFConfig, HFFormat, HFModelType, TensorRule
+from meshtron.models.blocks import Attention
 
 FIELDS = (
     ("num_layers", "n_layer"), ("hidden_size", "n_embd"), ("num_heads", "n_head"),
@@ -66,6 +67,7 @@ def refusals(cfg: ModelConfig) -> str | None:
 
 GPT2 = Architecture(
     name="gpt2", norm=nn.LayerNorm, norm_vectors=2, rotary=False, gated_mlp=False, bias=True,
+    attention=Attention,
     hf=HFFormat(
         model_types=(HFModelType("gpt2", "GPT-2", "GPT2LMHeadModel", GPT2_DEFAULTS),),
         fields=FIELDS,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from meshtron.config import ModelConfig
-from meshtron.models.arch.spec import Architecture, HFConfig, HFFormat, HFModelType, TensorRule
+from meshtron.models.architecture import Architecture, HFConfig, HFFormat, HFModelType, TensorRule
+from meshtron.models.blocks import Attention
 from meshtron.models.norms import RMSNorm
 
 FIELDS = (
@@ -79,7 +80,7 @@ def llama_config_extras(cfg: ModelConfig) -> dict[str, Any]:
 
 LLAMA = Architecture(
     name="llama", norm=RMSNorm, norm_vectors=1, rotary=True, gated_mlp=True, bias=False,
-    experts="mixtral",
+    attention=Attention, experts="mixtral",
     hf=HFFormat(
         model_types=(HFModelType("llama", "Llama", "LlamaForCausalLM", LLAMA_DEFAULTS),
                      HFModelType("mistral", "Mistral", "MistralForCausalLM", MISTRAL_DEFAULTS)),

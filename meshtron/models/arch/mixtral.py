@@ -20,7 +20,7 @@ from meshtron.models.arch.llama import (
     llama_config_extras,
     read_llama_config,
 )
-from meshtron.models.arch.spec import HFConfig, HFFormat, HFModelType, TensorRule
+from meshtron.models.architecture import HFConfig, HFFormat, HFModelType, TensorRule
 
 EXPERT_RULES = (
     TensorRule(("mlp.router.weight",), ("block_sparse_moe.gate.weight",)),

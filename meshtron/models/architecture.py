@@ -1,7 +1,8 @@
 """What describes an architecture: its block spec and its Hugging Face form.
 
-An :class:`Architecture` says which parts a transformer block is made of (the norm, rotary or
-learned positions, a gated or plain MLP, biases); the shared block code in
+An :class:`Architecture` says which parts a transformer block is made of (the norm, the
+attention module, rotary or learned positions, a gated or plain MLP, biases); the shared block
+code in
 :mod:`meshtron.models.blocks` and the size and FLOP formulas in :mod:`meshtron.models.flops`
 read these fields and nothing else. Its :class:`HFFormat` maps the model to and from a Hugging
 Face ``transformers`` family: tensors by one table of :class:`TensorRule` read in both
@@ -124,6 +125,12 @@ class Architecture:
     """SwiGLU MLPs (and experts) with fused [gate | up], else GELU with one up projection."""
     bias: bool
     """Biases on every linear layer of the blocks."""
+    attention: type[nn.Module]
+    """The attention module class, built as ``attention(cfg, layer, arch, region, mesh, mode,
+    selective_recompute)`` and called as ``(x, rotary, cache)``; its static
+    ``matmul_params(cfg)`` counts its projection weights (for sizes and FLOPs). Grouped-query
+    attention (:class:`meshtron.models.blocks.Attention`) today; latent attention plugs in
+    here."""
     hf: HFFormat | None = None
     experts: str | None = None
     """The registry name of this architecture with routed experts (a llama with experts is
