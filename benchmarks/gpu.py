@@ -38,7 +38,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -322,7 +322,7 @@ def main() -> None:
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(device),
-        "model": {k: v for k, v in cfg.model.__dict__.items()},
+        "model": asdict(cfg.model),
         "params": size.params, "seq_len": shape.seq, "micro_batch": micro_batch,
         "tokens_per_step": micro_batch * shape.seq, "recompute": args.recompute,
         "gemm": args.gemm, "smoke": args.smoke, "warmup_steps": warmup, "timed_steps": steps,
