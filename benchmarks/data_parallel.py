@@ -215,7 +215,7 @@ def build(setup: Setup, rank: int, bucket_mb: float, lr: float
             from torch.distributed.fsdp import fully_shard
 
             device_mesh = init_device_mesh("cpu", (WORLD,))
-            for block in model.layers:
+            for block in model.layers.values():
                 fully_shard(block, mesh=device_mesh)
             fully_shard(model, mesh=device_mesh)
             net = model
