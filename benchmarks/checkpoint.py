@@ -96,7 +96,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spawn import spawn
+from harness import spawn
 
 SEQ = 64
 VOCAB = 32000
@@ -539,7 +539,7 @@ def group_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine(directory: Path) -> dict[str, Any]:
-    from host import host_info  # imports torch, which this module loads only where needed
+    from harness import host_info
 
     df = subprocess.run(["df", "-PT", str(directory)], capture_output=True, text=True)
     fields = df.stdout.splitlines()[-1].split() if df.returncode == 0 else []

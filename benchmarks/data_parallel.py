@@ -86,8 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from host import host_info
-from spawn import spawn
+from harness import host_info, spawn
 
 WORLD = 2
 MICRO_BATCH = 4

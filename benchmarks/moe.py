@@ -32,7 +32,7 @@ ratio of medians; pair ratio = median over rounds of the ratio within the round.
 products (``aten::mm``: on CPU ``_grouped_mm`` runs one per expert) against everything else.
 
 **2. Expert parallelism in training** (two spawned gloo processes, ``file://`` rendezvous, one
-torch thread each, ``os._exit`` after ``destroy_process_group``: ``benchmarks/spawn.py``). Both
+torch thread each, ``os._exit`` after ``destroy_process_group``: ``benchmarks/harness``). Both
 ranks run ``meshtron.training.trainer.Trainer`` on the ``tiny-moe`` preset (llama, 4 layers,
 hidden 256, 8 heads / 4 kv heads, every layer MoE: 8 experts of 192 units, top-2, 1 shared
 expert) with a
@@ -66,8 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from host import host_info
-from spawn import spawn
+from harness import host_info, spawn
 
 SEED = 1234
 TOP_K = 2

@@ -85,8 +85,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from host import host_info
-from spawn import spawn
+from harness import host_info, spawn
 from torch import nn
 from torch.distributed import pipelining
 

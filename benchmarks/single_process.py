@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 import transformers
-from host import host_info
+from harness import host_info
 from torch import nn
 
 from meshtron.checkpoint.hf_mapping import hf_config_kwargs, to_hf
