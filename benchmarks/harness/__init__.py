@@ -7,7 +7,8 @@
   all alike), :func:`rotated` (that order, for loops that need more than timing), the two ratios
   the reports print (:func:`ratio_of_medians`; :func:`pair_ratio`, the median of per-round
   ratios), :func:`across_ranks` (the slowest rank's time per step) and :func:`check_close`.
-- :mod:`.memory`: RSS and its high-water mark from ``/proc``, and :data:`EXACT_ALLOCATOR`.
+- :mod:`.memory`: RSS and its high-water mark from ``/proc``, :data:`EXACT_ALLOCATOR`, and
+  :func:`saved_activation_bytes` (what autograd keeps for backward in one step).
 - :mod:`.host`: :func:`host_info` (the machine, for the JSON) and :func:`host_line` (for the
   first printed line).
 - :mod:`.report`: :func:`markdown_table` (as the tables of docs/performance.md), profiler
@@ -23,7 +24,7 @@ time; the harness needs meshtron only for ``exit_process`` in the spawned worker
 
 from harness import cli
 from harness.host import cpu_model, host_info, host_line, package_version
-from harness.memory import EXACT_ALLOCATOR, reset_peak_rss, vm_status
+from harness.memory import EXACT_ALLOCATOR, reset_peak_rss, saved_activation_bytes, vm_status
 from harness.processes import spawn
 from harness.report import (
     markdown_table,
@@ -49,5 +50,5 @@ __all__ = [
     "EXACT_ALLOCATOR", "Interleaved", "Timed", "across_ranks", "check_close", "cli", "cpu_model",
     "host_info", "host_line", "interleave", "markdown_table", "package_version", "pair_ratio",
     "plain_args", "print_top_ops", "ratio_of_medians", "record", "reset_peak_rss", "rotated",
-    "spawn", "timed", "top_ops", "vm_status", "write_json",
+    "saved_activation_bytes", "spawn", "timed", "top_ops", "vm_status", "write_json",
 ]

@@ -1,5 +1,5 @@
-"""A process's own memory from ``/proc``: resident set, its high-water mark, and an allocator
-setting under which the high-water mark follows live memory.
+"""Memory: a process's resident set and its high-water mark from ``/proc``, an allocator setting
+under which the high-water mark follows live memory, and the exact activation memory of a step.
 
 ``getrusage(RUSAGE_SELF).ru_maxrss`` is no substitute for ``VmHWM`` in a spawned child: Linux
 carries the pre-``exec`` maximum over, so it starts from the parent's peak.
@@ -7,8 +7,10 @@ carries the pre-``exec`` maximum over, so it starts from the parent's peak.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 EXACT_ALLOCATOR = MappingProxyType({"MALLOC_MMAP_THRESHOLD_": "65536"})
 """glibc: every allocation of 64 KiB or more is its own mapping, unmapped when freed (a fixed
@@ -34,3 +36,31 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def _storage(t: Any) -> tuple[int, int]:
+    """(address, bytes) of the storage behind tensor ``t``, through DTensor and
+    pending-collective wrappers."""
+    while hasattr(t, "_local_tensor") or hasattr(t, "elem"):  # DTensor, AsyncCollectiveTensor
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t.elem
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def saved_activation_bytes(model: Any, step: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one ``step()`` of
+    ``model`` (its weights excluded): the activation memory, free of allocator noise."""
+    import torch  # here: importing the harness does not load torch
+
+    weights = {_storage(p)[0] for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(t)
+        if ptr not in weights:
+            saved[ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(saved.values())
