@@ -32,23 +32,21 @@ ratio of medians; pair ratio = median over rounds of the ratio within the round.
 products (``aten::mm``: on CPU ``_grouped_mm`` runs one per expert) against everything else.
 
 **2. Expert parallelism in training** (two gloo processes spawned by ``benchmarks/harness``, one
-torch thread each). Both ranks run ``meshtron.training.trainer.Trainer`` on the ``tiny-moe``
-preset (llama, 4 layers, hidden 256, 8 heads / 4 kv heads, every layer MoE: 8 experts of 192
-units, top-2, 1 shared expert) with a 512-token BPE tokenizer on a 0.3 MB slice of the default
-corpus (built once in a temporary cache directory by the parent), seq 128, global batch 8 (4
-sequences per rank), fp32 AdamW, at ``--parallel.ep=1`` (dp=2: every rank holds all 8 experts,
-their gradients are all-reduced) and
-``--parallel.ep=2`` (dp=2 folded into ep=2: 4 experts per rank, tokens dispatched with
-``all_to_all_single``, expert gradients not reduced). One process pair per round trains both
-layouts one after the other (the order alternates between rounds). Step time = ``step_time_s``
-from rank 0's ``metrics.jsonl`` (``train.log_every=1``), the first ``--warmup`` steps of each
-run skipped; s/step = median over all rounds. CPU s/step = process CPU time of each
-``train_step`` call (gloo's threads included), mean of the two ranks: less sensitive than wall
-time to other jobs, blind to time spent waiting. Losses of the two layouts must agree to 1e-4
-relative at every step (same model, same data: layout independence; checked). Bytes are rank
-0's ``comm_bytes`` per step; the balanced-routing estimate of ``ep/all_to_all`` is
-2 (dispatch, return) x 2 (forward, backward) x local tokens x top-k x (ep - 1) / ep x H x 4 B x
-MoE layers.
+torch thread each). Both ranks run ``meshtron.training.trainer.Trainer`` on the ``tiny-moe`` preset
+(llama, 4 layers, hidden 256, 8 heads / 4 kv heads, every layer MoE: 8 experts of 192 units, top-2,
+1 shared expert) with a 512-token BPE tokenizer on a 0.3 MB slice of the default corpus (built once
+in a temporary cache directory by the parent), seq 128, global batch 8 (4 sequences per rank), fp32
+AdamW, at ``--parallel.ep=1`` (dp=2: every rank holds all 8 experts, their gradients are
+all-reduced) and ``--parallel.ep=2`` (dp=2 folded into ep=2: 4 experts per rank, tokens dispatched
+with ``all_to_all_single``, expert gradients not reduced). One process pair per round trains both
+layouts one after the other (the order alternates between rounds). Step time = ``step_time_s`` from
+rank 0's ``metrics.jsonl`` (``train.log_every=1``), the first ``--warmup`` steps of each run
+skipped; s/step = median over all rounds. CPU s/step = process CPU time of each ``train_step`` call
+(gloo's threads included), mean of the two ranks: less sensitive than wall time to other jobs, blind
+to time spent waiting. Losses of the two layouts must agree to 1e-4 relative at every step (same
+model, same data: layout independence; checked). Bytes are rank 0's ``comm_bytes`` per step; the
+balanced-routing estimate of ``ep/all_to_all`` is 2 (dispatch, return) x 2 (forward, backward) x
+local tokens x top-k x (ep - 1) / ep x H x 4 B x MoE layers.
 """
 
 from __future__ import annotations

@@ -38,20 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 import transformers
-from harness import (
-    check_close,
-    cli,
-    host_info,
-    host_line,
-    interleave,
-    markdown_table,
-    pair_ratio,
-    ratio_of_medians,
-    record,
-    write_json,
-)
 from torch import nn
 
 # meshtron: used in build_steps and bench_preprocess only
@@ -122,8 +111,8 @@ def build_steps(shape: Shape) -> tuple[int, dict[str, Callable[[], float]]]:
 
 def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
     params, calls = build_steps(shape)
-    run = interleave(calls, steps, warmup=warmup, rotate=False)
-    check_close(run.first, f"{name}: first losses", reference="hf")
+    run = harness.interleave(calls, steps, warmup=warmup, rotate=False)
+    harness.check_close(run.first, f"{name}: first losses", reference="hf")
     times = run.wall
     tokens = shape.batch * shape.seq
     ours_s, theirs_s = statistics.median(times["meshtron"]), statistics.median(times["hf"])
@@ -131,8 +120,8 @@ def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, An
         "shape": name, "params": params, "batch": shape.batch, "seq": shape.seq,
         "overrides": list(shape.overrides), "first_loss": run.first,
         "meshtron_s": ours_s, "hf_s": theirs_s,
-        "ratio": ratio_of_medians(times["meshtron"], times["hf"]),
-        "pair_ratio_median": pair_ratio(times["meshtron"], times["hf"]),
+        "ratio": harness.ratio_of_medians(times["meshtron"], times["hf"]),
+        "pair_ratio_median": harness.pair_ratio(times["meshtron"], times["hf"]),
         "meshtron_tokens_per_s": tokens / ours_s, "hf_tokens_per_s": tokens / theirs_s,
         "steps": times,
     }
@@ -160,6 +149,7 @@ def bench_preprocess(runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    cli = harness.cli
     parser = cli.parser(__doc__, cli.steps(10, "timed steps per model and shape"), cli.warmup(2))
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
@@ -167,25 +157,25 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = host_info(transformers=transformers.__version__,
+    info = harness.host_info(transformers=transformers.__version__,
                      torch_threads=torch.get_num_threads())
-    print(host_line(info, f"{info['torch_threads']} torch threads, transformers "
+    print(harness.host_line(info, f"{info['torch_threads']} torch threads, transformers "
                           f"{info['transformers']}"))
     print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
           "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF step after")
     rows = []
     for name in args.shapes:
         rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup))
-        print(f"  {name}: meshtron {rows[-1]['meshtron_s']:.3f}, HF {rows[-1]['hf_s']:.3f} s/step",
-              flush=True)
+        print(f"  {name}: meshtron {rows[-1]['meshtron_s']:.3f}, HF {rows[-1]['hf_s']:.3f} "
+              "s/step", flush=True)
     print()
-    print(markdown_table(
+    print(harness.markdown_table(
         ("shape", "params", "tokens / step", "meshtron s/step", "HF s/step", "ratio",
          "pair ratio", "meshtron tokens/s", "HF tokens/s"),
         ((r["shape"], f"{r['params'] / 1e6:.1f}M", r["batch"] * r["seq"], f"{r['meshtron_s']:.3f}",
           f"{r['hf_s']:.3f}", f"{r['ratio']:.3f}", f"{r['pair_ratio_median']:.3f}",
           f"{r['meshtron_tokens_per_s']:.0f}", f"{r['hf_tokens_per_s']:.0f}") for r in rows)))
-    result = record(info, train_step=rows)
+    result = harness.record(info, train_step=rows)
     if args.preprocess_runs > 0:
         pre = bench_preprocess(args.preprocess_runs)
         result["preprocess"] = pre
@@ -194,7 +184,7 @@ def main() -> None:
               f"{', '.join(f'{r:.2f}' for r in pre['runs_mb_per_s'])}), "
               f"{pre['tokens'] / 1e6:.2f}M tokens; tokenizer training "
               f"{pre['tokenizer_train_s']:.1f} s")
-    write_json(args.json, result)
+    harness.write_json(args.json, result)
 
 
 if __name__ == "__main__":

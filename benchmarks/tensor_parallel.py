@@ -244,6 +244,9 @@ def build(variant: str, rank: int, s: Shape) -> tuple[nn.Module, Callable[[], fl
     return BUILDERS[kind](rank, s, sp == "sp")
 
 
+# ------------------------------------------------------------------------------- profiling
+
+
 COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
              "barrier", "wait_tensor", "broadcast", "c10d", "gloo")
 KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")

@@ -35,7 +35,6 @@ from harness.report import (
     write_json,
 )
 from harness.timing import (
-    Interleaved,
     Timed,
     across_ranks,
     check_close,
@@ -47,8 +46,8 @@ from harness.timing import (
 )
 
 __all__ = [
-    "EXACT_ALLOCATOR", "Interleaved", "Timed", "across_ranks", "check_close", "cli", "cpu_model",
-    "host_info", "host_line", "interleave", "markdown_table", "package_version", "pair_ratio",
-    "plain_args", "print_top_ops", "ratio_of_medians", "record", "reset_peak_rss", "rotated",
+    "EXACT_ALLOCATOR", "Timed", "across_ranks", "check_close", "cli", "cpu_model", "host_info",
+    "host_line", "interleave", "markdown_table", "package_version", "pair_ratio", "plain_args",
+    "print_top_ops", "ratio_of_medians", "record", "reset_peak_rss", "rotated",
     "saved_activation_bytes", "spawn", "timed", "top_ops", "vm_status", "write_json",
 ]
