@@ -44,7 +44,8 @@ from typing import Any
 import harness
 import torch
 
-# meshtron: used in build_config, gemm_path, build_mode and the model figures in main only
+# meshtron: used in build_config, gemm_path, build_mode, the MFU in run_mode and the model
+# figures in main only
 from meshtron.config import Config, load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token

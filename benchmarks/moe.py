@@ -63,6 +63,8 @@ from typing import Any
 import harness
 import torch
 
+# meshtron: imported where used, in layer_config, build_layers, train_layout and bench_ep only
+
 SEED = 1234
 TOP_K = 2
 VARIANTS = ("grouped", "loop", "dense")

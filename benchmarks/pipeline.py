@@ -85,7 +85,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-# meshtron: used in the "competitors" section and in idle_figures only
+# meshtron: used in the "competitors" section, idle_figures and the executors' trace in
+# steps_task only
 from meshtron.config import Config, load_config
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
