@@ -58,7 +58,7 @@ its action durations) / span; "measured" = the mean over stages, which is what
 ``schedule.bubble_fraction()`` computes for the simulated timeline; medians over the timed steps.
 Beside it: ``schedule.theoretical_bubble()`` (closed form, unit costs F=1, B=2 or F=B=W=1,
 equal stages), ``schedule.bubble_fraction()`` (its simulated timeline, unit costs), measured /
-theory, and the same timeline simulated with the measured costs (:func:`simulated_idle`: every
+theory, and the same timeline simulated with the measured costs (``pipeline_idle.py``: every
 action takes its stage's median duration of that kind and chunk, communication is free). The
 stages are not equally loaded even with equal layer counts (the last also runs the output layer
 and the loss, the first the embedding), which the closed form ignores and the measured-cost
@@ -80,13 +80,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import harness
+import pipeline_idle
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-# meshtron: used in the "competitors" section, idle_figures and the executors' trace in
-# steps_task only
+# meshtron: used in the "competitors" section, steps_task (the executors' trace) and bench_pp
+# (the schedules handed to pipeline_idle) only
 from meshtron.config import Config, load_config
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
@@ -96,7 +97,7 @@ from meshtron.parallel.layout import MeshLayout
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.partition import PipelinePlan, plan_pipeline
 from meshtron.parallel.pipeline import PipelineExecutor
-from meshtron.parallel.schedules import Schedule, build_schedule
+from meshtron.parallel.schedules import build_schedule
 from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
 
@@ -264,18 +265,6 @@ def build_all(names: list[str], s: Shape, rank: int, pp: int
 # ---------------------------------------------------------------------------------- worker
 
 
-def _trace_summary(trace: list[tuple[Any, float, float]]) -> dict[str, Any]:
-    """One stage's step: first start, last end, busy seconds, and [seconds, count] per action
-    kind and chunk (keys such as ``F0``, ``B1``, ``W0``)."""
-    kinds: dict[str, list[float]] = {}
-    for action, start, end in trace:
-        total = kinds.setdefault(f"{action.kind}{action.chunk}", [0.0, 0])
-        total[0] += end - start
-        total[1] += 1
-    return {"start": min(t[1] for t in trace), "end": max(t[2] for t in trace),
-            "busy": sum(t[2] - t[1] for t in trace), "kinds": kinds}
-
-
 def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Every configuration in this process group: warm-up, then timed steps interleaved with a
     rotating order; for meshtron, the trace summary of every timed step."""
@@ -298,72 +287,11 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 executors[name].trace = []
             times[name].append(step(name, args["warmup"] + i).wall)
             if name in executors:
-                traces[name].append(_trace_summary(executors[name].trace or []))
+                traces[name].append(pipeline_idle.trace_summary(executors[name].trace or []))
                 executors[name].trace = None
     return {"times": times, "traces": traces,
             "first_loss": {n: x[0] for n, x in losses.items()},
             "last_warmup_loss": {n: x[-1] for n, x in losses.items()}}
-
-
-# ---------------------------------------------------------------------------------- theory
-
-
-def simulated_idle(schedule: Schedule, cost: dict[tuple[int, int, str], float]) -> list[float]:
-    """Idle fraction of each stage in ``schedule``'s timeline when action (stage, chunk, kind)
-    takes ``cost[stage, chunk, kind]`` and communication is free (as ``Schedule.timeline``)."""
-    orders = [schedule.compute_actions(s) for s in range(schedule.pp)]
-    ends: dict[tuple[int, Any], float] = {}
-    clock, done = [0.0] * schedule.pp, [0] * schedule.pp
-    progressed = True
-    while progressed:
-        progressed = False
-        for s, order in enumerate(orders):
-            while done[s] < len(order):
-                action = order[done[s]]
-                deps = schedule.dependencies(s, action)
-                if any(d not in ends for d in deps):
-                    break
-                start = max([clock[s], *(ends[d] for d in deps)])
-                clock[s] = ends[s, action] = start + cost[s, action.chunk, action.kind]
-                done[s] += 1
-                progressed = True
-    span = max(clock)
-    return [1 - sum(cost[s, a.chunk, a.kind] for a in order) / span
-            for s, order in enumerate(orders)]
-
-
-def idle_figures(pp: int, setup: Setup, s: Shape, runs: list[list[dict[str, Any]]]
-                 ) -> dict[str, Any]:
-    """Measured idle fractions (per stage and mean) against the schedule's theory."""
-    per_stage: list[list[float]] = [[] for _ in range(pp)]
-    means, spans = [], []
-    durations: dict[tuple[int, int, str], list[float]] = {}
-    for run in runs:
-        for step in zip(*(rank["traces"][setup.name] for rank in run)):
-            span = max(t["end"] for t in step) - min(t["start"] for t in step)
-            spans.append(span)
-            idle = [1 - t["busy"] / span for t in step]
-            for stage, value in enumerate(idle):
-                per_stage[stage].append(value)
-            means.append(statistics.mean(idle))
-            for stage, t in enumerate(step):
-                for key, (seconds, count) in t["kinds"].items():
-                    durations.setdefault((stage, int(key[1:]), key[0]), []).append(
-                        seconds / count)
-    schedule = build_schedule(setup.schedule, pp, setup.vpp, s.microbatches)
-    cost = {key: statistics.median(v) for key, v in durations.items()}
-    simulated = simulated_idle(schedule, cost)
-    measured = statistics.median(means)
-    theory = schedule.theoretical_bubble()
-    per_kind = {kind: statistics.mean(v for (_, _, k), v in cost.items() if k == kind)
-                for kind in sorted({k for _, _, k in cost}, key="FBW".index)}
-    return {"idle_per_stage": [statistics.median(v) for v in per_stage],
-            "idle": measured, "theory": theory, "simulated_unit": schedule.bubble_fraction(),
-            "simulated_measured_costs": statistics.mean(simulated),
-            "simulated_measured_costs_per_stage": simulated,
-            "action_seconds": {f"{k}{c}@{st}": v for (st, c, k), v in cost.items()},
-            "mean_action_seconds": per_kind, "span_s": statistics.median(spans),
-            "measured_over_theory": measured / theory}
 
 
 # ---------------------------------------------------------------------------------- report
@@ -410,8 +338,10 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
               "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
                                        itertools.chain(*times[theirs]))}
              for ours, theirs in PAIRS if ours in rows and theirs in rows]
-    bubbles = {n: idle_figures(pp, SETUPS[n], s, runs) for n in names
-               if SETUPS[n].family == "meshtron"}
+    bubbles = {n: pipeline_idle.idle_figures(
+        build_schedule(SETUPS[n].schedule, pp, SETUPS[n].vpp, s.microbatches),
+        [[rank["traces"][n] for rank in run] for run in runs])
+        for n in names if SETUPS[n].family == "meshtron"}
     return {"pp": pp, "configs": rows, "pairs": pairs, "bubbles": bubbles, "dropped": dropped,
             "load_average": load, "first_loss": runs[0][0]["first_loss"],
             "last_warmup_loss": runs[0][0]["last_warmup_loss"]}
