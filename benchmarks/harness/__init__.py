@@ -9,8 +9,8 @@
   ratios), :func:`across_ranks` (the slowest rank's time per step) and :func:`check_close`.
 - :mod:`.memory`: RSS and its high-water mark from ``/proc``, :data:`EXACT_ALLOCATOR`, and
   :func:`saved_activation_bytes` (what autograd keeps for backward in one step).
-- :mod:`.host`: :func:`host_info` (the machine, for the JSON) and :func:`host_line` (for the
-  first printed line).
+- :mod:`.host`: :func:`host_info` (the machine, for the JSON), :func:`host_line` (the first
+  printed line), :func:`cpu_model` and :func:`package_version` (an optional peer's version).
 - :mod:`.report`: :func:`markdown_table` (as the tables of docs/performance.md), profiler
   summaries, and the JSON report (:func:`record`, :func:`write_json`).
 - :mod:`.cli`: ``cli.parser(__doc__, cli.steps(10), ...)``, with ``--json OUT`` and the common
