@@ -42,8 +42,8 @@ step's loss must agree to 1e-5 across all configurations (checked).
 **How it is timed.** Each configuration runs in fresh processes: ``--warmup`` steps, then
 ``--steps`` timed steps, each after a barrier; a step's time is the slower rank's wall time of
 the whole step (zero grad, forward, loss, backward, reduction, clip, update). ``--rounds``
-rounds run every configuration in turn (the order rotating each round), so drifting load from
-other jobs on the machine hits all alike. s/step = median over all timed steps of all rounds;
+rounds run every configuration in turn (the order rotating each round: ``benchmarks/harness``).
+s/step = median over all timed steps of all rounds;
 ratio = meshtron / peer of those medians; round ratio = median over rounds of the ratio of the
 two configurations' per-round medians (runs close in time). CPU s/step is the process CPU time
 of a step (``time.process_time``: every thread, gloo's included), mean of the two ranks: less
@@ -60,11 +60,9 @@ sensitive than wall time to other jobs taking the cores, blind to time spent wai
   rank, median over rounds. ``ru_maxrss`` (the whole-process peak including start-up and model
   creation) is printed for reference.
 - *(mmap)*: the same, from ``--memory-rounds`` extra runs (3 timed steps) with
-  ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation of 64 KiB or more on its
-  own and unmaps it when freed, so RSS follows the live tensors instead of glibc's heap
-  high-water mark (with the default dynamic threshold, freed buffers below 32 MiB stay in the
-  heap, and the default figure mostly measures fragmentation). Steps are slower there; only
-  the memory of those runs is used.
+  ``MALLOC_MMAP_THRESHOLD_=65536`` (``harness.EXACT_ALLOCATOR``: RSS follows the live tensors
+  instead of glibc's heap high-water mark, which with the default dynamic threshold mostly
+  measures fragmentation). Steps are slower there; only the memory of those runs is used.
 
 Beside it, meshtron's own accounting ``optimizer.memory_bytes()`` (parameters, gradients,
 optimizer state kept between steps) is printed with the formula of docs/parallelism.md.
@@ -72,22 +70,18 @@ optimizer state kept between steps) is printed with the formula of docs/parallel
 
 from __future__ import annotations
 
-import argparse
+import functools
 import itertools
-import json
 import logging
 import os
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from host import host_info
-from spawn import spawn
+import harness
 
 WORLD = 2
 MICRO_BATCH = 4
@@ -119,40 +113,16 @@ PAIRS = [("meshtron zero=0", "DDP"), ("meshtron zero=1", "DeepSpeed ZeRO-1"),
          ("meshtron zero=2", "DeepSpeed ZeRO-2"), ("meshtron zero=3", "FSDP2"),
          ("meshtron zero=3", "DeepSpeed ZeRO-3")]
 MIB = 2**20
-MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-"""glibc: every allocation of 64 KiB or more is its own mapping, unmapped when freed (a fixed
-threshold also stops glibc from raising it), so RSS follows the live tensors."""
 
 
-# ---------------------------------------------------------------------------------- memory
-
-
-def proc_status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process in bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def reset_peak_rss() -> bool:
-    """Set VmHWM back to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------------------------- workers
+# ----------------------------------------------------------------------- the configurations
 
 
 def build(setup: Setup, rank: int, bucket_mb: float, lr: float
           ) -> tuple[Callable[[Any], float], dict[str, Any]]:
     """The model of ``setup`` on this rank and a function running one training step on this
-    rank's rows of a global batch (returns the rank's loss sum / global tokens)."""
+    rank's rows of a global batch (returns the rank's loss sum / global tokens). Every call into
+    meshtron is here (and its imports in :func:`run_setup`)."""
     import torch
     import torch.distributed as dist
 
@@ -215,7 +185,7 @@ def build(setup: Setup, rank: int, bucket_mb: float, lr: float
             from torch.distributed.fsdp import fully_shard
 
             device_mesh = init_device_mesh("cpu", (WORLD,))
-            for block in model.layers:
+            for block in model.layers.values():
                 fully_shard(block, mesh=device_mesh)
             fully_shard(model, mesh=device_mesh)
             net = model
@@ -266,6 +236,9 @@ def build(setup: Setup, rank: int, bucket_mb: float, lr: float
     return step, info
 
 
+# ---------------------------------------------------------------------------------- workers
+
+
 def run_setup(rank: int, setup: Setup, warmup: int, steps: int, bucket_mb: float,
               lr: float) -> dict[str, Any]:
     """One configuration in this process: build, warm up, time ``steps`` steps."""
@@ -281,11 +254,11 @@ def run_setup(rank: int, setup: Setup, warmup: int, steps: int, bucket_mb: float
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-    base = proc_status()["VmRSS"]
+    base = harness.vm_status()["VmRSS"]
     started = time.perf_counter()
     step, info = build(setup, rank, bucket_mb, lr)
     setup_s = time.perf_counter() - started
-    after_build = proc_status()["VmRSS"]
+    after_build = harness.vm_status()["VmRSS"]
     vocab = 4096
     times, cpu_times, losses = [], [], []
     peak_reset = False
@@ -293,18 +266,16 @@ def run_setup(rank: int, setup: Setup, warmup: int, steps: int, bucket_mb: float
         batch = torch.randint(0, vocab, (WORLD * MICRO_BATCH, SEQ + 1),
                               generator=torch.Generator().manual_seed(1000 + i))
         if i == warmup:
-            peak_reset = reset_peak_rss()
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        loss = step(batch)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        total = torch.tensor([loss], dtype=torch.float64)
+            peak_reset = harness.reset_peak_rss()
+        run = harness.timed(functools.partial(step, batch), barrier=dist.barrier,
+                            cpu=time.process_time)
+        total = torch.tensor([run.value], dtype=torch.float64)
         dist.all_reduce(total)
         losses.append(float(total))
         if i >= warmup:
-            times.append(elapsed)
-            cpu_times.append(cpu)
-    status = proc_status()
+            times.append(run.wall)
+            cpu_times.append(run.cpu)
+    status = harness.vm_status()
     memory = info.pop("memory_bytes", None)
     return {
         "times": times, "cpu_times": cpu_times, "losses": losses, "setup_s": setup_s,
@@ -325,16 +296,6 @@ def setup_task(rank: int, world: int, *args: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- report
 
 
-def machine() -> dict[str, Any]:
-    try:
-        import importlib.metadata
-
-        ds_version = importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        ds_version = None
-    return host_info(deepspeed=ds_version)
-
-
 def formula_bytes(zero: int, numel: int, padded: int) -> dict[str, int]:
     """docs/parallelism.md: bytes kept per rank for N parameters (fp32, Adam), dp ranks."""
     if zero == 0:
@@ -346,9 +307,8 @@ def formula_bytes(zero: int, numel: int, padded: int) -> dict[str, int]:
 
 def step_times(run: list[dict[str, Any]], key: str = "times") -> list[float]:
     """Per timed step: the slower rank's wall time (``times``) or the ranks' mean CPU time."""
-    if key == "times":
-        return [max(ts) for ts in zip(*(rank["times"] for rank in run))]
-    return [statistics.mean(ts) for ts in zip(*(rank[key] for rank in run))]
+    per_rank = (rank[key] for rank in run)
+    return harness.across_ranks(per_rank, max if key == "times" else statistics.mean)
 
 
 def peak_over_base(run: list[dict[str, Any]]) -> float:
@@ -387,101 +347,73 @@ def summarize(name: str, runs: list[list[dict[str, Any]]],
     return row
 
 
-def median_ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per run (>= 10)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="timed runs of every configuration, interleaved")
-    parser.add_argument("--memory-rounds", type=int, default=1,
-                        help=f"extra runs per configuration with {MMAP_ENV} (0: none)")
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="meshtron parallel.bucket_mb and DDP bucket_cap_mb")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--configs", nargs="+", choices=list(SETUPS), default=list(SETUPS))
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument("--json", type=Path, help="also write every figure to this file")
-    args = parser.parse_args()
-    info = machine()
-    print(f"{info['date']}  {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-          f"deepspeed {info['deepspeed']}, Python {info['python']}, load average "
-          f"{' '.join(f'{x:.1f}' for x in info['load_average'])}", flush=True)
-    print(f"dp={WORLD} gloo, 1 thread per process; tiny llama (4 x 256, vocab 4096), seq {SEQ}, "
-          f"micro-batch {MICRO_BATCH} per rank, fp32 AdamW; {args.rounds} rounds x "
-          f"({args.warmup} warm-up + {args.steps} timed steps); bucket {args.bucket_mb} MB",
-          flush=True)
+def run_rounds(args: Any) -> dict[str, dict[str, Any]]:
+    """Every configuration in fresh processes, ``--rounds`` rounds then ``--memory-rounds``
+    with the exact allocator, the order rotating every round; a summary per configuration."""
     names = list(args.configs)
     runs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
     memory_runs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
     plan = [(r, False) for r in range(args.rounds)]
     plan += [(r, True) for r in range(args.memory_rounds)]
     for r, mmap in plan:
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
+        for name in harness.rotated(names, r):
             setup = (SETUPS[name], args.warmup, 3 if mmap else args.steps, args.bucket_mb,
                      args.lr)
-            result = spawn(setup_task, WORLD, *setup, timeout=args.timeout,
-                           env=MMAP_ENV if mmap else None)
+            result = harness.spawn(setup_task, WORLD, *setup, timeout=args.timeout,
+                                   env=harness.EXACT_ALLOCATOR if mmap else None)
             (memory_runs if mmap else runs)[name].append(result)
             print(f"  {'memory' if mmap else 'round'} {r + 1}: {name:<17} "
                   f"{statistics.median(step_times(result)):.3f} s/step "
                   f"(CPU {statistics.median(step_times(result, 'cpu_times')):.3f}), "
                   f"peak - base {peak_over_base(result):6.1f} MiB", flush=True)
-    rows = {n: summarize(n, runs[n], memory_runs[n]) for n in names}
-    first = [row["losses"][0] for row in rows.values()]
-    if max(first) - min(first) > 1e-5 * abs(first[0]):
-        raise AssertionError(f"first-step losses differ: "
-                             f"{ {n: r['losses'][0] for n, r in rows.items()} }")
-    print(f"\nfirst-step loss {first[0]:.6f} in every configuration; loss after "
-          f"{args.warmup + args.steps} steps: "
-          + ", ".join(f"{n} {r['losses'][-1]:.4f}" for n, r in rows.items()))
+    return {n: summarize(n, runs[n], memory_runs[n]) for n in names}
 
+
+def pair_figures(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """meshtron / peer for every pair that ran: time, round, CPU and memory ratios."""
+    nan = float("nan")
+    return [{
+        "meshtron": ours, "peer": theirs,
+        "time_ratio": rows[ours]["s_per_step"] / rows[theirs]["s_per_step"],
+        "round_time_ratio": harness.pair_ratio(rows[ours]["round_medians"],
+                                               rows[theirs]["round_medians"]),
+        "cpu_ratio": rows[ours]["cpu_s_per_step"] / rows[theirs]["cpu_s_per_step"],
+        "memory_ratio": rows[ours]["peak_over_base_mib"] / rows[theirs]["peak_over_base_mib"],
+        "mmap_memory_ratio": (rows[ours].get("mmap_peak_over_base_mib", nan)
+                              / rows[theirs].get("mmap_peak_over_base_mib", nan)),
+    } for ours, theirs in PAIRS if ours in rows and theirs in rows]
+
+
+def print_tables(rows: dict[str, dict[str, Any]], pairs: list[dict[str, Any]]) -> None:
+    nan = float("nan")
+    exact = " ".join(f"{k}={v}" for k, v in harness.EXACT_ALLOCATOR.items())
     print("\ns/step: median over all timed steps of all rounds (slower rank); CPU s/step: "
           "process CPU time (all threads), mean of the ranks; peak - base: peak RSS in the timed "
           "steps minus RSS before the model (largest rank; median of rounds), with default "
-          f"malloc and with {' '.join(f'{k}={v}' for k, v in MMAP_ENV.items())}")
-    print(f"{'configuration':<17} {'s/step':>7} {'CPU s/step':>10} {'base MiB':>8} "
-          f"{'peak-base':>9} {'(mmap)':>7} {'ru_maxrss':>9}  round medians s/step")
-    for row in rows.values():
-        print(f"{row['name']:<17} {row['s_per_step']:>7.3f} {row['cpu_s_per_step']:>10.3f} "
-              f"{row['base_mib']:>8.0f} {row['peak_over_base_mib']:>9.1f} "
-              f"{row.get('mmap_peak_over_base_mib', float('nan')):>7.1f} "
-              f"{row['ru_maxrss_mib']:>9.0f}  "
-              f"{' '.join(f'{m:.3f}' for m in row['round_medians'])}")
-
-    pairs = []
+          f"malloc and with {exact}\n")
+    print(harness.markdown_table(
+        ("configuration", "s/step", "CPU s/step", "base MiB", "peak-base", "(mmap)",
+         "ru_maxrss", "round medians s/step"),
+        ((r["name"], f"{r['s_per_step']:.3f}", f"{r['cpu_s_per_step']:.3f}",
+          f"{r['base_mib']:.0f}", f"{r['peak_over_base_mib']:.1f}",
+          f"{r.get('mmap_peak_over_base_mib', nan):.1f}", f"{r['ru_maxrss_mib']:.0f}",
+          " ".join(f"{m:.3f}" for m in r["round_medians"])) for r in rows.values())))
     print("\nratio = meshtron / peer (below 1: meshtron faster or smaller); round = median over "
-          "rounds of the ratio of the two per-round medians")
-    print(f"{'meshtron':<16} {'peer':<17} {'s/step':>13} {'ratio':>5} {'round':>5} "
-          f"{'CPU ratio':>9} {'peak-base MiB':>15} {'ratio':>5} {'(mmap) MiB':>13} {'ratio':>5}")
-    for ours, theirs in PAIRS:
-        if ours not in rows or theirs not in rows:
-            continue
-        a, b = rows[ours], rows[theirs]
-        nan = float("nan")
-        pair = {
-            "meshtron": ours, "peer": theirs,
-            "time_ratio": a["s_per_step"] / b["s_per_step"],
-            "round_time_ratio": median_ratio(a["round_medians"], b["round_medians"]),
-            "cpu_ratio": a["cpu_s_per_step"] / b["cpu_s_per_step"],
-            "memory_ratio": a["peak_over_base_mib"] / b["peak_over_base_mib"],
-            "mmap_memory_ratio": (a.get("mmap_peak_over_base_mib", nan)
-                                  / b.get("mmap_peak_over_base_mib", nan)),
-        }
-        pairs.append(pair)
-        print(f"{ours:<16} {theirs:<17} {a['s_per_step']:>6.3f}/{b['s_per_step']:<6.3f} "
-              f"{pair['time_ratio']:>5.2f} {pair['round_time_ratio']:>5.2f} "
-              f"{pair['cpu_ratio']:>9.2f} "
-              f"{a['peak_over_base_mib']:>7.1f}/{b['peak_over_base_mib']:<7.1f} "
-              f"{pair['memory_ratio']:>5.2f} "
-              f"{a.get('mmap_peak_over_base_mib', nan):>6.1f}/"
-              f"{b.get('mmap_peak_over_base_mib', nan):<6.1f} "
-              f"{pair['mmap_memory_ratio']:>5.2f}")
+          "rounds of the ratio of the two per-round medians\n")
 
+    def pair_row(p: dict[str, Any]) -> tuple[str, ...]:
+        a, b = rows[p["meshtron"]], rows[p["peer"]]
+        mmap = "mmap_peak_over_base_mib"
+        return (p["meshtron"], p["peer"], f"{a['s_per_step']:.3f} / {b['s_per_step']:.3f}",
+                f"{p['time_ratio']:.2f}", f"{p['round_time_ratio']:.2f}",
+                f"{p['cpu_ratio']:.2f}",
+                f"{a['peak_over_base_mib']:.1f} / {b['peak_over_base_mib']:.1f}",
+                f"{p['memory_ratio']:.2f}",
+                f"{a.get(mmap, nan):.1f} / {b.get(mmap, nan):.1f}", f"{p['mmap_memory_ratio']:.2f}")
+
+    print(harness.markdown_table(
+        ("meshtron", "peer", "s/step", "ratio", "round", "CPU ratio", "peak-base MiB", "ratio",
+         "(mmap) MiB", "ratio"), (pair_row(p) for p in pairs)))
     print("\nmeshtron optimizer.memory_bytes() per rank vs docs/parallelism.md "
           "(MiB: params / grads / fp32 master / moments)")
     for row in rows.values():
@@ -497,12 +429,38 @@ def main() -> None:
               f"{sum(expected.values()) / MIB:.2f}  ({'equal' if same else 'DIFFERENT'} on "
               f"every rank; N = {row['numel']}, padded {row['padded']} in {row['buckets']} "
               "buckets)")
-    if args.json:
-        result = {"machine": info, "command": " ".join(sys.argv),
-                  "args": {k: str(v) if isinstance(v, Path) else v
-                           for k, v in vars(args).items()},
-                  "configurations": rows, "pairs": pairs}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main() -> None:
+    cli = harness.cli
+    parser = cli.parser(__doc__, cli.steps(12, "timed steps per run (>= 10)"), cli.warmup(3),
+                        cli.rounds(5, "timed runs of every configuration, interleaved"),
+                        cli.configs(list(SETUPS)), cli.timeout(600, "seconds per run"))
+    parser.add_argument("--memory-rounds", type=int, default=1,
+                        help=f"extra runs per configuration with {dict(harness.EXACT_ALLOCATOR)} "
+                             "(0: none)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="meshtron parallel.bucket_mb and DDP bucket_cap_mb")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args()
+    info = harness.host_info(deepspeed=harness.package_version("deepspeed"))
+    print(harness.host_line(info, f"deepspeed {info['deepspeed']}"), flush=True)
+    print(f"dp={WORLD} gloo, 1 thread per process; tiny llama (4 x 256, vocab 4096), seq {SEQ}, "
+          f"micro-batch {MICRO_BATCH} per rank, fp32 AdamW; {args.rounds} rounds x "
+          f"({args.warmup} warm-up + {args.steps} timed steps); bucket {args.bucket_mb} MB",
+          flush=True)
+    rows = run_rounds(args)
+    first = [row["losses"][0] for row in rows.values()]
+    if max(first) - min(first) > 1e-5 * abs(first[0]):
+        raise AssertionError(f"first-step losses differ: "
+                             f"{ {n: r['losses'][0] for n, r in rows.items()} }")
+    print(f"\nfirst-step loss {first[0]:.6f} in every configuration; loss after "
+          f"{args.warmup + args.steps} steps: "
+          + ", ".join(f"{n} {r['losses'][-1]:.4f}" for n, r in rows.items()))
+    pairs = pair_figures(rows)
+    print_tables(rows, pairs)
+    harness.write_json(args.json, harness.record(info, args=harness.plain_args(args),
+                                                 configurations=rows, pairs=pairs))
 
 
 if __name__ == "__main__":

@@ -30,20 +30,22 @@ when the next step would pass it, and modes that no longer fit are skipped with 
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import functools
 import gc
-import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 
+# meshtron: used in build_config, gemm_path, build_mode, the MFU in run_mode and the model
+# figures in main only
 from meshtron.config import Config, load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
@@ -122,10 +124,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device, gemm: str,
-             warmup: int, steps: int, deadline: float, peak: float) -> dict[str, Any]:
-    """Train ``warmup + steps`` steps of one mode on random tokens; its figures."""
-    t_start = time.monotonic()
+def build_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device,
+               gemm: str) -> Callable[[torch.Tensor], float]:
+    """One training step of this mode on a batch (its loss), through meshtron's stack built as
+    the trainer builds it, from the ``initial`` weights."""
     mesh = ParallelMesh.single()
     model = Transformer(cfg.model, mesh)
     model.load_state_dict(initial)
@@ -142,7 +144,21 @@ def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device
         model.use_fp8(options)
     model.set_recompute(cfg.train.recompute)
     optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
+    mb = cfg.train.micro_batch
 
+    def step(batch: torch.Tensor) -> float:
+        return train_step(model, optimizer, batch, mesh, global_tokens=mb * cfg.train.seq_len,
+                          micro_batch=mb, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
+                          precision=precision).loss
+
+    return step
+
+
+def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device, gemm: str,
+             warmup: int, steps: int, deadline: float, peak: float) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps of one mode on random tokens; its figures."""
+    t_start = time.monotonic()
+    step = build_mode(cfg, initial, device, gemm)
     seq, mb = cfg.train.seq_len, cfg.train.micro_batch
     tokens = mb * seq
     generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -157,18 +173,15 @@ def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device
     losses: list[float] = []
     note = ""
     dt = 0.0
+    synchronize = functools.partial(sync, device)
     for i in range(warmup + steps):
         if time.monotonic() + dt > deadline:  # the next step would end past the budget
             note = f"time budget reached after {i} of {warmup + steps} steps"
             break
-        sync(device)
-        t0 = time.perf_counter()
-        result = train_step(model, optimizer, batches[i % len(batches)], mesh,
-                            global_tokens=tokens, micro_batch=mb, lr=cfg.train.lr,
-                            grad_clip=cfg.train.grad_clip, precision=precision)
-        sync(device)
-        dt = time.perf_counter() - t0
-        losses.append(result.loss)
+        run = harness.timed(functools.partial(step, batches[i % len(batches)]),
+                            barrier=synchronize, settle=synchronize)
+        dt = run.wall
+        losses.append(run.value)
         if i >= warmup:
             times.append(dt)
 
@@ -185,7 +198,7 @@ def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device
         tps = tokens / step_s
         out |= {"median_step_s": round(step_s, 5), "tokens_per_s": round(tps, 1),
                 "mfu": training_flops_per_token(cfg.model, seq) * tps / peak}
-    del model, optimizer, batches
+    del step, batches
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -199,28 +212,25 @@ def machine(device: torch.device) -> dict[str, Any]:
         info |= {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
                  "capability": list(torch.cuda.get_device_capability(device))}
     else:
-        info |= {"cpu": platform.processor() or platform.machine(),
-                 "threads": torch.get_num_threads()}
+        info |= {"cpu": harness.cpu_model(), "threads": torch.get_num_threads()}
     return info
 
 
-def print_table(results: dict[str, dict[str, Any]], log: Callable[[str], None]) -> None:
+def print_table(results: dict[str, dict[str, Any]]) -> None:
     base = results.get("bf16", {}).get("tokens_per_s")
-    header = (f"{'mode':<11} {'gemm':<18} {'step s':>9} {'tokens/s':>11} {'MFU*':>7} "
-              f"{'vs bf16':>8} {'mem GiB':>8} {'loss':>7}  note")
-    log(header)
-    log("-" * len(header))
-    for mode, r in results.items():
+
+    def row(mode: str, r: dict[str, Any]) -> tuple[object, ...]:
         if "tokens_per_s" not in r:
-            log(f"{mode:<11} {r.get('gemm', '-'):<18} {'-':>9} {'-':>11} {'-':>7} {'-':>8} "
-                f"{'-':>8} {'-':>7}  {r.get('note') or r.get('error', '')}")
-            continue
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+            return (mode, r.get("gemm", "-"), *["-"] * 6, r.get("note") or r.get("error", ""))
         mem = r["peak_memory_gib"]
-        log(f"{mode:<11} {r['gemm']:<18} {r['median_step_s']:>9.4f} {r['tokens_per_s']:>11,.0f} "
-            f"{100 * r['mfu']:>6.1f}% {ratio:>8} {'-' if mem is None else f'{mem:.1f}':>8} "
-            f"{r['losses'][-1]:>7.3f}  {r['note']}")
-    log("* MFU against the device's dense bf16 peak, for the FP8 modes too.")
+        return (mode, r["gemm"], f"{r['median_step_s']:.4f}", f"{r['tokens_per_s']:,.0f}",
+                f"{100 * r['mfu']:.1f}%", f"{r['tokens_per_s'] / base:.2f}x" if base else "-",
+                "-" if mem is None else f"{mem:.1f}", f"{r['losses'][-1]:.3f}", r["note"])
+
+    print(harness.markdown_table(
+        ("mode", "gemm", "step s", "tokens/s", "MFU*", "vs bf16", "mem GiB", "loss", "note"),
+        (row(mode, r) for mode, r in results.items())))
+    print("* MFU against the device's dense bf16 peak, for the FP8 modes too.")
 
 
 def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -239,10 +249,11 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     t_start = time.monotonic()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default="gpu-benchmark.json", help="where to write figures")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model, 1 warm-up + 1 timed step per mode (runs on CPU)")
+    cli = harness.cli
+    parser = cli.parser(__doc__, cli.steps(10), cli.warmup(3),
+                        cli.switch("--smoke", "a tiny model, 1 warm-up + 1 timed step per mode "
+                                              "(runs on CPU)"),
+                        json_default=Path("gpu-benchmark.json"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated, from {list(MODES)}")
@@ -251,8 +262,6 @@ def main() -> None:
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     parser.add_argument("--gemm", default="auto", choices=GEMMS,
                         help="FP8 product path of the tensorwise and delayed modes")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-clock budget of the whole run, from the start")
     parser.add_argument("--peak-flops", type=float, default=None,
@@ -318,11 +327,11 @@ def main() -> None:
         print(f"{mode}: {figures} ({last_mode_s:.1f} s)")
 
     print()
-    print_table(results, print)
+    print_table(results)
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(device),
-        "model": {k: v for k, v in cfg.model.__dict__.items()},
+        "model": asdict(cfg.model),
         "params": size.params, "seq_len": shape.seq, "micro_batch": micro_batch,
         "tokens_per_step": micro_batch * shape.seq, "recompute": args.recompute,
         "gemm": args.gemm, "smoke": args.smoke, "warmup_steps": warmup, "timed_steps": steps,
@@ -332,7 +341,7 @@ def main() -> None:
         "goals": "not evaluated for --smoke" if args.smoke else goals(results),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(args.json, report)
     print(f"\nwrote {args.json} ({report['wall_s']:.0f} s in all)")
 
 

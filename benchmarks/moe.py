@@ -31,43 +31,39 @@ ratio of medians; pair ratio = median over rounds of the ratio within the round.
 ``--profile`` adds ``torch.profiler`` self CPU times of the last size's modules: matrix
 products (``aten::mm``: on CPU ``_grouped_mm`` runs one per expert) against everything else.
 
-**2. Expert parallelism in training** (two spawned gloo processes, ``file://`` rendezvous, one
-torch thread each, ``os._exit`` after ``destroy_process_group``: ``benchmarks/spawn.py``). Both
-ranks run ``meshtron.training.trainer.Trainer`` on the ``tiny-moe`` preset (llama, 4 layers,
-hidden 256, 8 heads / 4 kv heads, every layer MoE: 8 experts of 192 units, top-2, 1 shared
-expert) with a
-512-token BPE tokenizer on a 0.3 MB slice of the default corpus (built once in a temporary cache
-directory by the parent), seq 128, global batch 8 (4 sequences per rank), fp32 AdamW, at
-``--parallel.ep=1`` (dp=2: every rank holds all 8 experts, their gradients are all-reduced) and
-``--parallel.ep=2`` (dp=2 folded into ep=2: 4 experts per rank, tokens dispatched with
-``all_to_all_single``, expert gradients not reduced). One process pair per round trains both
-layouts one after the other (the order alternates between rounds). Step time = ``step_time_s``
-from rank 0's ``metrics.jsonl`` (``train.log_every=1``), the first ``--warmup`` steps of each
-run skipped; s/step = median over all rounds. CPU s/step = process CPU time of each
-``train_step`` call (gloo's threads included), mean of the two ranks: less sensitive than wall
-time to other jobs, blind to time spent waiting. Losses of the two layouts must agree to 1e-4
-relative at every step (same model, same data: layout independence; checked). Bytes are rank
-0's ``comm_bytes`` per step; the balanced-routing estimate of ``ep/all_to_all`` is
-2 (dispatch, return) x 2 (forward, backward) x local tokens x top-k x (ep - 1) / ep x H x 4 B x
-MoE layers.
+**2. Expert parallelism in training** (two gloo processes spawned by ``benchmarks/harness``, one
+torch thread each). Both ranks run ``meshtron.training.trainer.Trainer`` on the ``tiny-moe`` preset
+(llama, 4 layers, hidden 256, 8 heads / 4 kv heads, every layer MoE: 8 experts of 192 units, top-2,
+1 shared expert) with a 512-token BPE tokenizer on a 0.3 MB slice of the default corpus (built once
+in a temporary cache directory by the parent), seq 128, global batch 8 (4 sequences per rank), fp32
+AdamW, at ``--parallel.ep=1`` (dp=2: every rank holds all 8 experts, their gradients are
+all-reduced) and ``--parallel.ep=2`` (dp=2 folded into ep=2: 4 experts per rank, tokens dispatched
+with ``all_to_all_single``, expert gradients not reduced). One process pair per round trains both
+layouts one after the other (the order alternates between rounds). Step time = ``step_time_s`` from
+rank 0's ``metrics.jsonl`` (``train.log_every=1``), the first ``--warmup`` steps of each run
+skipped; s/step = median over all rounds. CPU s/step = process CPU time of each ``train_step`` call
+(gloo's threads included), mean of the two ranks: less sensitive than wall time to other jobs, blind
+to time spent waiting. Losses of the two layouts must agree to 1e-4 relative at every step (same
+model, same data: layout independence; checked). Bytes are rank 0's ``comm_bytes`` per step; the
+balanced-routing estimate of ``ep/all_to_all`` is 2 (dispatch, return) x 2 (forward, backward) x
+local tokens x top-k x (ep - 1) / ep x H x 4 B x MoE layers.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import harness
 import torch
-from host import host_info
-from spawn import spawn
+
+# meshtron: imported where used, in layer_config, build_layers, train_layout and bench_ep only
 
 SEED = 1234
 TOP_K = 2
@@ -155,17 +151,8 @@ def bench_layer(size: Size, expert_ffn: int, tokens: int, reps: int, warmup: int
             raise AssertionError(f"{size}: grouped and loop {what}s differ")
     moe = layers["grouped"]
     load = moe.stats.load.clone()
-    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(warmup + reps):
-        for j in range(len(VARIANTS)):
-            variant = VARIANTS[(r + j) % len(VARIANTS)]
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            forward_backward(layers[variant], x, grad)
-            elapsed, used = time.perf_counter() - start, time.thread_time() - start_cpu
-            if r >= warmup:
-                wall[variant].append(elapsed)
-                cpu[variant].append(used)
+    run = harness.interleave({v: functools.partial(forward_backward, layers[v], x, grad)
+                              for v in VARIANTS}, reps, warmup=warmup, cpu=time.thread_time)
     active = {v: sum(p.numel() for n, p in layers[v].named_parameters()
                      if "experts" not in n) for v in VARIANTS}
     per_expert = sum(p.numel() for p in next(iter(moe.experts.values())).parameters())
@@ -180,7 +167,7 @@ def bench_layer(size: Size, expert_ffn: int, tokens: int, reps: int, warmup: int
                          "input_grad": float((dx_g - dx_l).abs().max())},
         "max_abs_value": {"output": float(y_l.abs().max()),
                           "input_grad": float(dx_l.abs().max())},
-        "wall": wall, "cpu": cpu,
+        "wall": run.wall, "cpu": run.cpu,
     }
 
 
@@ -201,10 +188,8 @@ def profile_layer(size: Size, expert_ffn: int, tokens: int, iters: int = 3) -> d
         total = sum(e.self_cpu_time_total for e in events) / 1e6 / iters
         mm = sum(e.self_cpu_time_total for e in events if e.key == "aten::mm") / 1e6 / iters
         calls = sum(e.count for e in events if e.key == "aten::mm") // iters
-        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
         out[variant] = {"total_s": total, "mm_s": mm, "mm_calls": calls,
-                        "top": [(e.key, e.self_cpu_time_total / 1e6 / iters, e.count // iters)
-                                for e in top]}
+                        "top": harness.top_ops(events, iters, 8)}
     return out
 
 
@@ -212,45 +197,43 @@ def print_profile(size: Size, result: dict[str, Any]) -> None:
     """The profile table and each module's top operators."""
     print(f"\nwhere the time goes at {size} (torch.profiler self CPU s per forward + backward, "
           "profiler overhead included)\n")
-    print("| module | total | aten::mm | mm calls | rest | rest vs dense |")
-    print("| --- | --- | --- | --- | --- | --- |")
     dense_rest = result["dense"]["total_s"] - result["dense"]["mm_s"]
-    for variant, p in result.items():
-        rest = p["total_s"] - p["mm_s"]
-        print(f"| {variant} | {p['total_s']:.3f} | {p['mm_s']:.3f} | {p['mm_calls']} "
-              f"| {rest:.3f} | +{rest - dense_rest:.3f} |")
-    for variant, p in result.items():
-        print(f"\n{variant}: top self-CPU ops (s per iteration, calls per iteration)")
-        for name, secs, calls in p["top"]:
-            print(f"  {secs:8.4f}  {calls:5d}  {name}")
+    print(harness.markdown_table(
+        ("module", "total", "aten::mm", "mm calls", "rest", "rest vs dense"),
+        ((variant, f"{p['total_s']:.3f}", f"{p['mm_s']:.3f}", p["mm_calls"],
+          f"{p['total_s'] - p['mm_s']:.3f}", f"+{p['total_s'] - p['mm_s'] - dense_rest:.3f}")
+         for variant, p in result.items())))
+    harness.print_top_ops(result, "per iteration")
 
 
 def _ratios(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float]:
-    """Ratio of medians and median of per-round ratios, a / b."""
-    med = statistics.median
-    return med(times[a]) / med(times[b]), med([x / y for x, y in zip(times[a], times[b])])
+    """Ratio of medians and pair ratio (median of per-round ratios), a / b."""
+    return (harness.ratio_of_medians(times[a], times[b]),
+            harness.pair_ratio(times[a], times[b]))
 
 
 def print_layers(rows: list[dict[str, Any]], reps: int) -> None:
     """The layer table and the grouped-vs-loop differences."""
     print(f"\n1. MoE layer forward + backward, one process, 1 thread, fp32, top-{TOP_K}; "
           f"median of {reps} interleaved rounds (wall s; CPU = thread CPU time)\n")
-    print("| H x E | tokens | expert ffn | dense ffn | params total / active (dense) "
-          "| grouped s | loop s | dense s | grouped / loop | pair | CPU ratio "
-          "| grouped / dense | pair | CPU ratio | load max/mean |")
-    print("| --- " * 15 + "|")
     med = statistics.median
-    for r in rows:
+
+    def row(r: dict[str, Any]) -> tuple[object, ...]:
         w, c = r["wall"], r["cpu"]
         gl, gl_pair = _ratios(w, "grouped", "loop")
         gd, gd_pair = _ratios(w, "grouped", "dense")
-        print(f"| {r['size']} | {r['tokens']} | {r['expert_ffn']} | {r['dense_ffn']} "
-              f"| {r['total_params'] / 1e6:.2f}M / {r['active_params']['grouped'] / 1e6:.2f}M "
-              f"({r['active_params']['dense'] / 1e6:.2f}M) "
-              f"| {med(w['grouped']):.3f} | {med(w['loop']):.3f} | {med(w['dense']):.3f} "
-              f"| **{gl:.2f}** | {gl_pair:.2f} | {_ratios(c, 'grouped', 'loop')[0]:.2f} "
-              f"| **{gd:.2f}** | {gd_pair:.2f} | {_ratios(c, 'grouped', 'dense')[0]:.2f} "
-              f"| {r['load_max_over_mean']:.2f} |")
+        return (r["size"], r["tokens"], r["expert_ffn"], r["dense_ffn"],
+                f"{r['total_params'] / 1e6:.2f}M / {r['active_params']['grouped'] / 1e6:.2f}M "
+                f"({r['active_params']['dense'] / 1e6:.2f}M)", f"{med(w['grouped']):.3f}",
+                f"{med(w['loop']):.3f}", f"{med(w['dense']):.3f}", f"**{gl:.2f}**",
+                f"{gl_pair:.2f}", f"{_ratios(c, 'grouped', 'loop')[0]:.2f}", f"**{gd:.2f}**",
+                f"{gd_pair:.2f}", f"{_ratios(c, 'grouped', 'dense')[0]:.2f}",
+                f"{r['load_max_over_mean']:.2f}")
+
+    print(harness.markdown_table(
+        ("H x E", "tokens", "expert ffn", "dense ffn", "params total / active (dense)",
+         "grouped s", "loop s", "dense s", "grouped / loop", "pair", "CPU ratio",
+         "grouped / dense", "pair", "CPU ratio", "load max/mean"), map(row, rows)))
     print("\ngrouped vs loop, max abs difference (max abs value): " + "; ".join(
         f"{r['size']}: output {r['max_abs_diff']['output']:.1e} "
         f"({r['max_abs_value']['output']:.2g}), input grad {r['max_abs_diff']['input_grad']:.1e} "
@@ -315,7 +298,7 @@ def ep_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def bench_ep(args: argparse.Namespace) -> dict[str, Any]:
+def bench_ep(args: Any) -> dict[str, Any]:
     """``--rounds`` process pairs, each training ep=1 and ep=2 (order alternating)."""
     from meshtron.config import load_config
     from meshtron.data import build_training_data
@@ -331,16 +314,16 @@ def bench_ep(args: argparse.Namespace) -> dict[str, Any]:
         cfg = load_config(overrides=ep_overrides(cache, f"{root}/unused", steps, 1))
         build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, log=lambda m: None)
         for r in range(args.rounds):
-            order = [1, 2] if r % 2 == 0 else [2, 1]
-            ranks = spawn(ep_task, WORLD, {"order": order, "round": r, "root": root,
+            order = harness.rotated([1, 2], r)
+            ranks = harness.spawn(ep_task, WORLD, {"order": order, "round": r, "root": root,
                                            "cache": cache, "steps": steps},
                           timeout=args.timeout)
             for ep in order:
                 rows = ranks[0][ep]["rows"]
                 assert len(rows) == steps, f"ep={ep}: {len(rows)} metrics rows, expected {steps}"
                 times[ep] += [row["step_time_s"] for row in rows[args.warmup:]]
-                cpu[ep] += [statistics.mean(ts) for ts in
-                            zip(*(rank[ep]["cpu_times"][args.warmup:] for rank in ranks))]
+                cpu[ep] += harness.across_ranks((rank[ep]["cpu_times"][args.warmup:]
+                                                 for rank in ranks), statistics.mean)
                 params[ep] = [rank[ep]["params"] for rank in ranks]
                 comm[ep] += [row["comm_bytes"] for row in rows[args.warmup:]]
                 losses[ep].append(ranks[0][ep]["losses"])
@@ -367,7 +350,7 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**10:.1f} KiB" if nbytes >= 2**10 else f"{nbytes:.0f} B"
 
 
-def print_ep(result: dict[str, Any], args: argparse.Namespace) -> None:
+def print_ep(result: dict[str, Any], args: Any) -> None:
     """The training-step table."""
     t = result["times"]
     med = {ep: statistics.median(v) for ep, v in t.items()}
@@ -376,18 +359,19 @@ def print_ep(result: dict[str, Any], args: argparse.Namespace) -> None:
           f"x {args.steps}, after {args.warmup} warm-up steps per run); CPU = process CPU "
           "time of train_step, mean of the ranks\n")
     cpu = {ep: statistics.median(v) for ep, v in result["cpu_times"].items()}
-    print("| layout | params per rank | s/step | ratio | per-round medians | CPU s/step "
-          "| CPU ratio | sent per step (rank 0) |")
-    print("| --- " * 8 + "|")
-    for ep in (1, 2):
+
+    def row(ep: int) -> tuple[object, ...]:
         rounds = [statistics.median(t[ep][i:i + args.steps])
                   for i in range(0, len(t[ep]), args.steps)]
-        sent = ", ".join(f"{k} {_size(v)}" for k, v in
-                         result["comm_bytes_median"][ep].items() if v)
-        params = " / ".join(f"{n / 1e6:.2f}M" for n in result["params_per_rank"][ep])
-        print(f"| ep={ep} | {params} | {med[ep]:.3f} | **{med[ep] / med[1]:.2f}** | "
-              f"{', '.join(f'{x:.3f}' for x in rounds)} | {cpu[ep]:.3f} | "
-              f"{cpu[ep] / cpu[1]:.2f} | {sent} |")
+        return (f"ep={ep}", " / ".join(f"{n / 1e6:.2f}M" for n in result["params_per_rank"][ep]),
+                f"{med[ep]:.3f}", f"**{med[ep] / med[1]:.2f}**",
+                ", ".join(f"{x:.3f}" for x in rounds), f"{cpu[ep]:.3f}",
+                f"{cpu[ep] / cpu[1]:.2f}", ", ".join(
+                    f"{k} {_size(v)}" for k, v in result["comm_bytes_median"][ep].items() if v))
+
+    print(harness.markdown_table(
+        ("layout", "params per rank", "s/step", "ratio", "per-round medians", "CPU s/step",
+         "CPU ratio", "sent per step (rank 0)"), map(row, (1, 2))))
     print(f"\nep/all_to_all estimate for balanced routing: "
           f"{_size(result['all_to_all_estimate'])} per step; losses ep=2 vs ep=1: "
           f"max relative difference {result['max_rel_loss_diff']:.1e} over "
@@ -397,14 +381,15 @@ def print_ep(result: dict[str, Any], args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- main
 
 
-def machine() -> dict[str, Any]:
-    """CPU, cores, versions, date and load average, for the report."""
-    return host_info(grouped_mm=hasattr(torch, "_grouped_mm"))
-
-
 def main() -> None:
     """Parse the flags, run the parts, print the tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli = harness.cli
+    parser = cli.parser(
+        __doc__, cli.steps(10, "timed training steps per run"),
+        cli.warmup(3, "skipped training steps per run"),
+        cli.rounds(3, "process pairs for ep=1 vs ep=2"), cli.timeout(300.0, "per process pair, s"),
+        cli.switch("--profile", "also profile the modules of the last size"),
+        cli.switch("--quick", "smoke run: one small size, few repetitions, one round"))
     parser.add_argument("--sizes", nargs="+", type=Size.parse,
                         default=[Size.parse(s) for s in ("256x8", "256x32", "512x8", "512x32")],
                         help="layer sizes HIDDENxEXPERTS")
@@ -412,27 +397,16 @@ def main() -> None:
     parser.add_argument("--expert-ffn", type=int, default=1,
                         help="expert hidden units as a multiple of the hidden size")
     parser.add_argument("--reps", type=int, default=7, help="timed rounds per layer size")
-    parser.add_argument("--rounds", type=int, default=3, help="process pairs for ep=1 vs ep=2")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="skipped training steps per run")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per process pair, s")
     parser.add_argument("--skip", nargs="*", default=[], choices=["layer", "ep"])
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile the modules of the last size")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: one small size, few repetitions, one round")
-    parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.tokens, args.reps = [Size(256, 8)], 1024, 3
         args.rounds, args.steps, args.warmup = 1, 3, 2
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
     torch.set_num_threads(1)
-    info = machine()
-    print(f"{info['date']}  {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-          f"Python {info['python']}, torch._grouped_mm: {info['grouped_mm']}; "
-          f"load average {info['load_average'][0]:.2f}")
-    result: dict[str, Any] = {"machine": info, "command": " ".join(sys.argv)}
+    info = harness.host_info(grouped_mm=hasattr(torch, "_grouped_mm"))
+    print(harness.host_line(info, f"torch._grouped_mm: {info['grouped_mm']}"))
+    result = harness.record(info)
     started = time.perf_counter()
     if "layer" not in args.skip:
         result["layer"] = [bench_layer(s, args.expert_ffn, args.tokens, args.reps, 2)
@@ -449,8 +423,7 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - started
     print(f"\nload average at the end: {result['load_average_end'][0]:.2f}; "
           f"{result['seconds']:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -42,12 +42,12 @@ gradients, clipping and optimizer included) must agree across all configurations
 
 **How it is timed.** For each pp, ``--rounds`` fresh process groups each build every
 configuration, run ``--warmup`` steps of each, then ``--steps`` timed steps per configuration,
-every configuration taking one step in turn and the order rotating every step (and every
-round), so drifting load from other jobs hits all alike. Every rank waits at a barrier before
-each step; a step's time is the slowest rank's wall time of the whole step (zero grad, the
-pipeline's forwards and backwards, grad norm, clip, update, loss reduction). s/step = median over
-all timed steps of all rounds; ratio = meshtron / torch of those medians; pair ratio = median
-over (round, step) of the ratio of the two configurations' times in the same step.
+interleaved (every configuration takes one step in turn, the order rotating every step and
+every round: ``benchmarks/harness``). Every rank waits at a barrier before each step; a step's
+time is the slowest rank's wall time of the whole step (zero grad, the pipeline's forwards and
+backwards, grad norm, clip, update, loss reduction). s/step = median over all timed steps of all
+rounds; ratio = meshtron / torch of those medians; pair ratio = median over (round, step) of the
+ratio of the two configurations' times in the same step.
 
 **Idle time (meshtron only).** During every timed step ``PipelineExecutor.trace`` records the
 ``perf_counter`` start and end of each compute action (``F``, ``B``, ``W``; waiting for a
@@ -58,38 +58,36 @@ its action durations) / span; "measured" = the mean over stages, which is what
 ``schedule.bubble_fraction()`` computes for the simulated timeline; medians over the timed steps.
 Beside it: ``schedule.theoretical_bubble()`` (closed form, unit costs F=1, B=2 or F=B=W=1,
 equal stages), ``schedule.bubble_fraction()`` (its simulated timeline, unit costs), measured /
-theory, and the same timeline simulated with the measured costs (:func:`simulated_idle`: every
+theory, and the same timeline simulated with the measured costs (``pipeline_idle.py``: every
 action takes its stage's median duration of that kind and chunk, communication is free). The
 stages are not equally loaded even with equal layer counts (the last also runs the output layer
 and the loss, the first the embedding), which the closed form ignores and the measured-cost
 simulation includes; measured minus that simulation is what communication and waiting add.
 
-With pp=4 there are 4 processes on this machine's cores: on 2 cores they time-share, an
-action's duration includes time its process waited for a core, and the measured idle fraction
-(and pipelining's overlap) is distorted; the script says so when pp exceeds the core count.
+With more processes than cores (pp=4 on 2 cores) the stages time-share cores, an action's
+duration includes waiting for one, and the idle fractions (and pipelining's overlap) are
+distorted; the script says so.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+import harness
+import pipeline_idle
 import torch
 import torch.distributed as dist
-from host import host_info
-from spawn import spawn
 from torch import nn
 from torch.distributed import pipelining
 
+# meshtron: used in the "competitors" section, steps_task (the executors' trace) and bench_pp
+# (the schedules handed to pipeline_idle) only
 from meshtron.config import Config, load_config
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
@@ -99,7 +97,7 @@ from meshtron.parallel.layout import MeshLayout
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.partition import PipelinePlan, plan_pipeline
 from meshtron.parallel.pipeline import PipelineExecutor
-from meshtron.parallel.schedules import Schedule, build_schedule
+from meshtron.parallel.schedules import build_schedule
 from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
 
@@ -126,8 +124,7 @@ class Shape:
             f"--model.hidden_size={self.hidden}", f"--model.num_heads={self.heads}",
             f"--model.num_kv_heads={self.kv_heads}", f"--model.ffn_hidden_size={self.ffn}",
             f"--model.vocab_size={self.vocab}", f"--train.seq_len={self.seq}",
-            f"--train.global_batch={self.global_batch}",
-            f"--train.micro_batch={self.micro_batch}",
+            f"--train.global_batch={self.global_batch}", f"--train.micro_batch={self.micro_batch}",
         ])
 
 
@@ -158,7 +155,7 @@ PAIRS = [("meshtron gpipe", "torch GPipe"), ("meshtron 1f1b", "torch 1F1B"),
          ("meshtron zb-h1", "torch InterleavedZB")]
 
 
-# ------------------------------------------------------------------------------ the models
+# ------------------------------------------------------------------------- the competitors
 
 
 class StageChunk(nn.Module):
@@ -180,28 +177,23 @@ class StageChunk(nn.Module):
         return self._model[0](x, chunk=self.chunk)
 
 
-def _plan(s: Shape, pp: int, vpp: int) -> PipelinePlan:
+def _stages(s: Shape, mesh: ParallelMesh, vpp: int) -> tuple[PipelinePlan, Transformer]:
+    """The even layer split over ``pp * vpp`` virtual stages, and this rank's seeded model."""
     cfg = s.config()
-    stages = pp * vpp
-    return plan_pipeline(cfg.model, pp, vpp, s.seq, explicit=[s.layers // stages] * stages)
-
-
-def _model(s: Shape, mesh: ParallelMesh, plan: PipelinePlan) -> Transformer:
-    cfg = s.config()
+    stages = mesh.pp.size * vpp
+    plan = plan_pipeline(cfg.model, mesh.pp.size, vpp, s.seq,
+                         explicit=[s.layers // stages] * stages)
     model = Transformer(cfg.model, mesh, sequence_parallel=False, plan=plan)
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
-    model.train()
-    return model
+    return plan, model.train()
 
 
 Step = Callable[[torch.Tensor], float]
 
 
-def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh
-                   ) -> tuple[Step, PipelineExecutor, Schedule]:
+def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh) -> tuple[Step, PipelineExecutor]:
     cfg = s.config()
-    plan = _plan(s, mesh.pp.size, setup.vpp)
-    model = _model(s, mesh, plan)
+    plan, model = _stages(s, mesh, setup.vpp)
     schedule = build_schedule(setup.schedule, mesh.pp.size, setup.vpp, s.microbatches)
     executor = PipelineExecutor(model, mesh, plan, schedule, cfg.model.hidden_size)
     optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
@@ -213,18 +205,15 @@ def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh
                           grad_clip=cfg.train.grad_clip, precision=precision,
                           pipeline=executor).loss
 
-    return step, executor, schedule
+    return step, executor
 
 
 def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
     cfg = s.config()
-    pp, rank = mesh.pp.size, mesh.pp.rank
-    plan = _plan(s, pp, setup.vpp)
-    model = _model(s, mesh, plan)
+    plan, model = _stages(s, mesh, setup.vpp)
     count = plan.virtual_stages
-    stages = [pipelining.PipelineStage(StageChunk(model, c), plan.virtual_stage(rank, c), count,
-                                       torch.device("cpu"))
-              for c in range(setup.vpp)]
+    stages = [pipelining.PipelineStage(StageChunk(model, c), plan.virtual_stage(mesh.pp.rank, c),
+                                       count, torch.device("cpu")) for c in range(setup.vpp)]
     global_tokens = s.global_batch * s.seq
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -257,58 +246,48 @@ def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
     return step
 
 
+def build_all(names: list[str], s: Shape, rank: int, pp: int
+              ) -> tuple[dict[str, Step], dict[str, PipelineExecutor]]:
+    """Every configuration of ``names`` on this rank (``MeshLayout(pp, tp=1, cp=1, pp=pp)``):
+    its step, and for meshtron its executor, whose ``trace`` records the compute actions."""
+    mesh = ParallelMesh(MeshLayout(pp, tp=1, cp=1, pp=pp), rank)
+    steps: dict[str, Step] = {}
+    executors: dict[str, PipelineExecutor] = {}
+    for name in names:
+        setup = SETUPS[name]
+        if setup.family == "meshtron":
+            steps[name], executors[name] = build_meshtron(setup, s, mesh)
+        else:
+            steps[name] = build_torch(setup, s, mesh)
+    return steps, executors
+
+
 # ---------------------------------------------------------------------------------- worker
-
-
-def _trace_summary(trace: list[tuple[Any, float, float]]) -> dict[str, Any]:
-    """One stage's step: first start, last end, busy seconds, and [seconds, count] per action
-    kind and chunk (keys such as ``F0``, ``B1``, ``W0``)."""
-    kinds: dict[str, list[float]] = {}
-    for action, start, end in trace:
-        total = kinds.setdefault(f"{action.kind}{action.chunk}", [0.0, 0])
-        total[0] += end - start
-        total[1] += 1
-    return {"start": min(t[1] for t in trace), "end": max(t[2] for t in trace),
-            "busy": sum(t[2] - t[1] for t in trace), "kinds": kinds}
 
 
 def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Every configuration in this process group: warm-up, then timed steps interleaved with a
     rotating order; for meshtron, the trace summary of every timed step."""
     s = Shape(**args["shape"])
-    pp = dist.get_world_size()
-    mesh = ParallelMesh(MeshLayout(pp, tp=1, cp=1, pp=pp), rank)
     names: list[str] = args["configs"]
-    steps: dict[str, Step] = {}
-    executors: dict[str, PipelineExecutor] = {}
-    for name in names:
-        setup = SETUPS[name]
-        if setup.family == "meshtron":
-            steps[name], executors[name], _ = build_meshtron(setup, s, mesh)
-        else:
-            steps[name] = build_torch(setup, s, mesh)
-    total = args["warmup"] + args["steps"]
+    steps, executors = build_all(names, s, rank, dist.get_world_size())
     gen = torch.Generator().manual_seed(1000)
     batches = [torch.randint(0, s.vocab, (s.global_batch, s.seq + 1), generator=gen)
-               for _ in range(total)]
+               for _ in range(args["warmup"] + args["steps"])]
 
-    def timed(name: str, i: int) -> tuple[float, float]:
-        dist.barrier()
-        start = time.perf_counter()
-        loss = steps[name](batches[i])
-        return time.perf_counter() - start, loss
+    def step(name: str, i: int) -> harness.Timed[float]:
+        return harness.timed(lambda: steps[name](batches[i]), barrier=dist.barrier)
 
-    losses = {n: [timed(n, i)[1] for i in range(args["warmup"])] for n in names}
+    losses = {n: [step(n, i).value for i in range(args["warmup"])] for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     traces: dict[str, list[dict[str, Any]]] = {n: [] for n in executors}
     for i in range(args["steps"]):
-        k = (i + args["offset"]) % len(names)
-        for name in names[k:] + names[:k]:
+        for name in harness.rotated(names, i + args["offset"]):
             if name in executors:
                 executors[name].trace = []
-            times[name].append(timed(name, args["warmup"] + i)[0])
+            times[name].append(step(name, args["warmup"] + i).wall)
             if name in executors:
-                traces[name].append(_trace_summary(executors[name].trace or []))
+                traces[name].append(pipeline_idle.trace_summary(executors[name].trace or []))
                 executors[name].trace = None
     return {"times": times, "traces": traces,
             "first_loss": {n: x[0] for n, x in losses.items()},
@@ -318,79 +297,7 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- report
 
 
-def machine() -> dict[str, Any]:
-    return host_info()
-
-
-def _check_losses(losses: dict[str, float], what: str) -> None:
-    reference = next(iter(losses.values()))
-    if any(abs(v - reference) > 1e-4 * abs(reference) for v in losses.values()):
-        raise AssertionError(f"{what} losses differ by more than 1e-4 relative: {losses}")
-
-
-def simulated_idle(schedule: Schedule, cost: dict[tuple[int, int, str], float]) -> list[float]:
-    """Idle fraction of each stage in ``schedule``'s timeline when action (stage, chunk, kind)
-    takes ``cost[stage, chunk, kind]`` and communication is free (as ``Schedule.timeline``)."""
-    orders = [schedule.compute_actions(s) for s in range(schedule.pp)]
-    ends: dict[tuple[int, Any], float] = {}
-    clock, done = [0.0] * schedule.pp, [0] * schedule.pp
-    progressed = True
-    while progressed:
-        progressed = False
-        for s, order in enumerate(orders):
-            while done[s] < len(order):
-                action = order[done[s]]
-                deps = schedule.dependencies(s, action)
-                if any(d not in ends for d in deps):
-                    break
-                start = max([clock[s], *(ends[d] for d in deps)])
-                clock[s] = ends[s, action] = start + cost[s, action.chunk, action.kind]
-                done[s] += 1
-                progressed = True
-    span = max(clock)
-    return [1 - sum(cost[s, a.chunk, a.kind] for a in order) / span
-            for s, order in enumerate(orders)]
-
-
-def idle_figures(pp: int, setup: Setup, s: Shape, runs: list[list[dict[str, Any]]]
-                 ) -> dict[str, Any]:
-    """Measured idle fractions (per stage and mean) against the schedule's theory."""
-    per_stage: list[list[float]] = [[] for _ in range(pp)]
-    means, spans = [], []
-    durations: dict[tuple[int, int, str], list[float]] = {}
-    for run in runs:
-        for step in zip(*(rank["traces"][setup.name] for rank in run)):
-            span = max(t["end"] for t in step) - min(t["start"] for t in step)
-            spans.append(span)
-            idle = [1 - t["busy"] / span for t in step]
-            for stage, value in enumerate(idle):
-                per_stage[stage].append(value)
-            means.append(statistics.mean(idle))
-            for stage, t in enumerate(step):
-                for key, (seconds, count) in t["kinds"].items():
-                    durations.setdefault((stage, int(key[1:]), key[0]), []).append(
-                        seconds / count)
-    schedule = build_schedule(setup.schedule, pp, setup.vpp, s.microbatches)
-    cost = {key: statistics.median(v) for key, v in durations.items()}
-    simulated = simulated_idle(schedule, cost)
-    measured = statistics.median(means)
-    theory = schedule.theoretical_bubble()
-    per_kind = {kind: statistics.mean(v for (_, _, k), v in cost.items() if k == kind)
-                for kind in sorted({k for _, _, k in cost}, key="FBW".index)}
-    return {"idle_per_stage": [statistics.median(v) for v in per_stage],
-            "idle": measured, "theory": theory, "simulated_unit": schedule.bubble_fraction(),
-            "simulated_measured_costs": statistics.mean(simulated),
-            "simulated_measured_costs_per_stage": simulated,
-            "action_seconds": {f"{k}{c}@{st}": v for (st, c, k), v in cost.items()},
-            "mean_action_seconds": per_kind, "span_s": statistics.median(spans),
-            "measured_over_theory": measured / theory}
-
-
-def slowest_rank_times(run: list[dict[str, Any]], name: str) -> list[float]:
-    return [max(ts) for ts in zip(*(rank["times"][name] for rank in run))]
-
-
-def bench_pp(pp: int, args: argparse.Namespace, s: Shape) -> dict[str, Any]:
+def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
     """All rounds for one pipeline size; every figure of its tables."""
     names = [n for n in args.configs if not (SETUPS[n].vpp > 1 and s.layers % (pp * 2))]
     dropped: dict[str, str] = {}
@@ -402,7 +309,7 @@ def bench_pp(pp: int, args: argparse.Namespace, s: Shape) -> dict[str, Any]:
                     "steps": args.steps, "offset": r}
             started = time.perf_counter()
             try:
-                run = spawn(steps_task, pp, task, timeout=args.timeout)
+                run = harness.spawn(steps_task, pp, task, timeout=args.timeout)
                 break
             except RuntimeError as err:
                 optional = [n for n in names if SETUPS[n].optional]
@@ -416,35 +323,37 @@ def bench_pp(pp: int, args: argparse.Namespace, s: Shape) -> dict[str, Any]:
         runs.append(run)
         print(f"  pp={pp} round {r + 1}/{args.rounds} ({time.perf_counter() - started:.0f} s, "
               f"load {os.getloadavg()[0]:.1f}): "
-              + ", ".join(f"{n} {statistics.median(slowest_rank_times(run, n)):.3f}"
-                          for n in names), flush=True)
+              + ", ".join(f"{n} {statistics.median(_slowest(run, n)):.3f}" for n in names),
+              flush=True)
     load.append(os.getloadavg()[0])
     for key, what in (("first_loss", "first-step"), ("last_warmup_loss", "last warm-up step")):
         for run in runs:
-            _check_losses({n: run[0][key][n] for n in names}, f"pp={pp} {what}")
-    times = {n: [slowest_rank_times(run, n) for run in runs] for n in names}
+            harness.check_close({n: run[0][key][n] for n in names}, f"pp={pp} {what} losses")
+    times = {n: [_slowest(run, n) for run in runs] for n in names}
     rows = {n: {"s_per_step": statistics.median(itertools.chain(*times[n])),
                 "round_medians": [statistics.median(t) for t in times[n]], "steps": times[n]}
             for n in names}
-    pairs = []
-    for ours, theirs in PAIRS:
-        if ours not in rows or theirs not in rows:
-            continue
-        paired = [a / b for ra, rb in zip(times[ours], times[theirs]) for a, b in zip(ra, rb)]
-        pairs.append({"meshtron": ours, "torch": theirs,
-                      "ratio": rows[ours]["s_per_step"] / rows[theirs]["s_per_step"],
-                      "pair_ratio": statistics.median(paired)})
-    bubbles = {n: idle_figures(pp, SETUPS[n], s, runs) for n in names
-               if SETUPS[n].family == "meshtron"}
+    pairs = [{"meshtron": ours, "torch": theirs,
+              "ratio": rows[ours]["s_per_step"] / rows[theirs]["s_per_step"],
+              "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
+                                       itertools.chain(*times[theirs]))}
+             for ours, theirs in PAIRS if ours in rows and theirs in rows]
+    bubbles = {n: pipeline_idle.idle_figures(
+        build_schedule(SETUPS[n].schedule, pp, SETUPS[n].vpp, s.microbatches),
+        [[rank["traces"][n] for rank in run] for run in runs])
+        for n in names if SETUPS[n].family == "meshtron"}
     return {"pp": pp, "configs": rows, "pairs": pairs, "bubbles": bubbles, "dropped": dropped,
             "load_average": load, "first_loss": runs[0][0]["first_loss"],
             "last_warmup_loss": runs[0][0]["last_warmup_loss"]}
 
 
-def print_pp(result: dict[str, Any], args: argparse.Namespace) -> None:
+def _slowest(run: list[dict[str, Any]], name: str) -> list[float]:
+    return harness.across_ranks(rank["times"][name] for rank in run)
+
+
+def print_pp(result: dict[str, Any], args: Any) -> None:
     pp, cores = result["pp"], os.cpu_count() or 1
-    first = result["first_loss"]
-    last = result["last_warmup_loss"]
+    first, last = result["first_loss"], result["last_warmup_loss"]
     print(f"\n## pp={pp} ({pp} processes on {cores} cores; load average "
           f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f})")
     if pp > cores:
@@ -459,54 +368,46 @@ def print_pp(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{name}: does not run on CPU gloo here, left out: {error}")
     print(f"\ns/step: median of {args.rounds} rounds x {args.steps} steps (slowest rank); "
           "ratio = meshtron / torch; pair = median of per-step ratios\n")
-    print("| schedule | meshtron s/step | torch s/step | ratio | pair ratio |")
-    print("| --- | --- | --- | --- | --- |")
     rows = result["configs"]
-    for pair in result["pairs"]:
-        print(f"| {pair['meshtron'].removeprefix('meshtron ')} vs {pair['torch']} | "
-              f"{rows[pair['meshtron']]['s_per_step']:.3f} | "
-              f"{rows[pair['torch']]['s_per_step']:.3f} | {pair['ratio']:.2f} | "
-              f"{pair['pair_ratio']:.2f} |")
-    for name, row in rows.items():
-        if not any(name in (p["meshtron"], p["torch"]) for p in result["pairs"]):
-            print(f"| {name} (unpaired) | {row['s_per_step']:.3f} | | | |")
+    paired = {n for p in result["pairs"] for n in (p["meshtron"], p["torch"])}
+    print(harness.markdown_table(
+        ("schedule", "meshtron s/step", "torch s/step", "ratio", "pair ratio"),
+        [*((f"{p['meshtron'].removeprefix('meshtron ')} vs {p['torch']}",
+            f"{rows[p['meshtron']]['s_per_step']:.3f}", f"{rows[p['torch']]['s_per_step']:.3f}",
+            f"{p['ratio']:.2f}", f"{p['pair_ratio']:.2f}") for p in result["pairs"]),
+         *((f"{n} (unpaired)", f"{r['s_per_step']:.3f}", "", "", "")
+           for n, r in rows.items() if n not in paired)]))
     print("\nmeshtron idle fraction (1 - busy / pipeline span; median over timed steps) against "
           "the schedule's closed form and simulation\n")
-    print("| schedule | pipeline span s | idle per stage | measured | theory | sim. unit "
-          "| sim. measured costs (per stage) | measured / theory | mean F / B / W ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, b in result["bubbles"].items():
-        ms = " / ".join(f"{1e3 * v:.0f}" for v in b["mean_action_seconds"].values())
-        sim = " / ".join(f"{v:.2f}" for v in b["simulated_measured_costs_per_stage"])
-        print(f"| {name.removeprefix('meshtron ')} | {b['span_s']:.3f} | "
-              f"{' / '.join(f'{v:.2f}' for v in b['idle_per_stage'])} | {b['idle']:.3f} | "
-              f"{b['theory']:.3f} | {b['simulated_unit']:.3f} | "
-              f"{b['simulated_measured_costs']:.3f} ({sim}) | {b['measured_over_theory']:.2f} "
-              f"| {ms} |")
+    print(harness.markdown_table(
+        ("schedule", "pipeline span s", "idle per stage", "measured", "theory", "sim. unit",
+         "sim. measured costs (per stage)", "measured / theory", "mean F / B / W ms"),
+        ((name.removeprefix("meshtron "), f"{b['span_s']:.3f}",
+          " / ".join(f"{v:.2f}" for v in b["idle_per_stage"]), f"{b['idle']:.3f}",
+          f"{b['theory']:.3f}", f"{b['simulated_unit']:.3f}",
+          f"{b['simulated_measured_costs']:.3f} ("
+          + " / ".join(f"{v:.2f}" for v in b["simulated_measured_costs_per_stage"]) + ")",
+          f"{b['measured_over_theory']:.2f}",
+          " / ".join(f"{1e3 * v:.0f}" for v in b["mean_action_seconds"].values()))
+         for name, b in result["bubbles"].items())))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli = harness.cli
+    parser = cli.parser(__doc__, cli.steps(6, "timed steps per configuration and round"),
+                        cli.warmup(2, "warm-up steps (>= 2)"),
+                        cli.rounds(2, "fresh process groups per pipeline size"),
+                        cli.configs(list(SETUPS)), cli.timeout(900, "seconds per round"))
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
-    parser.add_argument("--steps", type=int, default=6,
-                        help="timed steps per configuration and round")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (>= 2)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="fresh process groups per pipeline size")
     parser.add_argument("--layers", type=int, default=Shape.layers,
                         help="transformer layers (divisible by 2 * pp for interleaved)")
-    parser.add_argument("--configs", nargs="+", choices=list(SETUPS), default=list(SETUPS))
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per round")
-    parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args()
     if args.warmup < 2:
         parser.error("--warmup must be at least 2 (the loss check compares two warm-up steps)")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
     shape = Shape(layers=args.layers)
-    info = machine()
-    print(f"{info['date']}  {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-          f"Python {info['python']}; gloo, 1 thread per process; load average "
-          f"{' '.join(f'{x:.1f}' for x in info['load_average'])}", flush=True)
+    info = harness.host_info()
+    print(harness.host_line(info, "gloo, 1 thread per process"), flush=True)
     print(f"llama {shape.layers} x {shape.hidden} (ffn {shape.ffn}, vocab {shape.vocab}), seq "
           f"{shape.seq}, global batch {shape.global_batch} = {shape.microbatches} micro-batches "
           f"of {shape.micro_batch}, fp32 AdamW, clip 1.0; {args.rounds} rounds x "
@@ -517,11 +418,9 @@ def main() -> None:
         print_pp(results[-1], args)
     end_load = os.getloadavg()
     print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in end_load)}")
-    if args.json:
-        out = {"machine": info, "command": " ".join(sys.argv), "shape": asdict(shape),
-               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "results": results, "load_average_end": end_load}
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    harness.write_json(args.json, harness.record(
+        info, shape=asdict(shape), args=harness.plain_args(args), results=results,
+        load_average_end=end_load))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ Run from the repository root::
    ``labels`` alone would shift inside and drop one target per row). Both use
    ``torch.optim.AdamW(foreach=True)`` with the same parameter groups and hyper-parameters
    (meshtron's ``build_adamw`` and training defaults), and the same thread count (one process).
-   After warm-up the two models' steps alternate (meshtron, HF, meshtron, ...), so load from
-   other processes hits both alike. Figures are medians over ``--steps`` steps each; ratio =
-   meshtron median / HF median; "pair ratio" = the median over steps of meshtron's step time /
-   the HF step right after it (less sensitive to slow drifts in load). The first steps' losses
+   The two models' steps alternate in a fixed order (meshtron, HF, meshtron, ..., warm-up
+   included), so load from other processes hits both alike. Figures are medians over
+   ``--steps`` steps each; ratio = meshtron median / HF median; "pair ratio" = the median over
+   steps of meshtron's step time / the HF step right after it (less sensitive to slow drifts in
+   load). The first steps' losses
    are checked to agree, which shows that the weights and the loss are the same.
 2. **Preprocessing**: MB/s (1e6 bytes of UTF-8 text per second) of ``meshtron.data.preprocess``
    on the embedded default corpus (``stdlib_corpus`` at the default ``data.corpus_max_mb``) with
@@ -29,10 +30,7 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,13 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 import transformers
-from host import host_info
 from torch import nn
 
+# meshtron: used in build_steps and bench_preprocess only
 from meshtron.checkpoint.hf_mapping import hf_config_kwargs, to_hf
-from meshtron.config import Config, load_config
+from meshtron.config import load_config
 from meshtron.data import stdlib_corpus
 from meshtron.data.preprocess import preprocess
 from meshtron.data.tokenizer import train_tokenizer
@@ -73,14 +72,10 @@ SHAPES = {
 }
 
 
-def machine() -> dict[str, Any]:
-    return host_info(transformers=transformers.__version__,
-                     torch_threads=torch.get_num_threads())
-
-
-def step_functions(cfg: Config, shape: Shape) -> tuple[int, Callable[[], float],
-                                                       Callable[[], float]]:
-    """Parameter count and one training step of each model, on the same batch and weights."""
+def build_steps(shape: Shape) -> tuple[int, dict[str, Callable[[], float]]]:
+    """meshtron's parameter count and one training step of each model (``meshtron``, ``hf``),
+    on the same batch and weights; a step returns its loss."""
+    cfg = load_config(overrides=shape.overrides)
     model = Transformer(cfg.model)
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     hf = transformers.LlamaForCausalLM(
@@ -109,32 +104,24 @@ def step_functions(cfg: Config, shape: Shape) -> tuple[int, Callable[[], float],
         return step
 
     params = sum(p.numel() for p in model.parameters())
-    return (params, trainer(model, lambda net: net.loss_sum(net(inputs), targets) / count),
-            trainer(hf, hf_loss))
+    return params, {"meshtron": trainer(model, lambda net: net.loss_sum(net(inputs), targets)
+                                        / count),
+                    "hf": trainer(hf, hf_loss)}
 
 
 def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
-    cfg = load_config(overrides=shape.overrides)
-    params, ours, theirs = step_functions(cfg, shape)
-    times: dict[str, list[float]] = {"meshtron": [], "hf": []}
-    first: dict[str, float] = {}
-    for i in range(warmup + steps):
-        for key, step in (("meshtron", ours), ("hf", theirs)):
-            start = time.perf_counter()
-            loss = step()
-            if i >= warmup:
-                times[key].append(time.perf_counter() - start)
-            first.setdefault(key, loss)
-    if abs(first["meshtron"] - first["hf"]) > 1e-4 * abs(first["hf"]):
-        raise AssertionError(f"{name}: first losses differ: {first}")
+    params, calls = build_steps(shape)
+    run = harness.interleave(calls, steps, warmup=warmup, rotate=False)
+    harness.check_close(run.first, f"{name}: first losses", reference="hf")
+    times = run.wall
     tokens = shape.batch * shape.seq
     ours_s, theirs_s = statistics.median(times["meshtron"]), statistics.median(times["hf"])
     return {
         "shape": name, "params": params, "batch": shape.batch, "seq": shape.seq,
-        "overrides": list(shape.overrides), "first_loss": first,
-        "meshtron_s": ours_s, "hf_s": theirs_s, "ratio": ours_s / theirs_s,
-        "pair_ratio_median": statistics.median(
-            a / b for a, b in zip(times["meshtron"], times["hf"], strict=True)),
+        "overrides": list(shape.overrides), "first_loss": run.first,
+        "meshtron_s": ours_s, "hf_s": theirs_s,
+        "ratio": harness.ratio_of_medians(times["meshtron"], times["hf"]),
+        "pair_ratio_median": harness.pair_ratio(times["meshtron"], times["hf"]),
         "meshtron_tokens_per_s": tokens / ours_s, "hf_tokens_per_s": tokens / theirs_s,
         "steps": times,
     }
@@ -162,35 +149,33 @@ def bench_preprocess(runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per model and shape")
-    parser.add_argument("--warmup", type=int, default=2)
+    cli = harness.cli
+    parser = cli.parser(__doc__, cli.steps(10, "timed steps per model and shape"), cli.warmup(2))
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--preprocess-runs", type=int, default=3, help="0 skips preprocessing")
-    parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = machine()
-    print(f"{info['date']}  {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
-          f"({info['torch_threads']} threads), transformers {info['transformers']}, "
-          f"Python {info['python']}")
-    rows = []
-    header = (f"{'shape':<10} {'params':>7} {'tokens':>6} {'meshtron s/step':>15} "
-              f"{'HF s/step':>9} {'ratio':>6} {'meshtron tok/s':>14} {'HF tok/s':>8} "
-              f"{'pair ratio':>10}")
+    info = harness.host_info(transformers=transformers.__version__,
+                     torch_threads=torch.get_num_threads())
+    print(harness.host_line(info, f"{info['torch_threads']} torch threads, transformers "
+                          f"{info['transformers']}"))
     print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
           "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF step after")
-    print(header)
+    rows = []
     for name in args.shapes:
-        row = bench_step(name, SHAPES[name], args.steps, args.warmup)
-        rows.append(row)
-        print(f"{name:<10} {row['params'] / 1e6:>6.1f}M {row['batch'] * row['seq']:>6} "
-              f"{row['meshtron_s']:>15.3f} {row['hf_s']:>9.3f} {row['ratio']:>6.3f} "
-              f"{row['meshtron_tokens_per_s']:>14.0f} {row['hf_tokens_per_s']:>8.0f} "
-              f"{row['pair_ratio_median']:>10.3f}")
-    result: dict[str, Any] = {"machine": info, "command": " ".join(sys.argv), "train_step": rows}
+        rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup))
+        print(f"  {name}: meshtron {rows[-1]['meshtron_s']:.3f}, HF {rows[-1]['hf_s']:.3f} "
+              "s/step", flush=True)
+    print()
+    print(harness.markdown_table(
+        ("shape", "params", "tokens / step", "meshtron s/step", "HF s/step", "ratio",
+         "pair ratio", "meshtron tokens/s", "HF tokens/s"),
+        ((r["shape"], f"{r['params'] / 1e6:.1f}M", r["batch"] * r["seq"], f"{r['meshtron_s']:.3f}",
+          f"{r['hf_s']:.3f}", f"{r['ratio']:.3f}", f"{r['pair_ratio_median']:.3f}",
+          f"{r['meshtron_tokens_per_s']:.0f}", f"{r['hf_tokens_per_s']:.0f}") for r in rows)))
+    result = harness.record(info, train_step=rows)
     if args.preprocess_runs > 0:
         pre = bench_preprocess(args.preprocess_runs)
         result["preprocess"] = pre
@@ -199,8 +184,7 @@ def main() -> None:
               f"{', '.join(f'{r:.2f}' for r in pre['runs_mb_per_s'])}), "
               f"{pre['tokens'] / 1e6:.2f}M tokens; tokenizer training "
               f"{pre['tokenizer_train_s']:.1f} s")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The benchmarks' process harness: run a task on every rank of a fresh gloo group.
+"""Run a task on every rank of a fresh gloo group.
 
 ``spawn(task, world, *args, timeout=...)`` starts ``world`` processes with the ``spawn`` start
 method. Each sets ``GLOO_SOCKET_IFNAME=lo`` and one torch thread, joins a gloo group through a
@@ -10,9 +10,7 @@ every rank that failed or returned nothing (killed at the timeout), with its tra
 
 ``task`` is pickled by reference, so it must be a module-level function; a benchmark run as a
 script (``python benchmarks/X.py``) is imported by the children as ``__mp_main__``, which is
-why every script keeps its entry point under ``if __name__ == "__main__":``. The scripts import
-this module as ``from spawn import spawn``: the script's directory is first on ``sys.path``
-(with or without ``PYTHONPATH=.``) and the children inherit that path.
+why every script keeps its entry point under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +52,7 @@ def _worker(task: Callable[..., Any], rank: int, world: int, out_dir: str,
 
 
 def spawn(task: Callable[..., Any], world: int, *args: Any, timeout: float,
-          env: dict[str, str] | None = None) -> list[Any]:
+          env: Mapping[str, str] | None = None) -> list[Any]:
     """``task(rank, world, *args)`` in ``world`` fresh processes, with ``env`` added to their
     environment (set before they start: glibc reads ``MALLOC_*`` at start); the results in
     rank order. The whole group gets ``timeout`` seconds, then what is left is killed."""

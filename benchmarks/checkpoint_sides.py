@@ -1,0 +1,338 @@
+"""The two checkpoint implementations that ``benchmarks/checkpoint.py`` times, behind one
+interface (its docstring says what each does): meshtron's sharded saver and loader, and
+``torch.distributed.checkpoint`` (DCP) on the same model.
+
+A side holds a trained model and optimizer and a fresh pair to load into: ``train(batch)``;
+``save(step, mode)`` ("sync": until written and past the barrier; "async": until the call
+returns, then ``done()``, ``wait()`` and ``finished``, the ``perf_counter`` when the write
+ended); ``load(path)`` into the fresh pair; ``state(fresh)``, everything the checkpoint holds,
+for an exact comparison; ``describe(path)``, the checkpoint's tensor bytes and this rank's
+files; ``checksum_seconds`` and ``recapture_seconds`` (meshtron; None for DCP); ``close()``.
+
+Every call into meshtron the checkpoint benchmark makes is in this module. Imports are inside
+the functions, as in the benchmark: its parent process only launches and prints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SEQ = 64
+VOCAB = 32000
+LR = 1e-4
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    family: str
+    """meshtron or dcp."""
+    world: int
+    zero: int = 0
+
+
+def config(layers: int, world: int) -> Any:
+    """The ``small`` preset with ``layers`` layers, one row of ``SEQ`` tokens per rank."""
+    from meshtron.config import load_config
+
+    return load_config(overrides=[
+        "--model.preset=small", f"--model.num_layers={layers}", f"--model.vocab_size={VOCAB}",
+        f"--train.seq_len={SEQ}", f"--train.global_batch={world}", "--train.micro_batch=1"])
+
+
+def side(cfg: Any, setup: Setup, rank: int, root: Path) -> MeshtronSide | DcpSide:
+    """The side of ``setup`` on this rank, saving under ``root``."""
+    return (MeshtronSide if setup.family == "meshtron" else DcpSide)(cfg, setup, rank, root)
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every leaf of nested dicts and lists, in a fixed order."""
+    if isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from leaves(obj[key], f"{prefix}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from leaves(value, f"{prefix}/{i}")
+    else:
+        yield prefix, obj
+
+
+def same_state(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> bool:
+    """Equal names and exactly equal values (tensors bit for bit, by ``torch.equal``)."""
+    import torch
+
+    if [n for n, _ in a] != [n for n, _ in b]:
+        return False
+    for (_, x), (_, y) in zip(a, b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                    and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def snapshot(state: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    import torch
+
+    return [(n, v.clone() if isinstance(v, torch.Tensor) else v) for n, v in state]
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+
+
+class MeshtronSide:
+    """A trained model and optimizer, a fresh pair to load into, and meshtron's savers."""
+
+    def __init__(self, cfg: Any, setup: Setup, rank: int, root: Path):
+        import torch
+
+        from meshtron.checkpoint.saver import CheckpointSaver
+        from meshtron.parallel.layout import MeshLayout
+        from meshtron.parallel.mesh import ParallelMesh
+        from meshtron.precision.policy import Precision
+
+        self.cfg, self.rank, self.world = cfg, rank, setup.world
+        self.mesh = ParallelMesh(MeshLayout(setup.world), rank)
+        self.model, self.optimizer = self._build(setup.zero, seed=0)
+        self.fresh, self.fresh_optimizer = self._build(setup.zero, seed=1)
+        self.fresh_optimizer.init_state()
+        self.precision = Precision("fp32", torch.device("cpu"))
+        self.savers = {mode: CheckpointSaver(root, rank, setup.world, mode, keep_last=0,
+                                             asynchronous=mode == "async")
+                       for mode in ("sync", "async")}
+        self.opened: list[str] = []
+        self.pieces: list[Any] = []
+        self.finished: float | None = None
+
+    def _build(self, zero: int, seed: int) -> tuple[Any, Any]:
+        from meshtron.models.init import initialize
+        from meshtron.models.transformer import Transformer
+        from meshtron.optim.data_parallel import DataParallelOptimizer
+
+        model = Transformer(self.cfg.model, self.mesh)
+        initialize(model, seed=seed, std=self.cfg.model.init_std,
+                   num_layers=self.cfg.model.num_layers)
+        model.train()
+        return model, DataParallelOptimizer(model, self.mesh, self.cfg.train, zero=zero,
+                                            bucket_mb=25.0)
+
+    def train(self, batch: Any) -> None:
+        from meshtron.training.step import train_step
+
+        mine = batch[self.rank : self.rank + 1]
+        train_step(self.model, self.optimizer, mine, self.mesh, global_tokens=self.world * SEQ,
+                   micro_batch=1, lr=LR, grad_clip=self.cfg.train.grad_clip,
+                   precision=self.precision)
+
+    def save(self, step: int, mode: str) -> tuple[Path, dict[str, float]]:
+        """Capture and save (sync: until written and past the barrier; async: until the call
+        returns)."""
+        import torch.distributed as dist
+
+        from meshtron.checkpoint import train_state
+
+        start = time.perf_counter()
+        pieces = train_state.capture(self.model, self.optimizer, self.mesh)
+        captured = time.perf_counter()
+        path = self.savers[mode].save(step, pieces, train_state.optimizer_meta(self.optimizer),
+                                      {})
+        if mode == "sync":
+            dist.barrier()
+        else:
+            self.pieces, self.finished = pieces, None
+            self.savers[mode].pending[1].add_done_callback(self._finish)
+        return path, {"prepare_s": captured - start, "call_s": time.perf_counter() - captured}
+
+    def _finish(self, _: Any) -> None:
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        pending = self.savers["async"].pending
+        return pending is None or pending[1].done()
+
+    def wait(self) -> None:
+        self.savers["async"].wait()
+
+    def load(self, path: Path) -> None:
+        from meshtron.checkpoint import train_state
+        from meshtron.checkpoint.store import open_checkpoint
+
+        manifest, reader = open_checkpoint(path)
+        train_state.restore(path, manifest, reader, self.fresh, self.fresh_optimizer, self.mesh)
+        self.opened = sorted(reader._open)
+
+    def state(self, fresh: bool = False) -> list[tuple[str, Any]]:
+        """Everything this rank's checkpoint holds of the model and optimizer."""
+        import torch
+
+        from meshtron.checkpoint.held import held_tensors
+
+        model, optimizer = (self.fresh, self.fresh_optimizer) if fresh else (self.model,
+                                                                             self.optimizer)
+        out: list[tuple[str, Any]] = [(h.name, h.flat)
+                                      for h in held_tensors(model, optimizer, self.mesh)]
+        return out + [("steps", torch.tensor(optimizer.steps_taken))]
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        """Tensor bytes in the checkpoint (manifest) and the bytes of this rank's files."""
+        from meshtron.checkpoint.shards import DTYPES, shard_name
+        from meshtron.checkpoint.store import read_manifest
+
+        manifest = read_manifest(path)
+        total = sum(math.prod(piece["size"]) * DTYPES[entry["dtype"]].itemsize
+                    for entry in manifest["tensors"].values() for piece in entry["pieces"])
+        sizes = file_sizes(path)
+        mine = [f"{shard_name(self.rank)}.safetensors", f"{shard_name(self.rank)}.json"]
+        if self.rank == 0:
+            mine += ["meta.json"]
+        return {"tensor_bytes": total, "files": sizes,
+                "written_bytes": sum(sizes.get(f, 0) for f in mine)}
+
+    def recapture_seconds(self) -> float:
+        """Time of copying this rank's pieces once more into the buffers of the last capture,
+        now in memory: what a capture that reused its buffers would cost."""
+        import torch
+
+        from meshtron.checkpoint.held import held_tensors
+
+        start = time.perf_counter()
+        buffers = iter(self.pieces)
+        with torch.no_grad():
+            for held in held_tensors(self.model, self.optimizer, self.mesh):
+                if held.writes:
+                    for local_box, _ in held.boxes():
+                        next(buffers).data.copy_(held.view(local_box))
+        return time.perf_counter() - start
+
+    def checksum_seconds(self, path: Path) -> float:
+        """Time of ``sha256`` over the files this rank's last load opened."""
+        from meshtron.checkpoint.shards import sha256
+
+        start = time.perf_counter()
+        for name in self.opened:
+            sha256(path / name)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for saver in self.savers.values():
+            saver.close()
+
+
+class DcpSide:
+    """The same model under plain torch (DDP when dp=2), saved and loaded with DCP."""
+
+    def __init__(self, cfg: Any, setup: Setup, rank: int, root: Path):
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.cfg, self.rank, self.world, self.root = cfg, rank, setup.world, root
+        self.pg = dist.new_group(backend="gloo")
+        self.model, self.net, self.optimizer = self._build(seed=0)
+        self.fresh, self.fresh_net, self.fresh_optimizer = self._build(seed=1)
+        get_state_dict(self.fresh_net, self.fresh_optimizer)  # allocates the AdamW state
+        self.future: Any = None
+        self.finished: float | None = None
+
+    def _build(self, seed: int) -> tuple[Any, Any, Any]:
+        import torch
+
+        from meshtron.models.init import initialize
+        from meshtron.models.transformer import Transformer
+        from meshtron.optim.adamw import build_adamw, set_learning_rate
+
+        model = Transformer(self.cfg.model)
+        initialize(model, seed=seed, std=self.cfg.model.init_std,
+                   num_layers=self.cfg.model.num_layers)
+        model.train()
+        net = torch.nn.parallel.DistributedDataParallel(model) if self.world > 1 else model
+        optimizer = build_adamw(model, self.cfg.train)
+        set_learning_rate(optimizer, LR)
+        return model, net, optimizer
+
+    def train(self, batch: Any) -> None:
+        import torch
+
+        mine = batch[self.rank : self.rank + 1]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model.loss_sum(self.net(mine[:, :-1]), mine[:, 1:])
+        (loss / SEQ).backward()  # DDP averages over ranks: the global mean, as meshtron's
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip,
+                                       foreach=True)
+        self.optimizer.step()
+
+    def save(self, step: int, mode: str) -> tuple[Path, dict[str, float]]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = self.root / f"{mode}_{step:08d}"
+        start = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(self.net, self.optimizer)
+        prepared = time.perf_counter()
+        state = {"model": model_sd, "optim": optim_sd}
+        if mode == "sync":
+            dcp.save(state, checkpoint_id=path, process_group=self.pg)
+        else:
+            self.future, self.finished = dcp.async_save(state, checkpoint_id=path,
+                                                        process_group=self.pg), None
+            self.future.add_done_callback(self._finish)
+        return path, {"prepare_s": prepared - start, "call_s": time.perf_counter() - prepared}
+
+    def _finish(self, _: Any) -> None:
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+    def load(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.fresh_net, self.fresh_optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path, process_group=self.pg)
+        set_state_dict(self.fresh_net, self.fresh_optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def state(self, fresh: bool = False) -> list[tuple[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        net, optimizer = (self.fresh_net, self.fresh_optimizer) if fresh else (self.net,
+                                                                               self.optimizer)
+        model_sd, optim_sd = get_state_dict(net, optimizer)
+        return list(leaves({"model": model_sd, "optim": optim_sd}))
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        total = sum(math.prod(m.size) * m.properties.dtype.itemsize
+                    for m in metadata.state_dict_metadata.values()
+                    if isinstance(m, TensorStorageMetadata))
+        sizes = file_sizes(path)
+        written = sum(size for name, size in sizes.items()
+                      if name.startswith(f"__{self.rank}_")
+                      or (self.rank == 0 and name == ".metadata"))
+        return {"tensor_bytes": total, "files": sizes, "written_bytes": written}
+
+    def checksum_seconds(self, path: Path) -> float | None:
+        return None
+
+    def recapture_seconds(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        self.wait()
