@@ -17,7 +17,7 @@ seed 1, so a load visibly changes them. Processes are spawned by ``benchmarks/ha
 (gloo, one torch thread each); dp=2 configurations run in two processes, the others in one
 (``checkpoint_sides.py`` holds both implementations):
 
-- ``meshtron dp=2 zero=1``: ``DataParallelOptimizer(zero=1)`` (ZeRO-1: each rank holds half of
+- ``meshtron dp=2 zero=1``: ``build_optimizer(zero=1)`` (ZeRO-1: each rank holds half of
   the AdamW moments) and ``train_step``. Saving: ``train_state.capture`` (host copies of this
   rank's pieces), ``CheckpointSaver.save`` (``safetensors`` shard, fsync, sha256, shard index;
   rank 0 then waits for every index and writes the manifest, renames the directory and points

@@ -95,8 +95,7 @@ class MeshtronSide:
         import torch
 
         from meshtron.checkpoint.saver import CheckpointSaver
-        from meshtron.parallel.layout import MeshLayout
-        from meshtron.parallel.mesh import ParallelMesh
+        from meshtron.parallel.mesh import MeshLayout, ParallelMesh
         from meshtron.precision.policy import Precision
 
         self.cfg, self.rank, self.world = cfg, rank, setup.world
@@ -115,14 +114,14 @@ class MeshtronSide:
     def _build(self, zero: int, seed: int) -> tuple[Any, Any]:
         from meshtron.models.init import initialize
         from meshtron.models.transformer import Transformer
-        from meshtron.optim.data_parallel import DataParallelOptimizer
+        from meshtron.optim.data_parallel import build_optimizer
 
         model = Transformer(self.cfg.model, self.mesh)
         initialize(model, seed=seed, std=self.cfg.model.init_std,
                    num_layers=self.cfg.model.num_layers)
         model.train()
-        return model, DataParallelOptimizer(model, self.mesh, self.cfg.train, zero=zero,
-                                            bucket_mb=25.0)
+        return model, build_optimizer(model, self.mesh, self.cfg.train, zero=zero,
+                                      bucket_mb=25.0)
 
     def train(self, batch: Any) -> None:
         from meshtron.training.step import train_step
@@ -142,7 +141,7 @@ class MeshtronSide:
         start = time.perf_counter()
         pieces = train_state.capture(self.model, self.optimizer, self.mesh)
         captured = time.perf_counter()
-        path = self.savers[mode].save(step, pieces, train_state.optimizer_meta(self.optimizer),
+        path = self.savers[mode].save(step, pieces, train_state.state_meta(self.optimizer, None),
                                       {})
         if mode == "sync":
             dist.barrier()

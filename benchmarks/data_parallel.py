@@ -19,10 +19,10 @@ every configuration starts from the same weights; step ``i`` uses the same rando
 parameter groups and training defaults (lr 3e-3 constant, betas 0.9/0.95, weight decay 0.1 on
 matrices only) and gradient clipping at 1.0:
 
-- ``meshtron zero=Z``: ``DataParallelOptimizer(model, mesh, cfg.train, zero=Z,
+- ``meshtron zero=Z``: ``build_optimizer(model, mesh, cfg.train, zero=Z,
   bucket_mb=--bucket-mb)`` and ``train_step`` (fp32 ``Precision``), ``mesh =
-  ParallelMesh(MeshLayout(2), rank)``. Stage 0 updates with ``torch.optim.AdamW(foreach=True)``,
-  stages 1-3 with meshtron's ``ShardedAdamW``.
+  ParallelMesh(plan.layout, rank)`` from the run plan (dp=2). Stage 0 updates with
+  ``torch.optim.AdamW(foreach=True)``, stages 1-3 with meshtron's ``ShardedAdamW``.
 - ``DDP``: ``torch.nn.parallel.DistributedDataParallel`` around a one-process-mesh
   ``Transformer`` (``bucket_cap_mb`` = ``--bucket-mb``), ``torch.optim.AdamW(foreach=True)``
   (``build_adamw``), ``clip_grad_norm_``.
@@ -141,20 +141,21 @@ def build(setup: Setup, rank: int, bucket_mb: float, lr: float
         return mine[:, :-1], mine[:, 1:]
 
     if setup.family == "meshtron":
-        from meshtron.optim.data_parallel import DataParallelOptimizer
-        from meshtron.parallel.layout import MeshLayout
+        from meshtron.optim.data_parallel import build_optimizer
         from meshtron.parallel.mesh import ParallelMesh
+        from meshtron.plan import plan_run
         from meshtron.precision.policy import Precision
         from meshtron.training.step import train_step
 
-        mesh = ParallelMesh(MeshLayout(WORLD), rank)
-        model = Transformer(cfg.model, mesh)
+        plan = plan_run(cfg, WORLD)
+        mesh = ParallelMesh(plan.layout, rank)
+        model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
         initialize(model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
         model.train()
         info["numel"] = sum(p.numel() for p in model.parameters())
-        optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=setup.zero,
-                                          bucket_mb=bucket_mb)
+        optimizer = build_optimizer(model, mesh, cfg.train, zero=setup.zero,
+                                    bucket_mb=bucket_mb)
         precision = Precision("fp32", torch.device("cpu"))
         info["padded"] = sum(b.padded for b in optimizer.reducer.buckets)
         info["buckets"] = len(optimizer.reducer.buckets)

@@ -10,9 +10,10 @@ and on a CPU, to check the script itself (a tiny model, 2 steps per mode)::
 
 The model (1.26B parameters): 24 layers, hidden 2048, 16 heads, 8 kv heads, ffn 5632, vocab
 32000, untied embeddings, sequence 2048. It runs through meshtron's own training stack, built as
-``meshtron/training/trainer.py`` does (``Transformer`` on a single-process mesh, ``initialize``,
-``Precision.cast_parameters``, ``use_fp8`` with the trainer's ``fp8_options``,
-``DataParallelOptimizer`` with fp32 master weights, ``train_step``), on random token batches.
+``meshtron/training/trainer.py`` does (the run plan, ``Transformer`` on a single-process mesh
+with ``ModelOptions(fp8=...)`` from the trainer's ``fp8_options``,
+``Precision.cast_parameters``, ``build_optimizer`` with fp32 master weights, ``train_step``), on
+random token batches.
 Modes: ``bf16`` (bf16 parameters and activations) and ``tensorwise``, ``delayed`` and
 ``blockwise`` FP8 (bf16 elsewhere). Tensor-wise and delayed FP8 products use
 ``torch._scaled_mm`` where the device allows (``--gemm``); block-wise FP8 is emulated (fp32
@@ -51,9 +52,10 @@ from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.parallel.linear import FP8Options
+from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.parallel.tensor.linear import FP8Options
+from meshtron.plan import plan_run
 from meshtron.precision.fp8 import E4M3, E5M2, GEMMS, check_gemm, scaled_mm_supported
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
@@ -89,7 +91,7 @@ LLAMA_1B = Shape(
 )
 SMOKE = Shape(
     ("--model.preset=tiny", "--model.num_layers=2", "--model.hidden_size=128",
-     "--model.num_heads=4", "--model.num_kv_heads=2", "--model.ffn_hidden_size=256",
+     "--model.num_heads=4", "--model.num_kv_heads=4", "--model.ffn_hidden_size=256",
      "--model.vocab_size=512"),
     seq=64, micro_batch=2,
 )
@@ -127,27 +129,27 @@ def sync(device: torch.device) -> None:
 def build_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device,
                gemm: str) -> Callable[[torch.Tensor], float]:
     """One training step of this mode on a batch (its loss), through meshtron's stack built as
-    the trainer builds it, from the ``initial`` weights."""
-    mesh = ParallelMesh.single()
-    model = Transformer(cfg.model, mesh)
+    the trainer builds it (from the run plan), from the ``initial`` weights."""
+    plan = plan_run(cfg, 1)
+    mesh = ParallelMesh(plan.layout, 0)
+
+    def options() -> FP8Options:
+        opts = fp8_options(cfg.precision, mesh)
+        if cfg.precision.fp8 != "blockwise":
+            opts.recipe.gemm = check_gemm(gemm)
+        return opts
+
+    fp8 = options if cfg.precision.fp8 != "none" else None
+    model = Transformer(plan.model, mesh, plan.model_options(0, fp8=fp8))
     model.load_state_dict(initial)
     model.to(device).train()
     precision = Precision(cfg.precision.dtype, device)
     precision.cast_parameters(model)
-    if cfg.precision.fp8 != "none":
-        def options() -> FP8Options:
-            opts = fp8_options(cfg.precision, mesh)
-            if cfg.precision.fp8 != "blockwise":
-                opts.recipe.gemm = check_gemm(gemm)
-            return opts
-
-        model.use_fp8(options)
-    model.set_recompute(cfg.train.recompute)
-    optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
-    mb = cfg.train.micro_batch
+    optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
+    mb = plan.micro_batch
 
     def step(batch: torch.Tensor) -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=mb * cfg.train.seq_len,
+        return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
                           micro_batch=mb, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
                           precision=precision).loss
 

@@ -12,17 +12,17 @@ E experts; top-2, softmax router, dropless, no shared expert, SwiGLU experts of
 ``--expert-ffn`` x H hidden units) three modules run forward + backward on the same
 ``[1, --tokens, H]`` fp32 input and output gradient:
 
-- ``grouped``: ``meshtron.models.moe.MoE(cfg.model, TPRegion(mesh.tp), mesh, shared=None)`` on
-  ``ParallelMesh.single()`` with ``model.moe.compute=grouped`` (one ``torch._grouped_mm`` per
+- ``grouped``: ``meshtron.models.moe.MoE(cfg.model, TPRegion(mesh.tp), mesh, shared=None, ...)``
+  on ``ParallelMesh.single()`` with ``model.moe.compute=grouped`` (one ``torch._grouped_mm`` per
   projection);
 - ``loop``: the same layer with ``model.moe.compute=loop`` (one matmul per expert, ``split`` /
   ``cat``);
-- ``dense``: ``meshtron.models.transformer.MLP`` with ``ffn = top_k x expert ffn``: the same
+- ``dense``: ``meshtron.models.blocks.MLP`` with ``ffn = top_k x expert ffn``: the same
   active expert parameters per token and the same GEMM FLOPs (the MoE adds its router).
 
 All three are initialised by ``meshtron.models.init.initialize`` (seed 1234), so ``grouped`` and
 ``loop`` hold identical weights; their outputs and input gradients are compared (printed max
-abs difference). The layers run in training mode with ``loss_weight = 1 / tokens`` so the
+abs difference). The layers run in training mode with a loss weight of ``1 / tokens`` so the
 balance loss's gradient is part of backward, as in a training step. Timing: 2 warm-up rounds,
 then ``--reps`` rounds; in each round every module runs once, in an order that rotates every
 round. Per module: median wall time (``perf_counter``) and median thread CPU time
@@ -105,22 +105,25 @@ def layer_config(size: Size, expert_ffn: int, compute: str) -> Any:
 
 def build_layers(size: Size, expert_ffn: int, tokens: int) -> dict[str, torch.nn.Module]:
     """The three modules of one size, initialised from the same seed."""
+    from meshtron.models.arch import architecture_of
+    from meshtron.models.blocks import MLP
     from meshtron.models.init import initialize
     from meshtron.models.moe import MoE
-    from meshtron.models.transformer import MLP
     from meshtron.parallel.mesh import ParallelMesh
-    from meshtron.parallel.tensor import TPRegion
+    from meshtron.parallel.tensor.layers import TPRegion
+    from meshtron.parallel.tensor.linear import PLAIN
 
     mesh = ParallelMesh.single()
     region = TPRegion(mesh.tp)
     layers: dict[str, torch.nn.Module] = {}
     for variant in VARIANTS:
         cfg = layer_config(size, expert_ffn, "loop" if variant == "loop" else "grouped")
+        arch = architecture_of(cfg)
         if variant == "dense":
-            layer: torch.nn.Module = MLP(cfg, region, ffn=TOP_K * expert_ffn)
+            layer: torch.nn.Module = MLP(cfg, arch, region, PLAIN, ffn=TOP_K * expert_ffn)
         else:
-            layer = MoE(cfg, region, mesh, shared=None)
-            layer.loss_weight = 1.0 / tokens
+            layer = MoE(cfg, region, mesh, shared=None, gated=arch.gated_mlp,
+                        loss_weight=lambda: 1.0 / tokens)
         initialize(layer, seed=SEED, std=cfg.init_std, num_layers=cfg.num_layers)
         layers[variant] = layer.train()
     return layers
@@ -258,8 +261,7 @@ def ep_overrides(cache_dir: str, run_dir: str, steps: int, ep: int) -> list[str]
 def train_layout(rank: int, overrides: list[str]) -> dict[str, Any]:
     """One Trainer run on this rank; losses, and on rank 0 the metrics rows."""
     from meshtron.config import load_config
-    from meshtron.parallel.layout import MeshLayout
-    from meshtron.parallel.mesh import ParallelMesh
+    from meshtron.parallel.mesh import MeshLayout, ParallelMesh
     from meshtron.training import trainer as trainer_module
     from meshtron.training.trainer import Trainer
 

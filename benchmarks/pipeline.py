@@ -11,16 +11,18 @@ Run from the repository root::
 768, vocab 4096, untied output; 8.4M parameters), seq 128, global batch 16 split into
 micro-batches of 2 (M = 8), fp32, on ``pp`` spawned gloo processes (one per pipeline stage,
 ``MeshLayout(pp, tp=1, cp=1, pp=pp)``, no data parallelism) with one torch thread each. The
-layers are split evenly, as torch's stages are: ``plan_pipeline(..., explicit=[L / (pp * vpp)]
-* (pp * vpp))``; virtual stage ``c * pp + s`` (chunk ``c`` of stage ``s``) holds the embedding
-when it is the first and the final norm, output layer and loss when it is the last. Weights come
+layers are split evenly, as torch's stages are (``parallel.pp_layers`` = L / (pp * vpp) per
+virtual stage, through the run plan, ``plan_run``); virtual stage ``c * pp + s`` (chunk ``c``
+of stage ``s``) holds the embedding when it is the first and the final norm, output layer and
+loss when it is the last. Weights come
 from meshtron's seeded ``initialize``, so every configuration starts from the same weights, and
 step ``i`` trains on the same random global batch everywhere. AdamW with meshtron's parameter
 groups and training defaults (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on matrices) and
 gradient clipping at 1.0 over the whole pipeline:
 
-- ``meshtron <schedule>``: ``build_schedule(schedule, pp, vpp, 8)``, ``PipelineExecutor``,
-  ``DataParallelOptimizer(zero=0)`` (``torch.optim.AdamW(foreach=True)``) and ``train_step``
+- ``meshtron <schedule>``: the plan's schedule (``build_schedule(schedule, pp, vpp, 8)``),
+  ``PipelineExecutor``, ``build_optimizer(zero=0)`` (``torch.optim.AdamW(foreach=True)``) and
+  ``train_step``
   (fp32 ``Precision``): loss sum / global tokens per micro-batch, backward, global grad norm
   (all-reduce over the model group), clip, update, loss all-reduced over pp.
 - ``torch <schedule>``: ``torch.distributed.pipelining.PipelineStage`` around each of this
@@ -92,12 +94,11 @@ from meshtron.config import Config, load_config
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.adamw import build_adamw
-from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.partition import PipelinePlan, plan_pipeline
-from meshtron.parallel.pipeline import PipelineExecutor
-from meshtron.parallel.schedules import build_schedule
+from meshtron.optim.data_parallel import build_optimizer
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.plan import RunPlan, plan_run
 from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
 
@@ -118,13 +119,14 @@ class Shape:
     def microbatches(self) -> int:
         return self.global_batch // self.micro_batch
 
-    def config(self) -> Config:
+    def config(self, *extra: str) -> Config:
         return load_config(overrides=[
             "--model.preset=tiny", f"--model.num_layers={self.layers}",
             f"--model.hidden_size={self.hidden}", f"--model.num_heads={self.heads}",
             f"--model.num_kv_heads={self.kv_heads}", f"--model.ffn_hidden_size={self.ffn}",
             f"--model.vocab_size={self.vocab}", f"--train.seq_len={self.seq}",
             f"--train.global_batch={self.global_batch}", f"--train.micro_batch={self.micro_batch}",
+            *extra,
         ])
 
 
@@ -177,13 +179,16 @@ class StageChunk(nn.Module):
         return self._model[0](x, chunk=self.chunk)
 
 
-def _stages(s: Shape, mesh: ParallelMesh, vpp: int) -> tuple[PipelinePlan, Transformer]:
-    """The even layer split over ``pp * vpp`` virtual stages, and this rank's seeded model."""
-    cfg = s.config()
-    stages = mesh.pp.size * vpp
-    plan = plan_pipeline(cfg.model, mesh.pp.size, vpp, s.seq,
-                         explicit=[s.layers // stages] * stages)
-    model = Transformer(cfg.model, mesh, sequence_parallel=False, plan=plan)
+def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str
+            ) -> tuple[RunPlan, Transformer]:
+    """The plan with an even layer split over ``pp * vpp`` virtual stages (as torch's stages
+    are), and this rank's seeded model built from it."""
+    pp, stages = mesh.pp.size, mesh.pp.size * vpp
+    cfg = s.config(f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
+                   f"--parallel.schedule={schedule}",
+                   f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}")
+    plan = plan_run(cfg, pp)
+    model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     return plan, model.train()
 
@@ -192,16 +197,16 @@ Step = Callable[[torch.Tensor], float]
 
 
 def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh) -> tuple[Step, PipelineExecutor]:
-    cfg = s.config()
-    plan, model = _stages(s, mesh, setup.vpp)
-    schedule = build_schedule(setup.schedule, mesh.pp.size, setup.vpp, s.microbatches)
-    executor = PipelineExecutor(model, mesh, plan, schedule, cfg.model.hidden_size)
-    optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
+    plan, model = _stages(s, mesh, setup.vpp, setup.schedule)
+    cfg = plan.config
+    executor = PipelineExecutor(model, mesh, plan.partition, plan.schedule,
+                                cfg.model.hidden_size)
+    optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
     precision = Precision("fp32", torch.device("cpu"))
 
     def step(batch: torch.Tensor) -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=s.global_batch * s.seq,
-                          micro_batch=s.micro_batch, lr=cfg.train.lr,
+        return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
+                          micro_batch=plan.micro_batch, lr=cfg.train.lr,
                           grad_clip=cfg.train.grad_clip, precision=precision,
                           pipeline=executor).loss
 
@@ -209,10 +214,11 @@ def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh) -> tuple[Step, Pi
 
 
 def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
-    cfg = s.config()
-    plan, model = _stages(s, mesh, setup.vpp)
-    count = plan.virtual_stages
-    stages = [pipelining.PipelineStage(StageChunk(model, c), plan.virtual_stage(mesh.pp.rank, c),
+    plan, model = _stages(s, mesh, setup.vpp, "interleaved" if setup.vpp > 1 else "1f1b")
+    cfg, partition = plan.config, plan.partition
+    count = partition.virtual_stages
+    stages = [pipelining.PipelineStage(StageChunk(model, c),
+                                       partition.virtual_stage(mesh.pp.rank, c),
                                        count, torch.device("cpu")) for c in range(setup.vpp)]
     global_tokens = s.global_batch * s.seq
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from meshtron.parallel.schedules import Schedule
+from meshtron.parallel.pipeline.schedules import Schedule
 
 
 def trace_summary(trace: list[tuple[Any, float, float]]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ baseline memory is the same; only the layer workers import megatron-core (about 
    768, ``--vocab`` 1024, sequence 128, micro-batch 4; fp32), tp=2, five variants:
 
    ``meshtron`` / ``meshtron+sp``
-       ``meshtron.models.transformer.Transformer(cfg, ParallelMesh(MeshLayout(2, tp=2), rank),
-       sequence_parallel=...)`` trained by ``meshtron.training.step.train_step`` (forward,
+       ``meshtron.models.transformer.Transformer`` built from the run plan of ``tp=2`` (and
+       ``sp``) on ``ParallelMesh(plan.layout, rank)``, trained by
+       ``meshtron.training.step.train_step`` (forward,
        vocab-parallel loss sum / tokens, backward, gradient sync, global grad norm, clip to
-       ``train.grad_clip``, AdamW through ``DataParallelOptimizer`` with zero 0).
+       ``train.grad_clip``, AdamW through ``build_optimizer`` with zero 0).
    ``dtensor`` / ``dtensor+sp`` / ``dtensor-per-linear``
        the same network written as a plain single-device module (``peers/dtensor_llama.py``:
        the PyTorch TP tutorial's module names, ``nn.RMSNorm``, SDPA with ``enable_gqa`` as
@@ -102,9 +103,9 @@ from meshtron.config import Config, ModelConfig, load_config
 from meshtron.models.init import initial_value, initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.adamw import build_adamw
-from meshtron.optim.data_parallel import DataParallelOptimizer
-from meshtron.parallel.layout import MeshLayout
+from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.plan import plan_run
 from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
 
@@ -117,12 +118,14 @@ VARIANTS = ("meshtron", "dtensor", "dtensor-per-linear", "meshtron+sp", "dtensor
 class Shape(LlamaShape):
     batch: int = 4
 
-    def config(self) -> Config:
+    def config(self, *extra: str) -> Config:
+        """The model and one step's batch (``batch`` sequences, one micro-batch)."""
         return load_config(overrides=[
             "--model.preset=tiny", f"--model.num_layers={self.layers}",
             f"--model.hidden_size={self.hidden}", f"--model.num_heads={self.heads}",
             f"--model.num_kv_heads={self.kv_heads}", f"--model.ffn_hidden_size={self.ffn}",
             f"--model.vocab_size={self.vocab}", f"--train.seq_len={self.seq}",
+            f"--train.global_batch={self.batch}", *extra,
         ])
 
 
@@ -135,18 +138,20 @@ def _tokens(s: Shape) -> torch.Tensor:
 
 
 def build_meshtron(rank: int, s: Shape, sp: bool) -> tuple[nn.Module, Callable[[], float]]:
-    cfg = s.config()
-    mesh = ParallelMesh(MeshLayout(TP, tp=TP), rank)
-    model = Transformer(cfg.model, mesh, sequence_parallel=sp)
+    plan = plan_run(s.config(f"--parallel.tp={TP}", f"--parallel.sp={sp}"), TP)
+    cfg = plan.config
+    mesh = ParallelMesh(plan.layout, rank)
+    model = Transformer(cfg.model, mesh, plan.model_options(mesh.pp.rank))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     model.train()
-    optimizer = DataParallelOptimizer(model, mesh, cfg.train, zero=0,
-                                      bucket_mb=cfg.parallel.bucket_mb)
+    optimizer = build_optimizer(model, mesh, cfg.train, zero=0,
+                                bucket_mb=cfg.parallel.bucket_mb)
     batch, precision = _tokens(s), Precision("fp32", torch.device("cpu"))
 
     def step() -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=s.batch * s.seq,
-                          micro_batch=s.batch, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
+        return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
+                          micro_batch=plan.micro_batch, lr=cfg.train.lr,
+                          grad_clip=cfg.train.grad_clip,
                           precision=precision).loss
 
     return model, step
@@ -258,7 +263,7 @@ def _label_collectives() -> None:
     calling autograd function (DTensor's waits show up as ``_c10d_functional::wait_tensor``)."""
     from torch.autograd.profiler import record_function
 
-    import meshtron.parallel.collectives as collectives
+    import meshtron.parallel.tensor.collectives as collectives
 
     def labelled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*a: Any, **k: Any) -> Any:

@@ -13,9 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 # meshtron: used in build_layer_pair only
-from meshtron.parallel.layout import MeshLayout
-from meshtron.parallel.mesh import ParallelMesh
-from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPRegion
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
 
 TP = 2
 

@@ -4,7 +4,7 @@
 method. Each sets ``GLOO_SOCKET_IFNAME=lo`` and one torch thread, joins a gloo group through a
 ``file://`` rendezvous in a temporary directory, runs ``task(rank, world, *args)``, pickles the
 result (or its traceback) to that directory and leaves through
-:func:`meshtron.parallel.runtime.exit_process`, which avoids gloo's abort at interpreter
+:func:`meshtron.parallel.mesh.process.exit_process`, which avoids gloo's abort at interpreter
 shutdown. The parent returns the results in rank order, or raises :class:`RuntimeError` naming
 every rank that failed or returned nothing (killed at the timeout), with its traceback.
 
@@ -46,7 +46,7 @@ def _worker(task: Callable[..., Any], rank: int, world: int, out_dir: str,
         code = 1
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
-    from meshtron.parallel.runtime import exit_process
+    from meshtron.parallel.mesh.process import exit_process
 
     exit_process(code)  # destroy the group and os._exit: avoids gloo's abort at shutdown
 
