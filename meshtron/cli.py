@@ -19,28 +19,18 @@ from meshtron.errors import MeshtronError
 def _config_reference() -> str:
     """Every config field as '--section.field (default ...): what it does', for
     `meshtron train --help`."""
-    from meshtron.config import MOE_DEFAULTS, Config, config_key
-    from meshtron.config.docs import field_docs, summary
-
-    def fields(obj: object, prefix: str) -> list[str]:
-        out = []
-        docs = field_docs(type(obj))
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            name = f"{prefix}.{config_key(f.name)}"
-            if dataclasses.is_dataclass(value):
-                out += fields(value, name)
-                continue
-            if value is None and prefix == "model.moe":  # unset: the preset's, else this
-                value = MOE_DEFAULTS.get(f.name)
-            out.append(f"    --{name} (default {value!r}): {summary(docs[f.name])}")
-        return out
+    from meshtron.config import MOE_DEFAULTS, Config
+    from meshtron.config.docs import documented_fields, summary
 
     lines = ["config fields (set in --config YAML or as --section.field=value):"]
     defaults = Config()
     for section in dataclasses.fields(Config):
-        lines.append(f"  {section.name}: {summary(type(getattr(defaults, section.name)).__doc__)}")
-        lines += fields(getattr(defaults, section.name), section.name)
+        values = getattr(defaults, section.name)
+        lines.append(f"  {section.name}: {summary(type(values).__doc__)}")
+        for key, attr, value, doc in documented_fields(values, section.name):
+            if value is None and key.startswith("model.moe."):  # unset: the preset's, or this
+                value = MOE_DEFAULTS.get(attr)
+            lines.append(f"    --{key} (default {value!r}): {summary(doc)}")
     return "\n".join(lines)
 
 

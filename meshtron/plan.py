@@ -66,11 +66,6 @@ class RunPlan:
         """Tokens of one global batch: every micro-batch's loss is divided by this count."""
         return self.config.train.global_batch * self.config.train.seq_len
 
-    @property
-    def zero(self) -> int:
-        """The ZeRO stage that runs: with one data-parallel rank there is nothing to shard."""
-        return self.config.parallel.zero if self.dp * self.layout.cp > 1 else 0
-
     def model_options(self, pp_rank: int, *, fp8: Callable[[], FP8Options] | None = None,
                       aux_loss_weight: Callable[[], float] = no_aux_gradient) -> ModelOptions:
         """What the model of pipeline stage ``pp_rank`` is built with."""

@@ -12,7 +12,11 @@ import dataclasses
 import inspect
 import re
 import textwrap
+from collections.abc import Iterator
 from functools import cache
+from typing import Any
+
+from meshtron.config.sections import config_key
 
 
 @cache
@@ -33,6 +37,18 @@ def field_docs(cls: type) -> dict[str, str]:
 def summary(doc: str) -> str:
     """The first sentence of ``doc`` on one line (a sentence ends at '. ' or the end)."""
     return re.split(r"(?<!\.)\.\s", " ".join(doc.split()), maxsplit=1)[0].rstrip(".")
+
+
+def documented_fields(section: Any, prefix: str) -> Iterator[tuple[str, str, Any, str]]:
+    """(dotted key, attribute name, value, documentation) of every field of the config section
+    ``section`` named ``prefix``, nested sections (``model.moe``) walked in place."""
+    docs = field_docs(type(section))
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}.{config_key(f.name)}"
+        if dataclasses.is_dataclass(value):
+            yield from documented_fields(value, key)
+        else:
+            yield key, f.name, value, docs.get(f.name, "")
 
 
 def undocumented(cls: type) -> list[str]:

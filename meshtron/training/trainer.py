@@ -130,12 +130,12 @@ class Trainer:
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
         self.precision.cast_parameters(self.model)
-        if p.zero and not plan.zero:
-            self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
-                     "shard, running as zero 0")
         self.optimizer = build_optimizer(self.model, self.mesh, cfg.train, zero=p.zero,
                                          bucket_mb=p.bucket_mb,
                                          reduce_dtype=self.precision.reduce_dtype)
+        if p.zero and not self.optimizer.stage:
+            self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
+                     "shard, running as zero 0")
         self.micro_batch = plan.micro_batch
         self.dp_share = plan.dp_share
         self.pipeline = None
