@@ -110,6 +110,18 @@ def test_presets_give_published_sizes():
     assert deepseek.moe.groups == 8 and deepseek.moe.score == "sigmoid"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("extra", [[], ["--model.moe.shared_experts=1"],
+                                   ["--model.moe.dense_layers=1"]])
+def test_moe_parameter_count_matches_the_model(arch, extra):
+    """``model_size`` counts every trained parameter (the selection bias is state, not one)."""
+    from meshtron.models.transformer import Transformer
+
+    cfg = moe_config(f"--model.arch={arch}", "--model.num_layers=2", *extra)
+    model = Transformer(cfg)
+    assert model_size(cfg).params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def test_nested_moe_section_round_trips_through_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  preset: tiny-moe\n  moe:\n    top_k: 1\n    capacity_factor: 1.5\n")
