@@ -158,6 +158,36 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     if p.sp:
         require(t.seq_len % tp == 0,
                 f"parallel.sp needs train.seq_len={t.seq_len} divisible by parallel.tp={tp}")
+    if layout.cp > 1:
+        _check_context(cfg, layout)
+
+
+def _check_context(cfg: Config, layout: MeshLayout) -> None:
+    """Context parallelism: two equal chunks per cp rank, and what it cannot compose with."""
+    m, p, t, cp, tp = cfg.model, cfg.parallel, cfg.train, layout.cp, layout.tp
+    require(t.seq_len % (2 * cp) == 0, f"parallel.cp={cp} cuts every sequence into 2*cp = "
+            f"{2 * cp} equal chunks: train.seq_len={t.seq_len} is not divisible by {2 * cp}")
+    local = t.seq_len // cp
+    if p.sp or p.etp == 1:
+        require(local % tp == 0, f"train.seq_len / parallel.cp = {local} tokens per cp rank must "
+                f"split over parallel.tp={tp} (sequence parallelism or parallel.etp=1)")
+    if p.cp_comm == "all_to_all":
+        heads, kv = m.num_heads // tp, m.num_kv_heads // min(tp, m.num_kv_heads)
+        require(heads % cp == 0, f"parallel.cp_comm=all_to_all splits this rank's {heads} query "
+                f"heads (model.num_heads / parallel.tp) over parallel.cp={cp}: not divisible; "
+                "use parallel.cp_comm=ring")
+        require(kv % cp == 0 or cp % kv == 0, f"parallel.cp_comm=all_to_all needs this rank's "
+                f"{kv} kv heads and parallel.cp={cp} to divide one another; use "
+                "parallel.cp_comm=ring")
+    require(m.dropout == 0, f"parallel.cp={cp} needs model.dropout=0 (attention dropout masks "
+            "are not split over cp ranks)")
+    require(not (m.is_moe and m.moe.capacity_factor),
+            f"parallel.cp={cp} with model.moe.capacity_factor={m.moe.capacity_factor}: each cp "
+            "rank would decide drops over its own chunks only; use a dropless MoE "
+            "(capacity_factor=0) with context parallelism")
+    require(cfg.precision.fp8 != "blockwise", f"parallel.cp={cp} with precision.fp8=blockwise: "
+            "its weight-gradient tiles run along the tokens that cp splits; use tensorwise or "
+            "delayed scaling")
 
 
 def _batch_split(cfg: Config, dp: int) -> tuple[int, int]:

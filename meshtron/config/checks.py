@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from meshtron.config.sections import (
     AUX_LOSS_SCOPES,
+    CP_COMMS,
     DTYPES,
     EXPERT_COMPUTE,
     FP8_RECIPES,
@@ -53,6 +54,7 @@ def validate(cfg: Config) -> None:
     choice(pc.fp8_grad, ("e5m2", "e4m3"), "precision.fp8_grad")
     choice(pc.fp8_amax, ("max", "most_recent"), "precision.fp8_amax")
     choice(p.schedule, SCHEDULES, "parallel.schedule")
+    choice(p.cp_comm, CP_COMMS, "parallel.cp_comm")
     choice(t.recompute, RECOMPUTE, "train.recompute")
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
@@ -91,12 +93,13 @@ def validate(cfg: Config) -> None:
     require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
     require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
     require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    require(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not implemented yet (the "
-            "mesh reserves the axis); use parallel.cp=1")
     require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     require(not (pc.dtype == "fp64" and pc.fp8 != "none"),
             "precision.dtype=fp64 is for verification runs and does not combine with "
             f"precision.fp8={pc.fp8}")
+    require(d.document_mask or not d.reset_positions,
+            "data.reset_positions restarts positions at document boundaries: it needs "
+            "data.document_mask=true")
     require(not (pc.dtype == "fp64" and pc.reduce_dtype != "fp32"),
             "precision.dtype=fp64 reduces gradients in fp64; leave precision.reduce_dtype at "
             "fp32")

@@ -1,6 +1,7 @@
 """Named model shapes.
 
-``tiny`` (and its mixture-of-experts twin ``tiny-moe``) trains in seconds on a CPU; ``small``
+``tiny`` (its mixture-of-experts twin ``tiny-moe``, and ``tiny-long`` with 16K positions for
+context parallelism) trains in seconds on a CPU; ``small``
 is a ~125M model; the rest are the published shapes of large models (dense and MoE), used for
 planning (parameter counts, FLOPs, the tuner) and never built on a CPU. A preset leaves
 ``vocab_size`` unset when the model should take its tokenizer's size.
@@ -12,6 +13,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
         ffn_hidden_size=768, max_seq_len=1024, tie_embeddings=False,
+    ),
+    "tiny-long": dict(  # tiny at long context: trains with parallel.cp on a CPU
+        arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
+        ffn_hidden_size=768, max_seq_len=16384, tie_embeddings=False,
     ),
     "tiny-moe": dict(
         arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,

@@ -19,6 +19,7 @@ DTYPES = ("fp32", "bf16", "fp16", "fp64")
 REDUCE_DTYPES = ("fp32", "bf16")
 FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CP_COMMS = ("ring", "all_to_all", "all_gather")
 RECOMPUTE = ("none", "selective", "full")
 ROUTER_SCORES = ("softmax", "sigmoid")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence")
@@ -135,7 +136,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages."""
     cp: int = 1
-    """Context-parallel ranks (the mesh reserves the axis; not implemented yet)."""
+    """Context-parallel ranks: every sequence is split over them in 2·cp load-balanced chunks."""
+    cp_comm: str = "ring"
+    """How attention sees the whole sequence under cp: ring (keys and values pass around the
+    cp ranks), all_to_all (sequence split traded for a head split, DeepSpeed-Ulysses) or
+    all_gather (every rank gathers all keys and values, Llama 3)."""
     ep: int = 1
     """Expert-parallel ranks, folded out of the data- and context-parallel ranks."""
     etp: int | None = None
@@ -214,6 +219,10 @@ class DataConfig:
     """Share of each dataset's documents held out for validation."""
     corpus_max_mb: float = 8.0
     """Size cap of the embedded default corpus (the standard library's sources)."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed sequence (documents end with EOS)."""
+    reset_positions: bool = False
+    """Positions restart at every document (with document_mask)."""
 
 
 @dataclass

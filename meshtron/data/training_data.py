@@ -105,6 +105,8 @@ def build_training_data(
         indexed = IndexedDataset(prepare_dataset(item, tokenizer, cache_dir, log))
         if isinstance(item, str):
             _check_vocab(indexed, tokenizer, name)
+        if data_cfg.document_mask:
+            _check_documents(indexed, tokenizer, name)
         train, valid = train_valid_split(indexed, seq_len, data_cfg.valid_fraction, name)
         if len(inputs) > 1:
             log(f"dataset: {name}: {_count(indexed.total_tokens)} tokens, {len(train)} train "
@@ -127,6 +129,18 @@ def _check_vocab(indexed: IndexedDataset, tokenizer: Tokenizer, name: str) -> No
         raise MeshtronError(
             f"{name} holds token id {int(head.max())}, beyond the {tokenizer.vocab_size} tokens "
             f"of {tokenizer.path}; set data.tokenizer to the tokenizer it was made with"
+        )
+
+
+def _check_documents(indexed: IndexedDataset, tokenizer: Tokenizer, name: str) -> None:
+    """Document masks need documents: EOS tokens in the data (checks its first 64M tokens, and
+    is satisfied by a one-document dataset that ends with EOS)."""
+    head = indexed.tokens[:_VOCAB_CHECK_TOKENS]
+    if len(head) and not (head == tokenizer.eos_id).any():
+        raise MeshtronError(
+            f"data.document_mask=true, but {name} holds no EOS token (id {tokenizer.eos_id}), so "
+            "its documents cannot be told apart; preprocess it with meshtron (documents end with "
+            "EOS) or set data.document_mask=false"
         )
 
 

@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from meshtron.config import ModelConfig
 from meshtron.models.architecture import Architecture
 from meshtron.models.moe import MoE
+from meshtron.parallel.context.attention import attend
+from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -31,9 +33,6 @@ from meshtron.parallel.tensor.layers import (
     replicated,
 )
 from meshtron.parallel.tensor.linear import LinearMode
-
-_SDPA_GQA = torch.__version__ >= "2.5"
-"""``scaled_dot_product_attention`` takes ``enable_gqa`` (shares kv heads without copies)."""
 
 
 def make_norm(cfg: ModelConfig, arch: Architecture, region: TPRegion) -> nn.Module:
@@ -54,11 +53,16 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate ``x`` of shape [b, heads, s, head_dim] for positions start..start+s-1."""
-        s = x.shape[-2]
-        cos = self.cos[start : start + s].to(x.dtype)
-        sin = self.sin[start : start + s].to(x.dtype)
+    def forward(self, x: torch.Tensor, start: int = 0,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape [b, heads, s, head_dim] for positions start..start+s-1, or
+        for explicit ``positions`` [b, s]."""
+        if positions is None:
+            s = x.shape[-2]
+            cos, sin = self.cos[start : start + s], self.sin[start : start + s]
+        else:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -83,8 +87,9 @@ class KVCache:
 
 class Attention(nn.Module):
     """Self-attention with heads split over tp; kv heads split or, when fewer than tp ranks,
-    shared by groups of tp / num_kv_heads ranks. ``selective_recompute`` recomputes the
-    attention core in backward instead of keeping its intermediate state."""
+    shared by groups of tp / num_kv_heads ranks. Under context parallelism the core spans the
+    cp ranks (``mesh.layout.cp_comm``: ring or all_to_all). ``selective_recompute`` recomputes
+    the attention core in backward instead of keeping its intermediate state."""
 
     def __init__(self, cfg: ModelConfig, layer: int, arch: Architecture, region: TPRegion,
                  mesh: ParallelMesh, mode: LinearMode, selective_recompute: bool = False):
@@ -104,6 +109,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_heads * d, h, bias, region, mode=mode)
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
+        self.cp, self.cp_comm = mesh.cp, mesh.layout.cp_comm
 
     @staticmethod
     def matmul_params(cfg: ModelConfig) -> int:
@@ -113,25 +119,14 @@ class Attention(nn.Module):
         return qkv + cfg.num_heads * head_dim * cfg.hidden_size
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal unless an explicit mask is given."""
-        gqa = {}
-        if self.num_kv_heads != self.num_heads:
-            # Measured on CPU only: on GPUs which kernels take GQA depends on dtype and torch
-            # version (fp32 may fall back to the math kernel), so they keep the copies.
-            if _SDPA_GQA and q.device.type == "cpu":
-                gqa = {"enable_gqa": True}
-            else:
-                repeat = self.num_heads // self.num_kv_heads
-                k = k.repeat_interleave(repeat, dim=1)
-                v = v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[-2] > 1,
-            dropout_p=self.dropout if self.training else 0.0, **gqa,
-        )
+             mask: torch.Tensor | None, sequence: Sequence | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v over the whole sequence: causal (within documents when
+        ``sequence`` has them) unless an explicit mask is given."""
+        return attend(q, k, v, self.cp, sequence, self.cp_comm, mask=mask,
+                      dropout=self.dropout if self.training else 0.0)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
+                sequence: Sequence | None = None) -> torch.Tensor:
         x = self.region.enter(x)
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
@@ -139,7 +134,8 @@ class Attention(nn.Module):
                 for t in self.kv(x).chunk(2, dim=-1))
         start = cache.length if cache is not None else 0
         if rotary is not None:
-            q, k = rotary(q, start), rotary(k, start)
+            positions = sequence.positions if sequence is not None else None
+            q, k = rotary(q, start, positions), rotary(k, start, positions)
         mask = None
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
@@ -147,9 +143,9 @@ class Attention(nn.Module):
                 keys = torch.arange(start + s, device=x.device)
                 mask = keys[None, :] <= (start + torch.arange(s, device=x.device))[:, None]
         if self.selective_recompute and self.training:
-            y = checkpoint(self.core, q, k, v, mask, use_reentrant=False)
+            y = checkpoint(self.core, q, k, v, mask, sequence, use_reentrant=False)
         else:
-            y = self.core(q, k, v, mask)
+            y = self.core(q, k, v, mask, sequence)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
@@ -204,7 +200,7 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg, arch, region, mode)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotary, cache)
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
+                sequence: Sequence | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary, cache, sequence)
         return x + self.mlp(self.mlp_norm(x))

@@ -246,6 +246,7 @@ class MoE(nn.Module):
         self.moe = moe
         self.region = region
         self.ep = mesh.ep
+        self.cp = mesh.cp
         self.whole_experts = mesh.layout.whole_experts
         """Expert tensor parallel 1: every expert whole; each tp rank routes its share."""
         self.tokens_split = region.sequence_parallel or self.whole_experts
@@ -284,6 +285,8 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         out = F.dropout(out, self.dropout, self.training)
         if self.training and torch.is_grad_enabled():
+            if self.cp.pg is not None:  # balance counts cover the whole sequence
+                chosen = all_gather(chosen.view(b, -1, k), self.cp, dim=1).reshape(-1, k)
             out = self._attach_aux_losses(out, logits, probs, chosen, b)
         return out
 
@@ -347,9 +350,10 @@ class MoE(nn.Module):
         Units (a micro-batch, or each sequence) contribute tokens x Switch loss,
         E / (k T) Σ_e f_e P_e with f_e the copies routed to expert e and P_e the sum of its
         probabilities over the unit's T tokens (1 when perfectly balanced). The counts cover the
-        whole unit on every tp rank; where tp ranks route their own parts of the sequence (SP,
-        whole experts) each sums the probabilities of its own positions, so its gradient is
-        exact and the value is summed over tp for the metrics.
+        whole unit on every tp and cp rank; where tp ranks route their own parts of the sequence
+        (SP, whole experts), and always under cp, each sums the probabilities of its own
+        positions, so its gradient is exact; the value is summed over tp here and over dp x cp
+        with the step's routing statistics.
         """
         moe, num_experts = self.moe, self.moe.num_experts
         per_sequence = moe.aux_loss_scope == "sequence"

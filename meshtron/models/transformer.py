@@ -26,6 +26,7 @@ from meshtron.models.arch import architecture_of
 from meshtron.models.blocks import Block, KVCache, Rotary, make_norm
 from meshtron.models.flops import padded_vocab_size
 from meshtron.models.moe import MoE
+from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.mesh.params import tie_across_pipeline
 from meshtron.parallel.pipeline.partition import StageLayers
@@ -140,19 +141,21 @@ class Transformer(nn.Module):
         return KVCache(self.cfg.num_layers, batch, self.blocks()[0].attn.num_kv_heads, max_len,
                        self.cfg.hidden_size // self.cfg.num_heads, p.dtype, p.device)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
-                chunk: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, chunk: int = 0,
+                sequence: Sequence | None = None) -> torch.Tensor:
         """Logits of token ids ``x``; in a pipeline, chunk ``chunk`` of this stage: token ids
-        or hidden states in, hidden states or (from the model's last chunk) logits out."""
+        or hidden states in, hidden states or (from the model's last chunk) logits out.
+        ``sequence`` says where the tokens sit when the sequence is split over cp or holds
+        masked documents (None: positions 0.. of a plain causal sequence)."""
         new_tokens = x.shape[1]
         if self.has_embedding and chunk == 0:
-            x = self.embed_tokens(x, cache.length if cache is not None else 0)
+            x = self.embed_tokens(x, cache.length if cache is not None else 0, sequence)
         for i in self.chunks[chunk]:
             block = self.layers[str(i)]
             if self.recompute == "full" and self.training:
-                x = checkpoint(block, x, self.rotary, use_reentrant=False)
+                x = checkpoint(block, x, self.rotary, None, sequence, use_reentrant=False)
             else:
-                x = block(x, self.rotary, cache)
+                x = block(x, self.rotary, cache, sequence)
         if not (self.has_head and chunk == len(self.chunks) - 1):
             return x
         if cache is not None:  # generation: one process, one chunk
@@ -160,13 +163,17 @@ class Transformer(nn.Module):
         x = self.region.enter(self.final_norm(x))
         return linear(x, self.output_weight, None, self.grad_store)
 
-    def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor, start: int,
+                     sequence: Sequence | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         if self.rotary is None:
-            positions = self.pos_embed(
-                torch.arange(start, start + tokens.shape[1], device=tokens.device))
+            if sequence is None:
+                index = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+                positions, seq_dim = self.pos_embed(index), 0
+            else:
+                positions, seq_dim = self.pos_embed(sequence.positions), 1
             if self.region.sequence_parallel:
-                positions = local_chunk(positions, self.region.group, dim=0)
+                positions = local_chunk(positions, self.region.group, dim=seq_dim)
             x = x + positions
         return F.dropout(x, self.cfg.dropout, self.training)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.models.arch import architecture_of
+from meshtron.parallel.context.sequence import MicroBatch
 
 
 def formula_covers(cfg: ModelConfig) -> bool:
@@ -55,8 +56,9 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
     return element_size * (2 * norm + attention + mlp)
 
 
-def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes of distinct storages autograd keeps for backward in one forward + loss.
+def measure_saved_bytes(model: nn.Module, batch: torch.Tensor | MicroBatch) -> int:
+    """Bytes of distinct storages autograd keeps for backward in one forward + loss of
+    ``batch`` (token windows [b, S + 1], or a rank's micro-batch).
 
     Parameters and buffers are not activations and are left out. Tensors saved inside an
     activation-checkpointed region are invisible here, so measure with recompute off.
@@ -71,6 +73,7 @@ def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    mb = batch if isinstance(batch, MicroBatch) else MicroBatch(batch[:, :-1], batch[:, 1:])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
+        model.loss_sum(model(mb.tokens, sequence=mb.sequence), mb.targets)
     return sum(seen.values())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from meshtron.optim.data_parallel import DataParallelOptimizer
+from meshtron.parallel.context.sequence import MicroBatch, SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
@@ -27,8 +28,11 @@ class StepResult:
     skipped: bool = False
 
 
-def micro_batches(batch: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
-    return list(batch.split(micro_batch))
+def micro_batches(batch: torch.Tensor, micro_batch: int,
+                  split: SequenceSplit) -> list[MicroBatch]:
+    """Windows [rows, S + 1] in micro-batches of ``micro_batch`` rows, as this rank's model
+    sees them (its cp chunks, positions and documents)."""
+    return [split(window) for window in batch.split(micro_batch)]
 
 
 def train_step(
@@ -43,25 +47,26 @@ def train_step(
     grad_clip: float,
     precision: Precision,
     pipeline: PipelineExecutor | None = None,
+    split: SequenceSplit | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, reduce, clip, and update the weights.
 
     Gradient buckets are reduced over dp x cp while backward runs (on the last micro-batch, or on
     every one under ZeRO-2); a step whose global grad norm is not finite is skipped everywhere.
-    With a ``pipeline`` the micro-batches run through its schedule instead.
+    With a ``pipeline`` the micro-batches run through its schedule instead. ``split`` cuts
+    sequences over cp and numbers documents (default: the mesh's cp, no document mask).
     """
     optimizer.zero_grad()
-    chunks = micro_batches(local_batch, micro_batch)
+    chunks = micro_batches(local_batch, micro_batch, split or SequenceSplit(mesh.cp))
     scale = precision.loss_scale  # the model's MoE losses read the same weight at forward
     if pipeline is not None:
         loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
         for i, mb in enumerate(chunks):
-            inputs, targets = mb[:, :-1], mb[:, 1:]
             optimizer.begin_micro_batch(last=i == len(chunks) - 1)
-            logits = model(inputs)
-            loss = model.loss_sum(logits, targets)
+            logits = model(mb.tokens, sequence=mb.sequence)
+            loss = model.loss_sum(logits, mb.targets)
             (loss * (scale / global_tokens)).backward()
             optimizer.end_micro_batch()
             loss_sum += loss.detach().double()
@@ -81,19 +86,21 @@ def train_step(
 @torch.no_grad()
 def evaluate(model: nn.Module, local_batches: list[torch.Tensor], micro_batch: int,
              global_tokens: int, mesh: ParallelMesh,
-             pipeline: PipelineExecutor | None = None) -> float:
+             pipeline: PipelineExecutor | None = None,
+             split: SequenceSplit | None = None) -> float:
     """Mean token loss over the validation batches (this rank holds its dp share of each)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=local_batches[0].device)
+    split = split or SequenceSplit(mesh.cp)
     for batch in local_batches:
-        chunks = micro_batches(batch, micro_batch)
+        chunks = micro_batches(batch, micro_batch, split)
         if pipeline is not None:
             total += pipeline.evaluate(chunks)
             continue
         for mb in chunks:
-            logits = model(mb[:, :-1])
-            total += model.loss_sum(logits, mb[:, 1:]).double()
+            logits = model(mb.tokens, sequence=mb.sequence)
+            total += model.loss_sum(logits, mb.targets).double()
     model.train(was_training)
     all_reduce(total, mesh.pp)
     return float(all_reduce(total, mesh.dp_cp)) / global_tokens

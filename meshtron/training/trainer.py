@@ -25,6 +25,7 @@ from meshtron.models.moe import step_routing_stats
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import build_optimizer
 from meshtron.optim.lr_schedule import learning_rate
+from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
@@ -79,15 +80,18 @@ def check_resumable(cfg: Config, manifest: dict, path: Path) -> None:
 
 
 def fp8_options(pc: PrecisionConfig, mesh: ParallelMesh) -> FP8Options:
-    """One layer's FP8 settings. Tensor-wise amaxes are agreed over tp, so every layout scales
-    alike (block-wise tiles are local to each shard and need no agreement)."""
+    """One layer's FP8 settings. Tensor-wise amaxes are agreed over tp and cp (the ranks that
+    hold parts of the same tensors), so every layout scales alike (block-wise tiles are local
+    to each shard and need no agreement)."""
+    group = mesh.tp_cp
+
     def agree(amax: torch.Tensor) -> torch.Tensor:
-        return all_reduce(amax, mesh.tp, op=torch.distributed.ReduceOp.MAX)
+        return all_reduce(amax, group, op=torch.distributed.ReduceOp.MAX)
 
     knobs: dict = {"block": pc.fp8_block} if pc.fp8 == "blockwise" else {}
     if pc.fp8 == "delayed":
         knobs = {"history_len": pc.fp8_history, "reduction": pc.fp8_amax}
-    return FP8Options(make_recipe(pc.fp8, agree if mesh.tp.pg is not None else None, **knobs),
+    return FP8Options(make_recipe(pc.fp8, agree if group.pg is not None else None, **knobs),
                       pc.fp8_grad)
 
 
@@ -138,6 +142,8 @@ class Trainer:
                      "shard, running as zero 0")
         self.micro_batch = plan.micro_batch
         self.dp_share = plan.dp_share
+        self.split = SequenceSplit(self.mesh.cp, cfg.data.document_mask,
+                                   cfg.data.reset_positions, self.data.tokenizer.eos_id)
         self.pipeline = None
         if plan.schedule is not None:
             self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
@@ -177,7 +183,8 @@ class Trainer:
     def _log_activation_memory(self) -> None:
         """The formula's activation bytes on this rank (dense llama blocks): one micro-batch
         through its layers, or under a pipeline the peak number of micro-batches its schedule
-        keeps in flight through one chunk each. MoE layers keep routing-dependent amounts, so
+        keeps in flight through one chunk each; under context parallelism this rank's
+        seq_len / cp tokens of each sequence. MoE layers keep routing-dependent amounts, so
         there is no formula for them."""
         cfg, p = self.cfg, self.cfg.parallel
         if not formula_covers(cfg.model):
@@ -188,15 +195,17 @@ class Trainer:
             held = self.pipeline.schedule.peak_in_flight()[self.mesh.pp.rank]
         per_mode = {
             mode: held * layers * activation_bytes_per_layer(
-                cfg.model, self.micro_batch, cfg.train.seq_len, p.tp, p.sp and p.tp > 1, mode)
+                cfg.model, self.micro_batch, cfg.train.seq_len // p.cp, p.tp, p.sp and p.tp > 1,
+                mode)
             for mode in ("none", "selective", "full")
         }
         others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
                            if m != cfg.train.recompute)
         in_flight = f" x {held} micro-batches in flight" if self.pipeline is not None else ""
+        context = f"; {cfg.train.seq_len // p.cp} tokens a sequence (cp={p.cp})" if p.cp > 1 else ""
         self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per rank in the "
-                 f"blocks ({layers} layers{in_flight}; recompute={cfg.train.recompute}; "
-                 f"{others} MiB)")
+                 f"blocks ({layers} layers{in_flight}{context}; recompute="
+                 f"{cfg.train.recompute}; {others} MiB)")
 
     def _log_state_memory(self) -> None:
         """Bytes per parameter this rank keeps between steps, per kind (see precision.md)."""
@@ -278,7 +287,8 @@ class Trainer:
         batches = [self.local_share(self.data.valid_batch(i, t.global_batch))
                    for i in range(t.eval_batches)]
         return evaluate(self.model, batches, self.micro_batch,
-                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.pipeline)
+                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.pipeline,
+                        self.split)
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
@@ -303,7 +313,7 @@ class Trainer:
                     self.model, self.optimizer, batch, self.mesh,
                     global_tokens=tokens_per_step, micro_batch=self.micro_batch,
                     lr=lr, grad_clip=t.grad_clip,
-                    precision=self.precision, pipeline=self.pipeline,
+                    precision=self.precision, pipeline=self.pipeline, split=self.split,
                 )
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

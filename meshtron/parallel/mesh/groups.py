@@ -52,7 +52,8 @@ class ParallelMesh:
     """This rank's coordinates and one :class:`Group` per axis and axis product.
 
     ``tp``, ``cp``, ``dp``, ``pp``: the four axes; ``dp_cp``: the ranks that hold replicas of
-    the same model slice (gradients are summed over it); ``model``: the tp x pp ranks that
+    the same model slice (gradients are summed over it); ``tp_cp``: the ranks that see parts of
+    the same tokens of one model slice; ``model``: the tp x pp ranks that
     together hold one full copy of the model; ``world``: everyone; ``ep`` and ``edp``: the
     expert-parallel and expert-data-parallel groups folded out of dp x cp.
     """
@@ -68,6 +69,10 @@ class ParallelMesh:
         self._subgroups: dict[int, Group] = {}
         self.tp, self.cp, self.dp, self.pp, self.dp_cp, self.model, self.world = (
             self._make(name, layout.groups(axes)) for name, axes in self.AXES.items())
+        self.tp_cp = (self.tp if layout.cp == 1
+                      else self._make("tp_cp", layout.groups(("tp", "cp"))))
+        """The ranks that share one sequence's tokens of a model slice (FP8 amaxes agree over
+        them); the tp group itself without context parallelism."""
         ep_groups, edp_groups = layout.expert_groups()
         self.ep = self._make("ep", ep_groups)
         self.edp = self._make("edp", edp_groups)

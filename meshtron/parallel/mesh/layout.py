@@ -36,6 +36,8 @@ class MeshLayout:
     """Expert tensor parallelism: None or ``tp`` splits experts over tp, 1 keeps them whole."""
     sp: bool = False
     """Sequence parallelism: the residual stream is split over tp by sequence (with tp > 1)."""
+    cp_comm: str = "ring"
+    """How attention spans the cp ranks: ring, all_to_all or all_gather (see parallel/context)."""
 
     def __post_init__(self) -> None:
         model_parallel = self.tp * self.cp * self.pp
@@ -71,7 +73,7 @@ class MeshLayout:
     def of(cls, parallel: ParallelConfig, world_size: int) -> MeshLayout:
         """The layout ``parallel`` (the config section) asks for on ``world_size`` ranks."""
         p = parallel
-        return cls(world_size, p.tp, p.cp, p.pp, p.ep, p.etp, p.sp)
+        return cls(world_size, p.tp, p.cp, p.pp, p.ep, p.etp, p.sp, p.cp_comm)
 
     @property
     def dp(self) -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.parallel.context.sequence import MicroBatch
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.partition import PipelinePartition
 from meshtron.parallel.pipeline.schedules import Action, Schedule
@@ -87,16 +88,16 @@ class PipelineExecutor:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _hidden_shape(self, micro_batch: torch.Tensor) -> torch.Size:
-        seq = micro_batch.shape[1] - 1
+    def _hidden_shape(self, micro_batch: MicroBatch) -> torch.Size:
+        batch, seq = micro_batch.tokens.shape
         region = self.model.region
         if region.sequence_parallel:
             seq //= region.size
-        return torch.Size((micro_batch.shape[0], seq, self.hidden_size))
+        return torch.Size((batch, seq, self.hidden_size))
 
     # ------------------------------------------------------------------ training step
 
-    def train(self, micro_batches: list[torch.Tensor], optimizer: GradientSync, *,
+    def train(self, micro_batches: list[MicroBatch], optimizer: GradientSync, *,
               loss_weight: float) -> torch.Tensor:
         """Forward and backward of every micro-batch through this stage; returns the sum of
         token losses (non-zero on the last stage only). ``loss_weight`` multiplies each
@@ -127,15 +128,15 @@ class PipelineExecutor:
                     self._tag("B", m, vstage))
             elif kind == "F":
                 if vstage == 0:
-                    x = micro_batches[m][:, :-1]
+                    x = micro_batches[m].tokens
                 else:
                     work, x = receives.pop(("F", m, c))
                     work.wait()
                     x.requires_grad_(True)
                 started = time.perf_counter()
-                out = model(x, chunk=c)
+                out = model(x, chunk=c, sequence=micro_batches[m].sequence)
                 if vstage == last_virtual:
-                    loss = model.loss_sum(out, micro_batches[m][:, 1:])
+                    loss = model.loss_sum(out, micro_batches[m].targets)
                     loss_sum += loss.detach().double()
                     out = loss * loss_weight
                 elif out.dtype != dtype:
@@ -182,7 +183,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of token losses of forward passes only (non-zero on the last stage only):
         micro-batch by micro-batch, each through the virtual stages in order."""
         plan, model = self.plan, self.model
@@ -194,14 +195,14 @@ class PipelineExecutor:
             for c in range(plan.vpp):
                 vstage = plan.virtual_stage(self.stage, c)
                 if vstage == 0:
-                    x = micro_batch[:, :-1]
+                    x = micro_batch.tokens
                 else:
                     work, x = self._post_receive(self._hidden_shape(micro_batch), dtype,
                                                  (self.stage - 1) % pp, self._tag("F", m, vstage))
                     work.wait()
-                out = model(x, chunk=c)
+                out = model(x, chunk=c, sequence=micro_batch.sequence)
                 if vstage == plan.virtual_stages - 1:
-                    total += model.loss_sum(out, micro_batch[:, 1:]).double()
+                    total += model.loss_sum(out, micro_batch.targets).double()
                 else:
                     sends.append(self._send(out.to(dtype), (self.stage + 1) % pp,
                                             self._tag("F", m, vstage + 1)))

@@ -1,0 +1,138 @@
+"""Where a rank's tokens sit in their sequences: the load-balanced context-parallel split,
+positions, and the documents of packed sequences.
+
+Under context parallelism every sequence of S tokens is cut into 2·cp chunks of S / (2·cp);
+cp rank i holds chunks i and 2·cp − 1 − i, in that order. With causal attention a chunk's work
+grows with its index, so pairing the i-th cheapest with the i-th most expensive gives every
+rank the same work::
+
+    cp = 2, S = 8:   chunks  [0 1 | 2 3 | 4 5 | 6 7]    rank 0: chunks 0 and 3
+                              c0    c1    c2    c3       rank 1: chunks 1 and 2
+
+Inputs, targets and positions follow the same chunks, so a rank's loss is the token-loss sum
+of its own positions and the global mean needs only the dp × cp sum the gradients already get.
+
+A packed sequence holds several documents, each ending with EOS. With ``data.document_mask``
+a token attends only to earlier tokens of its own document (``documents`` numbers them over the
+whole sequence, so every cp rank can mask any pair of chunks); ``data.reset_positions``
+restarts positions at every document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtron.parallel.mesh.groups import Group
+
+
+def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunk indices cp rank ``rank`` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def split_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of ``x`` along ``dim`` (the whole of ``x`` when cp is 1)."""
+    if cp == 1:
+        return x
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in rank_chunks(rank, cp)], dim=dim)
+
+
+def join_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`split_sequence`: every rank's part (in rank order) -> the sequence."""
+    cp = len(parts)
+    if cp == 1:
+        return parts[0]
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        a, b = rank_chunks(rank, cp)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """What attention and position embeddings need to know of a rank's tokens."""
+
+    positions: torch.Tensor
+    """Position of each local token, [b, L] (global positions, or within-document ones)."""
+    global_index: torch.Tensor
+    """Index in the whole sequence of each local token, [L]: what causality compares."""
+    documents: torch.Tensor | None
+    """Document number of every position of the whole sequence, [b, S]; None: no masking."""
+
+    def local_documents(self) -> torch.Tensor | None:
+        return None if self.documents is None else self.documents[:, self.global_index]
+
+
+def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
+                   q_docs: torch.Tensor | None, k_docs: torch.Tensor | None) -> torch.Tensor:
+    """True where a query may attend to a key: the key is not later in the sequence, and (with
+    documents, [b, Lq] and [b, Lk]) both are in the same document. Shape [b or 1, 1, Lq, Lk]."""
+    allowed = (k_index[None, :] <= q_index[:, None])[None, None]
+    if q_docs is not None:
+        allowed = allowed & (q_docs[:, None, :, None] == k_docs[:, None, None, :])
+    return allowed
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The document of each position of ``tokens`` [b, S]: the number of EOS tokens strictly
+    before it (an EOS belongs to the document it ends)."""
+    ends = (tokens == eos_id).long()
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
+    """Each position's index within its document, [b, S]."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return index - first
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as this rank's model sees it: its tokens, their targets and, when the
+    sequence is split over cp or masked by document, where they sit."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    sequence: Sequence | None = None
+
+
+class SequenceSplit:
+    """Turns token windows [b, S + 1] into this rank's :class:`MicroBatch`. With cp = 1 and no
+    document mask it only shifts (``sequence`` None: the model's plain causal path)."""
+
+    def __init__(self, cp: Group, document_mask: bool = False, reset_positions: bool = False,
+                 eos_id: int | None = None):
+        if (document_mask or reset_positions) and eos_id is None:
+            raise ValueError("document masks need the tokenizer's EOS id")
+        self.cp = cp
+        self.document_mask = document_mask
+        self.reset_positions = reset_positions
+        self.eos_id = eos_id
+
+    @property
+    def plain(self) -> bool:
+        return self.cp.size == 1 and not self.document_mask and not self.reset_positions
+
+    def __call__(self, window: torch.Tensor) -> MicroBatch:
+        tokens, targets = window[:, :-1], window[:, 1:]
+        if self.plain:
+            return MicroBatch(tokens, targets)
+        rank, cp, seq = self.cp.rank, self.cp.size, tokens.shape[1]
+        index = split_sequence(torch.arange(seq, device=tokens.device), rank, cp, dim=0)
+        documents = None
+        positions = index.expand(tokens.shape[0], -1)
+        if self.document_mask or self.reset_positions:
+            docs = document_ids(tokens, self.eos_id)
+            documents = docs if self.document_mask else None
+            if self.reset_positions:
+                positions = positions_in_documents(docs)[:, index]
+        return MicroBatch(split_sequence(tokens, rank, cp), split_sequence(targets, rank, cp),
+                          Sequence(positions, index, documents))
