@@ -22,7 +22,8 @@ LAYOUTS = {
         ["--parallel.tp=2", "--parallel.sp=true", *FP8["blockwise"]],
         ["--parallel.zero=1", "--train.micro_batch=2", *FP8["tensorwise"]],
         ["--parallel.pp=2", "--parallel.schedule=zb-h1", "--train.micro_batch=2",
-         *FP8["tensorwise"]]],
+         *FP8["tensorwise"]],
+        ["--parallel.cp=2", *FP8["delayed"]]],  # amaxes agreed over tp x cp
 }
 
 

@@ -26,18 +26,28 @@ from meshtron.parallel.context.sequence import Sequence, attention_mask, split_s
 from meshtron.parallel.mesh.groups import Group
 from meshtron.precision.policy import at_least_fp32
 
+KV_TAG, GRAD_TAG = 1, 2
+"""Keys/values and their gradients may be in flight to the same neighbour at once (backward)."""
 
-def _exchange(payload: torch.Tensor, group: Group, send: bool = True) -> torch.Tensor:
-    """Send ``payload`` to the next rank of the ring and receive the previous rank's."""
-    rank, size = group.rank, group.size
-    payload = payload.contiguous()
-    received = torch.empty_like(payload)
-    group.stats.record(group.name, "send", payload.numel() * payload.element_size())
-    works = [dist.isend(payload, group=group.pg, group_dst=(rank + 1) % size),
-             dist.irecv(received, group=group.pg, group_src=(rank - 1) % size)]
-    for work in works:
-        work.wait()
-    return received
+
+class _Hop:
+    """``payload`` on its way to the next rank of the ring, the previous rank's on its way
+    here; :meth:`wait` returns the latter."""
+
+    def __init__(self, payload: torch.Tensor, group: Group, tag: int):
+        rank, size = group.rank, group.size
+        payload = payload.contiguous()
+        self.received = torch.empty_like(payload)
+        group.stats.record(group.name, "send", payload.numel() * payload.element_size())
+        self.works = [
+            dist.isend(payload, group=group.pg, group_dst=(rank + 1) % size, tag=tag),
+            dist.irecv(self.received, group=group.pg, group_src=(rank - 1) % size, tag=tag)]
+        self.payload = payload  # alive until sent
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
 
 
 class _Blocks:
@@ -95,6 +105,7 @@ class _RingAttention(torch.autograd.Function):
         held = torch.stack([k, v])
         for step in range(group.size):
             source = (group.rank - step) % group.size
+            hop = _Hop(held, group, KV_TAG) if step < group.size - 1 else None
             for qs, ks, mask in blocks.pairs(source):
                 scores = _scores(qg[..., qs, :], held[0][..., ks, :], mask, scale)
                 m_new = torch.maximum(m[..., qs, :], scores.amax(-1, keepdim=True))
@@ -104,8 +115,8 @@ class _RingAttention(torch.autograd.Function):
                 total[..., qs, :] = total[..., qs, :] * alpha + p.sum(-1, keepdim=True)
                 acc[..., qs, :] = acc[..., qs, :] * alpha + p @ held[1][..., ks, :].unsqueeze(2)
                 m[..., qs, :] = m_new
-            if step < group.size - 1:
-                held = _exchange(held, group)
+            if hop is not None:
+                held = hop.wait()
         out = acc / total
         lse = m + torch.log(total)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -123,20 +134,23 @@ class _RingAttention(torch.autograd.Function):
         delta = (dog * out).sum(-1, keepdim=True)
         blocks = _Blocks(group, ctx.sequence, length * group.size)
         dq = torch.zeros_like(qg)
-        held = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        held = torch.stack([k, v])
+        grads = torch.zeros_like(held)  # dk, dv of the block held
         for step in range(group.size):
             source = (group.rank - step) % group.size
+            hop = _Hop(held, group, KV_TAG) if step < group.size - 1 else None
             for qs, ks, mask in blocks.pairs(source):
                 kb, vb = held[0][..., ks, :], held[1][..., ks, :]
                 p = torch.exp(_scores(qg[..., qs, :], kb, mask, scale) - lse[..., qs, :])
-                held[3][..., ks, :] += (p.transpose(-1, -2) @ dog[..., qs, :]).sum(2)
+                grads[1][..., ks, :] += (p.transpose(-1, -2) @ dog[..., qs, :]).sum(2)
                 dp = dog[..., qs, :] @ vb.unsqueeze(2).transpose(-1, -2)
                 ds = p * (dp - delta[..., qs, :]) * scale
                 dq[..., qs, :] += ds @ kb.unsqueeze(2)
-                held[2][..., ks, :] += (ds.transpose(-1, -2) @ qg[..., qs, :]).sum(2)
-            if step < group.size - 1:
-                held = _exchange(held, group)
-        grads = _exchange(held[2:], group)  # the last hop brings this rank's dk, dv home
+                grads[0][..., ks, :] += (ds.transpose(-1, -2) @ qg[..., qs, :]).sum(2)
+            # the gradients follow their block; after the last step they arrive home
+            grads = _Hop(grads, group, GRAD_TAG).wait()
+            if hop is not None:
+                held = hop.wait()
         return dq.view(b, heads, length, d), grads[0], grads[1], None, None
 
 
