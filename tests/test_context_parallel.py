@@ -118,7 +118,7 @@ LAYOUTS = {
         ["--parallel.cp=2", "--data.document_mask=true", "--data.reset_positions=true"],
         ["--parallel.cp=2", "--model.arch=gpt2", "--train.micro_batch=2",
          "--train.recompute=selective"],
-        ["--parallel.cp=2", "--parallel.ep=2", "--model.moe.shared_experts=1", *MOE],
+        ["--parallel.cp=2", "--parallel.ep=2", "--model.preset=tiny-moe"],  # its experts
         ["--parallel.cp=2", "--parallel.cp_comm=all_to_all", "--parallel.ep=2",
          "--train.micro_batch=4", "--model.moe.aux_loss_scope=sequence", *MOE],
     ],

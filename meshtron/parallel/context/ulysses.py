@@ -55,26 +55,17 @@ def _to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _all_to_all(parts, group).transpose(0, 1).reshape(b, cp * heads, seq // cp, d)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Regroup(torch.autograd.Function):
+    """:func:`_to_heads` (or :func:`_to_sequence`) forward, the other one backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_to_heads if to_heads else _to_sequence)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_sequence(grad, ctx.group), None
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _to_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad, ctx.group), None
+        return (_to_sequence if ctx.to_heads else _to_heads)(grad, ctx.group), None, None
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
@@ -85,10 +76,10 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     if kv_heads % cp:  # fewer kv heads than ranks: each rank gets the one its queries use
         k = k.repeat_interleave(cp // kv_heads, dim=1)
         v = v.repeat_interleave(cp // kv_heads, dim=1)
-    qh, kh, vh = (_ToHeads.apply(t, group) for t in (q, k, v))
+    qh, kh, vh = (_Regroup.apply(t, group, True) for t in (q, k, v))
     seq = qh.shape[2]
     mask = None
     if sequence.documents is not None:
         index = torch.arange(seq, device=q.device)
         mask = attention_mask(index, index, sequence.documents, sequence.documents)
-    return _ToSequence.apply(attention_core(qh, kh, vh, mask), group)
+    return _Regroup.apply(attention_core(qh, kh, vh, mask), group, False)
