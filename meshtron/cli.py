@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import traceback
 import typing
 from pathlib import Path
 
@@ -260,22 +262,36 @@ def _finish(code: int) -> int:
 
 
 PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "timed out",
-                      "Timeout", "NCCL communicator was aborted")
+                      "Timed out", "NCCL communicator was aborted")
+TRACEBACK_ENV = "MESHTRON_TRACEBACK"
+
+
+def _raised_by_torch_distributed(err: BaseException) -> bool:
+    """The exception came out of a torch.distributed call (a collective, the store)."""
+    marker = os.sep.join(("", "torch", "distributed", ""))
+    frames = traceback.extract_tb(err.__traceback__)
+    return any(marker in frame.filename for frame in frames)
 
 
 def _peer_failure(err: BaseException) -> str | None:
-    """One line for a collective that failed because another rank died or stalled."""
-    if "torch" not in sys.modules:
+    """One line for a collective that failed because another rank died or stalled: a
+    torch.distributed error, or a RuntimeError raised inside torch.distributed whose text
+    names a lost connection or a timeout. Anything else keeps its traceback, as does this
+    with MESHTRON_TRACEBACK=1."""
+    if "torch" not in sys.modules or os.environ.get(TRACEBACK_ENV) == "1":
         return None
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     text = str(err)
-    if isinstance(err, dist.DistError) or any(sign in text for sign in PEER_FAILURE_SIGNS):
+    from_collective = isinstance(err, RuntimeError) and _raised_by_torch_distributed(err)
+    if isinstance(err, dist.DistError) or (
+            from_collective and any(sign in text for sign in PEER_FAILURE_SIGNS)):
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         return (f"rank {dist.get_rank()} lost contact with the other ranks (a peer failed or "
-                f"stalled beyond run.timeout_s): {first[-160:]}")
+                f"stalled beyond run.timeout_s; {TRACEBACK_ENV}=1 shows the traceback): "
+                f"{first[-160:]}")
     return None
 
 

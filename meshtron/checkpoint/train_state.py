@@ -12,6 +12,7 @@ tensor before anything is copied, so a mismatched checkpoint changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.mesh.params import global_names
 from meshtron.precision.policy import LossScaler
+
+Log = Callable[[str], None]
 
 
 @torch.no_grad()
@@ -73,13 +76,42 @@ def _check_shapes(path: Path, reader: ShardReader, helds: list[Held]) -> None:
 def _load(reader: ShardReader, helds: list[Held]) -> None:
     for held in helds:
         name = held.name if reader.has(held.name) else held.fallback
-        if name is None or not reader.has(name):
-            continue
+        assert name is not None and reader.has(name), "_optimizer_helds decided what to load"
         dtype = DTYPES[reader.tensors[name]["dtype"]]
         for local_box, global_box in held.boxes():
             buffer = torch.empty(global_box[1], dtype=dtype)
             reader.read_into(name, global_box, buffer)
             held.view(local_box).copy_(buffer)
+
+
+def _exact_master_source(reader: ShardReader, held: Held) -> bool:
+    """The saved parameter can stand in for a missing master: it was saved in full precision
+    (a checkpoint of an fp32 run resumed in bf16 or fp16)."""
+    name = held.fallback
+    return (name is not None and reader.has(name)
+            and DTYPES[reader.tensors[name]["dtype"]] in (torch.float32, torch.float64))
+
+
+def _optimizer_helds(path: Path, reader: ShardReader, helds: list[Held], log: Log) -> list[Held]:
+    """The optimizer state to load, each gap an explicit decision: a checkpoint of weights
+    only (a converted model) starts the moments at zero, said in the log; a master missing
+    beside an fp32 parameter is that parameter, said in the log; any other gap is an error,
+    since resuming would silently restart part of the state."""
+    wanted = [h for h in helds if not h.name.startswith("model/")]
+    if wanted and not any(name.startswith("optim/") for name in reader.tensors):
+        log(f"{path} holds weights only: AdamW moments and step count start at zero, master "
+            "weights from the weights")
+        return [h for h in wanted if _exact_master_source(reader, h)]
+    missing = [h for h in wanted if not reader.has(h.name)]
+    unsound = [h.name for h in missing if not _exact_master_source(reader, h)]
+    if unsound:
+        more = f" and {len(unsound) - 1} more" if len(unsound) > 1 else ""
+        raise MeshtronError(f"checkpoint {path} lacks {unsound[0]}{more}: resuming would restart "
+                            "that optimizer state; resume from a complete checkpoint")
+    if missing:
+        log(f"{path} has no master weights (saved by a full-precision run): masters taken from "
+            "its fp32 parameters")
+    return wanted
 
 
 @torch.no_grad()
@@ -95,21 +127,40 @@ def load_weights(path: Path, model: nn.Module) -> None:
 
 def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn.Module,
             optimizer: DataParallelOptimizer, mesh: ParallelMesh,
-            scaler: LossScaler | None = None) -> None:
+            scaler: LossScaler | None = None, log: Log = print) -> None:
     """Parameters, optimizer state, the loss scale and this rank's RNG state, resharded to
-    this layout. Optimizer state absent from the checkpoint (a converted model) starts from
-    zero."""
+    this layout. What the checkpoint lacks is decided in the open (see
+    :func:`_optimizer_helds` and :func:`_restore_rng`)."""
     optimizer.init_state()
     helds = held_tensors(model, optimizer, mesh)
     _check_shapes(path, reader, helds)
-    model_helds = [h for h in helds if h.name.startswith("model/")]
-    _load(reader, model_helds)
+    _load(reader, [h for h in helds if h.name.startswith("model/")])
     optimizer.masters_from_params()
-    _load(reader, [h for h in helds if not h.name.startswith("model/")])
+    _load(reader, _optimizer_helds(path, reader, helds, log))
     optimizer.steps_taken = int(manifest.get("optimizer", {}).get("steps", 0))
     if scaler is not None and "loss_scale" in manifest:
         scaler.scale, scaler.clean_steps = manifest["loss_scale"]
-    rng = manifest.get("rng", {})
-    key = rng.get(str(mesh.global_rank)) or rng.get("0")
-    if key is not None:
+    _restore_rng(manifest, reader, mesh, log)
+
+
+def _restore_rng(manifest: dict[str, Any], reader: ShardReader, mesh: ParallelMesh,
+                 log: Log) -> None:
+    """This rank's saved RNG state. A rank the checkpoint has none for (it was written by
+    fewer ranks) is seeded from the run's seed, the step and its rank: never another rank's
+    state, which would repeat that rank's dropout masks."""
+    saved = manifest.get("rng", {})
+    world = mesh.layout.world_size
+    if len(saved) < world:
+        log(f"the checkpoint holds RNG states of {len(saved)} ranks: ranks {len(saved)} to "
+            f"{world - 1} are seeded from train.seed, the step and their rank")
+    key = saved.get(str(mesh.global_rank))
+    if key is None:
+        seed = int(manifest.get("data", {}).get("seed", 0))
+        torch.manual_seed(fresh_seed(seed, int(manifest.get("step", 0)), mesh.global_rank))
+    else:
         torch.set_rng_state(reader.read_rng(key))
+
+
+def fresh_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for a rank without a saved RNG state, distinct per (seed, step, rank)."""
+    return ((seed * 1_000_003 + step) * 65_537 + rank) % 2**63

@@ -185,7 +185,8 @@ class Trainer:
         through its layers, or under a pipeline the peak number of micro-batches its schedule
         keeps in flight through one chunk each; under context parallelism this rank's
         seq_len / cp tokens of each sequence. MoE layers keep routing-dependent amounts, so
-        there is no formula for them."""
+        there is no formula for them; nor for what zb-h1's deferred weight gradients keep
+        after B (measured in tests/test_pipeline.py: its peak exceeds 1F1B's)."""
         cfg, p = self.cfg, self.cfg.parallel
         if not formula_covers(cfg.model):
             return
@@ -202,6 +203,8 @@ class Trainer:
         others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
                            if m != cfg.train.recompute)
         in_flight = f" x {held} micro-batches in flight" if self.pipeline is not None else ""
+        if self.pipeline is not None and self.pipeline.schedule.split_backward:
+            in_flight += ", more for the inputs and output gradients deferred W steps keep"
         context = f"; {cfg.train.seq_len // p.cp} tokens a sequence (cp={p.cp})" if p.cp > 1 else ""
         self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per rank in the "
                  f"blocks ({layers} layers{in_flight}{context}; recompute="
@@ -257,7 +260,7 @@ class Trainer:
         manifest, reader = open_checkpoint(path)
         check_resumable(self.cfg, manifest, path)
         train_state.restore(path, manifest, reader, self.model, self.optimizer, self.mesh,
-                            self.precision.scaler)
+                            self.precision.scaler, self.log)
         self.step = int(manifest["step"])
         self.log(f"resumed from {path} at step {self.step}")
 
