@@ -9,6 +9,7 @@ import pytest
 
 from meshtron.config import load_config
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.training.live_memory import reachable_storage_bytes
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import assert_layouts_match, run_layouts, test_overrides
@@ -50,6 +51,11 @@ def one_step_accounting(rank: int, world_size: int, cache_dir: str, root: str) -
         units = getattr(trainer.optimizer, "units", None)  # ZeRO-3's sharded units
         out.append({
             "memory": trainer.optimizer.memory_bytes(),
+            "alive": reachable_storage_bytes(trainer.model, trainer.optimizer),
+            "buffers": sum(b.untyped_storage().nbytes() for b in trainer.model.buffers()),
+            "tensors": len(list(trainer.model.parameters())),
+            "block_bytes": [p.untyped_storage().nbytes() for block in trainer.model.blocks()
+                            for p in block.parameters()],
             "params": sum(p.numel() for p in trainer.model.parameters()),
             "padded": [b.padded for b in trainer.optimizer.reducer.buckets],
             "root_padded": [f.bucket.padded for f in units.units[-1]] if units else [],
@@ -73,6 +79,14 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
                             "master": fp32 * padded // dp, "optimizer": 2 * fp32 * padded // dp,
                             "grads": fp32 * padded // (1 if zero == 1 else dp)}
             assert r["memory"] == expected, (rank, zero)
+            # Not the optimizer's own accounting: every storage reachable from the model and
+            # the optimizer (buffers aside; torch's AdamW adds a 4-byte step per tensor).
+            steps = 4 * r["tensors"] if zero == 0 else 0
+            assert r["alive"] == sum(r["memory"].values()) + r["buffers"] + steps, (rank, zero)
+            whole = per_stage[0]["params"]  # ZeRO-3's parameters are empty between steps
+            assert 0 <= padded - whole < dp * len(r["padded"])  # buckets pad to multiples of dp
+            if zero == 3:  # between steps a block's parameters hold no storage at all
+                assert r["block_bytes"] and not any(r["block_bytes"])
     loss_sum = 2 * 8 * (dp - 1) // dp  # the fp64 loss all-reduced over dp
     norm = 2 * fp32 * (dp - 1) // dp  # the grad-norm scalar over the whole world
     bf16 = results[0][4]  # zero 0 with precision.reduce_dtype=bf16: half the gradient bytes

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-import torch
 
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
@@ -14,6 +14,7 @@ from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.parallel.pipeline.partition import balanced_counts, partition_layers
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.plan import check_run
+from meshtron.training.live_memory import LiveTensorBytes
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import assert_layouts_match, run_layouts, run_training, test_overrides
@@ -112,75 +113,75 @@ def test_pipeline_parity(world_size, data_cache, tmp_path):
 # ------------------------------------------------------------------ activation memory
 
 
-class LiveActivations:
-    """Bytes of distinct floating-point storages autograd holds for backward (parameters
-    excluded; so are token ids, whose micro-batches are views of one batch-sized storage)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.refs: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
-        self.live = self.peak = 0
-
-    def pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.params or storage.nbytes() == 0 or not tensor.is_floating_point():
-            return tensor
-        if self.refs.get(ptr, 0) == 0:
-            self.sizes[ptr] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        return _Saved(tensor, ptr, self)
-
-    def release(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if self.refs[ptr] == 0:
-            self.live -= self.sizes.pop(ptr)
-
-    @staticmethod
-    def unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-
-class _Saved:
-    def __init__(self, tensor: torch.Tensor, ptr: int, owner: LiveActivations):
-        self.tensor, self.ptr, self.owner = tensor, ptr, owner
-
-    def __del__(self):
-        self.owner.release(self.ptr)
+PEAK_RUNS = (("gpipe", 1, 1), ("gpipe", 1, 2), ("gpipe", 1, 4), ("1f1b", 1, 4), ("1f1b", 1, 8),
+             ("zb-h1", 1, 4), ("zb-h1", 1, 8), ("interleaved", 2, 4), ("interleaved", 2, 8))
+MESSAGE = 4 * 32 * 64  # one micro-batch's hidden states between stages: fp32 [1, 32, 64]
 
 
 def peak_activations(rank: int, world_size: int, cache_dir: str, root: str) -> dict:
-    """Per (schedule, micro-batches): this stage's peak of live saved activation bytes."""
+    """Per (schedule, vpp, micro-batches): the high-water mark of every storage created
+    during this stage's pipeline step (activations, deferred weight-gradient inputs, messages,
+    gradients in flight), measured by watching each operator."""
     out = {}
-    for schedule, microbatches in (("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 4)):
-        overrides = test_overrides(cache_dir, f"{root}/{schedule}{microbatches}", steps=1) + [
-            "--parallel.pp=2", "--model.num_layers=4", f"--parallel.schedule={schedule}",
-            "--train.micro_batch=1", f"--train.global_batch={microbatches}"]
+    for schedule, vpp, microbatches in PEAK_RUNS:
+        overrides = test_overrides(cache_dir, f"{root}/{schedule}{vpp}{microbatches}",
+                                   steps=1) + [
+            "--parallel.pp=2", f"--parallel.vpp={vpp}", "--model.num_layers=4",
+            f"--parallel.schedule={schedule}", "--train.micro_batch=1",
+            f"--train.global_batch={microbatches}", "--train.log_every=1"]
         trainer = Trainer(load_config(overrides=overrides),
                           ParallelMesh(MeshLayout(world_size, pp=2), rank), log=lambda m: None)
-        live = LiveActivations(trainer.model)
-        with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
-            trainer.run()
-        out[schedule, microbatches] = live.peak
+        executor, peak = trainer.pipeline, []
+
+        def measured(*args, train=executor.train, peak=peak, **kwargs):
+            with LiveTensorBytes() as live:
+                loss = train(*args, **kwargs)
+            peak.append(live.peak)
+            return loss
+
+        executor.train = measured
+        trainer.run()
+        out[schedule, vpp, microbatches] = peak[0]
+        if rank == 0:
+            row = json.loads((trainer.run_dir / "metrics.jsonl").read_text())
+            out["sent", schedule, vpp, microbatches] = row["comm_bytes"]["pp/send"]
     return out
 
 
 @pytest.mark.slow
 def test_peak_activation_memory_follows_schedule_theory(data_cache, tmp_path):
-    """Peak = constant + in-flight micro-batches x one micro-batch's activations, where
-    in-flight is M for GPipe and min(pp - stage, M) for 1F1B."""
+    """GPipe: constant + M x one micro-batch's activations. 1F1B: its in-flight count
+    min(pp - stage, M) instead of M, plus at most one message, whatever M: sends are let go
+    as soon as the schedule shows them complete (they were kept to the end of the step, one
+    message per micro-batch). Interleaved and zb-h1 are bounded in M as well; interleaved
+    holds in-flight / vpp micro-batches' worth of chunks; zb-h1 holds more than 1F1B, since
+    each deferred W keeps its layers' inputs and output gradients after B."""
     results = run_distributed(peak_activations, 2, data_cache, str(tmp_path))
     for stage, peaks in enumerate(results):
-        per_micro_batch = peaks["gpipe", 2] - peaks["gpipe", 1]
-        constant = peaks["gpipe", 1] - per_micro_batch
-        assert per_micro_batch > 0
-        in_flight = build_schedule("1f1b", 2, 1, 4).peak_in_flight()[stage]
-        assert in_flight == min(2 - stage, 4)
-        assert peaks["gpipe", 4] == constant + 4 * per_micro_batch, (stage, peaks)
-        assert peaks["1f1b", 4] == constant + in_flight * per_micro_batch, (stage, peaks)
+        def theory(name: str, vpp: int = 1, stage: int = stage) -> int:
+            return build_schedule(name, 2, vpp, 4).peak_in_flight()[stage]
+
+        per_micro_batch = peaks["gpipe", 1, 2] - peaks["gpipe", 1, 1]
+        constant = peaks["gpipe", 1, 1] - per_micro_batch
+        assert per_micro_batch > 10 * MESSAGE
+        assert peaks["gpipe", 1, 4] == constant + 4 * per_micro_batch, (stage, peaks)
+        for name, vpp in (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+            assert peaks[name, vpp, 8] == peaks[name, vpp, 4], (name, stage, peaks)
+        assert theory("1f1b") == 2 - stage
+        extra = peaks["1f1b", 1, 4] - (constant + theory("1f1b") * per_micro_batch)
+        assert extra in (0, MESSAGE), (stage, extra)
+        chunks = constant + theory("interleaved", 2) * per_micro_batch / 2
+        interleaved = peaks["interleaved", 2, 4]
+        assert chunks <= interleaved <= chunks + (theory("interleaved", 2) + 1) * MESSAGE
+        assert theory("zb-h1") == 2
+        assert peaks["zb-h1", 1, 4] > constant + 2 * per_micro_batch
+    # Stage 0's bytes sent: one message per micro-batch and boundary its chunks send across
+    # (virtual stage k = c * pp forwards if k is not the last, sends gradients back if k > 0).
+    for schedule, vpp, microbatches in PEAK_RUNS:
+        last = 2 * vpp - 1
+        crossings = sum((k < last) + (k > 0) for k in (c * 2 for c in range(vpp)))
+        assert results[0]["sent", schedule, vpp, microbatches] == (
+            microbatches * crossings * MESSAGE), schedule
 
 
 # ------------------------------------------------------------------ checkpoints across layouts

@@ -7,6 +7,7 @@ from collections import Counter, deque
 import pytest
 
 from meshtron.errors import MeshtronError
+from meshtron.parallel.pipeline.completions import send_completions
 from meshtron.parallel.pipeline.schedules import (
     COMM_KINDS,
     Action,
@@ -277,3 +278,65 @@ def test_receives_posted_in_the_senders_order_when_consumed_out_of_order():
                          Action("RECV_B", 1, 0, 1), b(1), Action("RECV_B", 0, 0, 1), b(0)]
     schedule = Schedule("1f1b", 2, 1, 2, stages)
     assert run_globally(schedule) == schedule.timeline()
+
+
+# ------------------------------------------------------------------ when sends are let go
+
+
+def run_with_blocking_send_waits(schedule: Schedule, waits: list[dict[int, list[int]]]) -> bool:
+    """Execute every stage's actions under gloo's rules: a receive post never blocks, a
+    compute action blocks until the message it consumes has been sent, and waiting for a
+    send blocks until the peer has posted its receive. ``waits``: per stage, the sends to
+    wait for after each action index. True when every stage gets to the end."""
+    pp = schedule.pp
+    sent, posted = set(), set()
+    position = [0] * pp
+    rows = schedule.stages
+
+    def message(stage: int, a: Action) -> tuple:
+        """(from, to, direction, micro-batch, receiving virtual stage) of a send or receive."""
+        if a.kind.startswith("SEND_"):
+            step = 1 if a.kind == "SEND_F" else -1
+            return stage, a.peer, a.kind[-1], a.microbatch, a.chunk * pp + stage + step
+        return a.peer, stage, a.kind[-1], a.microbatch, a.chunk * pp + stage
+
+    consumes = [{(a.kind[-1], a.microbatch, a.chunk): message(s, a) for a in row
+                 if a.kind.startswith("RECV_")} for s, row in enumerate(rows)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(pp):
+            while position[s] < len(rows[s]):
+                i, a = position[s], rows[s][position[s]]
+                needed = consumes[s].get((a.kind, a.microbatch, a.chunk))
+                if a.kind in ("F", "B") and needed is not None and needed not in sent:
+                    break
+                if any(message(s, rows[s][j]) not in posted for j in waits[s].get(i, ())):
+                    break
+                if a.kind.startswith("SEND_"):
+                    sent.add(message(s, a))
+                elif a.kind.startswith("RECV_"):
+                    posted.add(message(s, a))
+                position[s] += 1
+                progressed = True
+    return all(position[s] == len(rows[s]) for s in range(pp))
+
+
+@pytest.mark.parametrize("case", [c for c in grid() if c[1] > 1])
+def test_sends_are_let_go_early_without_deadlock(case):
+    """Waiting where :func:`send_completions` says never deadlocks (waiting right after each
+    send would, for 1F1B), and 1F1B then keeps a bounded number of sends open."""
+    schedule = build_schedule(*case)
+    completions = send_completions(schedule)
+    assert run_with_blocking_send_waits(schedule, completions), case
+    for stage, row in enumerate(schedule.stages):
+        for after, sends in completions[stage].items():
+            assert all(row[j].kind.startswith("SEND_") and j <= after for j in sends)
+    if case[0] == "1f1b" and case[3] > case[1]:
+        eager = [{i: [i] for i, a in enumerate(row) if a.kind.startswith("SEND_")}
+                 for row in schedule.stages]
+        assert not run_with_blocking_send_waits(schedule, eager), case
+        kept_open = [sum(a.kind.startswith("SEND_") for a in row)
+                     - sum(len(v) for v in completions[stage].values())
+                     for stage, row in enumerate(schedule.stages)]
+        assert max(kept_open) <= case[1], kept_open  # at most pp, whatever the micro-batches

@@ -2,8 +2,9 @@
 
 Activations and their gradients travel between stages with non-blocking point-to-point
 messages over this rank's pipeline group: a send is started as soon as its tensor exists and
-waited for at the end of the step; a receive is posted where the schedule says and waited for
-just before the action that consumes it. Every message carries a tag naming (direction,
+waited for as soon as the schedule shows it complete (:mod:`.completions`), else at the end of
+the step; a receive is posted where the schedule says and waited for just before the action
+that consumes it. Every message carries a tag naming (direction,
 micro-batch, receiving virtual stage), and the schedule posts receives in the order the peer
 sends, so matching is unambiguous for transports that match by tag (gloo) or by order (NCCL).
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from meshtron.parallel.context.sequence import MicroBatch
 from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.pipeline.completions import send_completions
 from meshtron.parallel.pipeline.partition import PipelinePartition
 from meshtron.parallel.pipeline.schedules import Action, Schedule
 from meshtron.parallel.tensor.weight_grad import WeightGradStore
@@ -58,6 +60,7 @@ class PipelineExecutor:
         self.schedule = schedule
         self.stage = mesh.pp.rank
         self.actions = schedule.stages[self.stage]
+        self.completions = send_completions(schedule)[self.stage]
         self.hidden_size = hidden_size
         self.store: WeightGradStore | None = model.grad_store
         assert (self.store is not None) == schedule.split_backward, (
@@ -110,7 +113,7 @@ class PipelineExecutor:
         stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
         deferred: dict[tuple[int, int], list] = {}
-        sends: list[dist.Work] = []
+        sends: dict[int, dist.Work] = {}
         last_virtual = plan.virtual_stages - 1
 
         for index, action in enumerate(self.actions):
@@ -143,8 +146,8 @@ class PipelineExecutor:
                     out = out.to(dtype)
                 stash[m, c] = (x, out)
             elif kind == "SEND_F":
-                sends.append(self._send(stash[m, c][1], action.peer,
-                                        self._tag("F", m, vstage + 1)))
+                sends[index] = self._send(stash[m, c][1], action.peer,
+                                          self._tag("F", m, vstage + 1))
             elif kind == "B":
                 x, out = stash.pop((m, c))
                 grad = None
@@ -164,8 +167,8 @@ class PipelineExecutor:
                 if vstage > 0:
                     input_grads[m, c] = x.grad
             elif kind == "SEND_B":
-                sends.append(self._send(input_grads.pop((m, c)), action.peer,
-                                        self._tag("B", m, vstage - 1)))
+                sends[index] = self._send(input_grads.pop((m, c)), action.peer,
+                                          self._tag("B", m, vstage - 1))
             elif kind == "W":
                 started = time.perf_counter()
                 optimizer.begin_micro_batch(last=index == self.last_grad_action)
@@ -175,7 +178,9 @@ class PipelineExecutor:
                 raise ValueError(f"unknown pipeline action {action}")
             if started is not None and self.trace is not None:
                 self.trace.append((action, started, time.perf_counter()))
-        for work in sends:
+            for send in self.completions.get(index, ()):
+                sends.pop(send).wait()  # complete by now: lets its tensor go
+        for work in sends.values():
             work.wait()
         assert not (receives or stash or input_grads or deferred), "schedule left work undone"
         return loss_sum
