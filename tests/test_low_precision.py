@@ -109,3 +109,64 @@ def test_fp64_keeps_every_state_in_fp64(tiny_overrides):
     assert opt.memory_bytes() == {"params": 8 * n, "grads": 8 * padded, "master": 0,
                                   "optimizer": 16 * n}
     assert all(math.isfinite(x) for x in result.losses + result.grad_norms)
+
+
+def interrupted_and_whole(rank: int, world_size: int, cache: str, root: str) -> dict:
+    """Per dtype under dp=2 ZeRO-1: an 8-step run, and the same run crashed after its step-4
+    checkpoint and resumed by a new trainer. fp16 starts from a loss scale that overflows, so
+    the saved scale (and count of clean steps) is not the default one."""
+    from tests.test_trainer import CrashAfterSave, Interrupted
+
+    mesh = ParallelMesh(MeshLayout(world_size), rank)
+    out = {}
+    for dtype in ("bf16", "fp16"):
+        def trainer(kind: type[Trainer], name: str, *extra: str, dtype: str = dtype) -> Trainer:
+            made = kind(load_config(overrides=test_overrides(cache, f"{root}/{dtype}", steps=8)
+                                    + [f"--precision.dtype={dtype}", "--parallel.zero=1",
+                                       f"--checkpoint.dir={root}/{dtype}/{name}", *extra]),
+                        mesh, log=lambda m: None)
+            if made.precision.scaler is not None and not made.step:
+                made.precision.scaler.scale = 2.0**22
+            return made
+
+        def state(t: Trainer) -> dict:
+            scaler = t.precision.scaler
+            return {"masters": [m.clone() for m in t.optimizer.adamw.master],
+                    "moments": [v.clone() for m in t.optimizer.adamw.moments for v in m.values()],
+                    "scale": (scaler.scale, scaler.clean_steps) if scaler else None}
+
+        whole = trainer(Trainer, "whole")
+        whole_result = whole.run()
+        part = trainer(CrashAfterSave, "part", "--checkpoint.every=4")
+        part.crash_at = 4
+        with pytest.raises(Interrupted):
+            part.run()
+        resumed = trainer(Trainer, "part", "--checkpoint.every=4", "--checkpoint.resume=true")
+        at_resume = state(resumed)
+        result = resumed.run()
+        out[dtype] = {"whole": (whole_result.losses, whole_result.grad_norms, state(whole)),
+                      "crashed": state(part), "at_resume": at_resume,
+                      "resumed": (result.losses, result.grad_norms, state(resumed))}
+    return out
+
+
+def _assert_same_state(a: dict, b: dict, what: str) -> None:
+    assert a["scale"] == b["scale"], what
+    for key in ("masters", "moments"):
+        assert len(a[key]) == len(b[key]) > 0, what
+        assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), f"{what}: {key}"
+
+
+@pytest.mark.slow
+def test_low_precision_resume_under_zero1_is_bit_identical(data_cache, tmp_path):
+    for rank, per_dtype in enumerate(run_distributed(interrupted_and_whole, 2, data_cache,
+                                                     str(tmp_path))):
+        for dtype, run in per_dtype.items():
+            what = f"{dtype} rank {rank}"
+            _assert_same_state(run["crashed"], run["at_resume"], f"{what} restored")
+            losses, norms, final = run["whole"]
+            resumed_losses, resumed_norms, resumed_final = run["resumed"]
+            assert resumed_losses == losses[4:] and resumed_norms == norms[4:], what
+            _assert_same_state(final, resumed_final, f"{what} final")
+            if dtype == "fp16":
+                assert run["crashed"]["scale"][0] < 2.0**22, "no overflow: the scale is untested"

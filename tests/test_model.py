@@ -10,8 +10,6 @@ from meshtron.models.generation import filter_logits, generate
 from meshtron.models.init import initialize
 from meshtron.models.transformer import WHOLE_MODEL, ModelOptions, Transformer
 
-transformers = pytest.importorskip("transformers")
-
 
 def build(*overrides, seed=3, options=WHOLE_MODEL):
     cfg = load_config(overrides=["--model.vocab_size=300", "--model.hidden_size=64",
@@ -23,6 +21,7 @@ def build(*overrides, seed=3, options=WHOLE_MODEL):
 
 
 def hf_twin(cfg, model):
+    transformers = pytest.importorskip("transformers")  # only the twin tests need it
     if cfg.arch == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_kwargs(cfg)))
     else:
@@ -85,11 +84,17 @@ def test_published_shapes_have_their_published_sizes():
 
 
 def test_flops_per_token_formula():
+    """Llama-3-8B written out by hand: 32 layers, h = 4096, 8 kv heads of 128, SwiGLU of
+    14336, 128256 tokens. Each matmul weight costs 6 FLOPs per token (forward 2, backward 4;
+    the embedding lookup is not a matmul, the output head is), attention's two s x s
+    products 3 x 2 x 2 x s x h per layer."""
     cfg = load_config(overrides=["--model.preset=llama3-8b"]).model
-    size = model_size(cfg)
-    flops = training_flops_per_token(cfg, 8192)
-    # 6N for the weights (embedding lookup excluded, output head included) + attention.
-    assert flops == 6 * size.matmul_params + 12 * 32 * 8192 * 4096
+    layers, h, kv, ffn, vocab, seq = 32, 4096, 8 * 128, 14336, 128256, 8192
+    per_layer = h * h + h * 2 * kv + h * h + 3 * h * ffn
+    weights = layers * per_layer + h * vocab
+    flops = training_flops_per_token(cfg, seq)
+    assert flops == 6 * weights + 12 * layers * seq * h
+    assert model_size(cfg).matmul_params == weights
     assert flops / 1e9 == pytest.approx(6 * 7.5 + 12.9, rel=0.02)
 
 

@@ -262,15 +262,18 @@ def _ep_layer_worker(rank: int, world_size: int, starve_last: bool) -> dict:
     mine = slice(2 * rank, 2 * rank + 2)
     torch.testing.assert_close(out, expected[mine], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x_ep.grad, x_ref.grad[mine], rtol=1e-5, atol=1e-6)
+    assert layer.experts.keys() and len(layer.experts) == 2
     for name, expert in layer.experts.items():
-        torch.testing.assert_close(expert.down.weight.grad,
-                                   reference.experts[name].down.weight.grad, rtol=1e-5,
-                                   atol=1e-5)
+        for weight in ("gate_up", "down"):
+            torch.testing.assert_close(getattr(expert, weight).weight.grad,
+                                       getattr(reference.experts[name], weight).weight.grad,
+                                       rtol=1e-5, atol=1e-5)
     _, _, experts, _ = reference.router(inputs[rank].view(-1, 32))
     local = torch.arange(4) // 2 == rank
     counts = torch.bincount(experts.flatten(), minlength=4)
     return {"bytes": sent_bytes.get("ep/all_to_all", 0), "to_others": int(counts[~local].sum()),
-            "counts": counts.tolist()}
+            "counts": counts.tolist(), "router_grad": layer.router.weight.grad,
+            "reference_router_grad": reference.router.weight.grad}
 
 
 @pytest.mark.parametrize("starve_last", [False, True])
@@ -283,6 +286,10 @@ def test_expert_parallel_layer_matches_one_process_and_counts_bytes(starve_last)
         # backward: the same two transfers in reverse
         expected = 2 * (result["to_others"] + sum(received)) * row_bytes
         assert result["bytes"] == expected
+    # The replicated router: each rank's gradient covers its own tokens; their sum (what the
+    # data-parallel reduction makes of them) is the one-process gradient.
+    torch.testing.assert_close(results[0]["router_grad"] + results[1]["router_grad"],
+                               results[0]["reference_router_grad"], rtol=1e-5, atol=1e-6)
     if starve_last:
         assert sum(results[0]["counts"][2:]) == sum(results[1]["counts"][2:]) == 0
 
@@ -342,9 +349,12 @@ def test_expert_parallel_training_matches_one_process(world_size, data_cache, tm
             assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
     metrics = read_metrics(tmp_path / "layout1")
     if world_size == 2:  # capacity 1.0 drops some copies; routing metrics are logged
-        assert metrics[-1]["moe/dropped_fraction"] > 0
-        assert metrics[-1]["moe/layer1/load_max_over_mean"] >= 1
-        assert 0.9 < metrics[-1]["moe/aux_loss"] < 2
+        # measured at step 20 (the one-process twin gives the same): 14.8% of copies dropped,
+        # the busiest expert of layer 1 at 1.62x the mean, aux loss 1.004 (1 = balanced)
+        last = metrics[-1]
+        assert 0.12 < last["moe/dropped_fraction"] < 0.18
+        assert 1.45 < last["moe/layer1/load_max_over_mean"] < 1.8
+        assert 1.0 <= last["moe/aux_loss"] < 1.02
 
 
 # ------------------------------------------------------------------ balancing and checkpoints

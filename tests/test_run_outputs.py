@@ -1,0 +1,118 @@
+"""What a run reports and leaves behind, each checked against its definition: the learning-rate
+curve, MFU, TensorBoard scalars, plots of several runs, the space form of overrides, no
+leftover temporary checkpoint directories, and no bias update on a skipped step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshtron.cli import _split_overrides, main
+from meshtron.config import load_config
+from meshtron.errors import MeshtronError
+from meshtron.models.flops import training_flops_per_token
+from meshtron.optim.lr_schedule import learning_rate
+from meshtron.training.metrics import read_metrics
+from meshtron.training.trainer import Trainer
+from tests.test_trainer import PNG_MAGIC, config, quiet
+
+
+def test_cosine_decay_after_warm_up():
+    t = load_config(overrides=["--train.lr=0.01", "--train.min_lr=0.001",
+                               "--train.warmup_steps=10", "--train.steps=110"]).train
+    assert learning_rate(9, t) == pytest.approx(0.01)  # the last warm-up step reaches lr
+    assert learning_rate(10, t) == pytest.approx(0.01)  # decay starts from lr
+    assert learning_rate(60, t) == pytest.approx(0.0055)  # halfway: (lr + min_lr) / 2
+    assert learning_rate(35, t) == pytest.approx(
+        0.001 + 0.5 * 0.009 * (1 + math.cos(math.pi * 0.25)))
+    assert learning_rate(110, t) == learning_rate(500, t) == pytest.approx(0.001)
+    decay = [learning_rate(s, t) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+def test_overrides_take_a_value_after_a_space():
+    assert _split_overrides(["--train.steps", "7", "--model.hidden_size=64",
+                             "--train.lr", "0.5"]) == [
+        "--train.steps=7", "--model.hidden_size=64", "--train.lr=0.5"]
+    cfg = load_config(overrides=_split_overrides(["--train.steps", "7"]))
+    assert cfg.train.steps == 7
+    with pytest.raises(MeshtronError, match="needs a value"):
+        _split_overrides(["--train.steps"])
+    with pytest.raises(MeshtronError, match="needs a value"):
+        _split_overrides(["--train.steps", "--train.lr=1"])
+
+
+def test_mfu_tensorboard_and_no_leftover_temporaries(data_cache, tmp_path):
+    """MFU is model FLOPs per second over train.peak_flops; TensorBoard holds the same
+    scalars as metrics.jsonl; a stale half-written save of a step is removed once that step
+    is saved, and a successful save leaves no temporary directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    stale = run_dir / "checkpoints" / ".tmp-step_00000002-0123abcd"
+    stale.mkdir(parents=True)
+    (stale / "shard-00000.safetensors").write_bytes(b"torn")
+    cfg = config(data_cache, run_dir, 3, "--train.log_every=1", "--train.peak_flops=1e12",
+                 "--checkpoint.every=2")
+    trainer = Trainer(cfg, log=quiet)
+    trainer.run()
+    rows = read_metrics(run_dir)
+    per_token = training_flops_per_token(trainer.cfg.model, cfg.train.seq_len)
+    for row in rows:
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * per_token / 1e12, rel=1e-9)
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_00000002", "step_00000003"]
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    for key in ("loss", "lr", "grad_norm", "mfu", "tokens_per_s"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [1, 2, 3], key
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in rows], rel=1e-6)
+
+
+def test_plot_draws_every_run(data_cache, tmp_path, capsys):
+    runs = []
+    for name, lr in (("a", "0.003"), ("b", "0.0003")):
+        Trainer(config(data_cache, tmp_path / name, 2, "--train.log_every=1",
+                       f"--train.lr={lr}", "--train.min_lr=0"), log=quiet).run()
+        runs.append(str(tmp_path / name))
+    images = {}
+    for label, chosen in (("one", runs[:1]), ("both", runs)):
+        output = tmp_path / f"{label}.png"
+        assert main(["plot", *chosen, "--output", str(output)]) == 0
+        images[label] = output.read_bytes()
+        assert images[label][:8] == PNG_MAGIC
+    assert images["one"] != images["both"]
+    assert main(["plot", runs[0], str(tmp_path / "missing")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_a_skipped_step_leaves_the_expert_bias_alone(data_cache, tmp_path):
+    """An fp16 step whose gradients overflow is skipped; the aux-loss-free bias update, which
+    follows the step's routing, must be skipped with it (the next clean step does move it)."""
+    moe = ["--model.moe.num_experts=4", "--model.moe.top_k=2", "--model.moe.expert_ffn_size=32",
+           "--model.moe.aux_loss=0", "--model.moe.bias_update=0.01", "--precision.dtype=fp16"]
+    trainer = Trainer(config(data_cache, tmp_path / "run", 1, *moe), log=quiet)
+    trainer.precision.scaler.scale = 2.0**40  # the scaled loss overflows fp16 gradients
+    biases = [layer.router.expert_bias for layer in trainer.model.moe_layers().values()]
+    result = trainer.run()
+    assert not math.isfinite(result.grad_norms[0]) and biases
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
+
+    clean = Trainer(config(data_cache, tmp_path / "clean", 1, *moe), log=quiet)
+    clean.run()
+    assert any(layer.router.expert_bias.abs().sum() > 0
+               for layer in clean.model.moe_layers().values())
+
+
+def test_plot_of_a_file_that_is_no_run_is_one_line(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["plot", str(tmp_path / "notes.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a run directory" in err[0]
+
+
