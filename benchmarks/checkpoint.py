@@ -21,12 +21,13 @@ seed 1, so a load visibly changes them. Processes are spawned by ``benchmarks/ha
   the AdamW moments) and ``train_step``. Saving: ``train_state.capture`` (host copies of this
   rank's pieces), ``CheckpointSaver.save`` (``safetensors`` shard, fsync, sha256, shard index;
   rank 0 then waits for every index and writes the manifest, renames the directory and points
-  ``latest`` at it), then a barrier (as the trainer does). Rank 0 writes the parameters and its
-  half of the moments, rank 1 its half. Loading: ``open_checkpoint`` + ``train_state.restore``
+  ``latest`` at it), then a barrier (as the trainer does). The two ranks take turns over the
+  replicated parameters (round-robin, so each writes about half of them), and each writes its
+  own half of the moments. Loading: ``open_checkpoint`` + ``train_state.restore``
   into a freshly built model and optimizer: every rank reads only the slices it holds (all
   parameters, its half of the moments) and verifies the sha256 of every file it opens.
-- ``meshtron dp=2 zero=0``: the same with replicated AdamW state (``torch.optim.AdamW``); rank 0
-  writes everything, and each rank reads everything back.
+- ``meshtron dp=2 zero=0``: the same with replicated AdamW state (``torch.optim.AdamW``); the ranks
+  take turns over every replicated tensor (round-robin), and each rank reads everything back.
 - ``DCP dp=2 (DDP)``: the same ``Transformer`` on a one-process mesh wrapped in
   ``DistributedDataParallel``, ``torch.optim.AdamW`` (``build_adamw``), a plain training step
   (local mean loss, backward, ``clip_grad_norm_``, step). Saving: ``get_state_dict(ddp, optim)``

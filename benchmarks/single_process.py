@@ -15,12 +15,14 @@ Run from the repository root::
    ``labels`` alone would shift inside and drop one target per row). Both use
    ``torch.optim.AdamW(foreach=True)`` with the same parameter groups and hyper-parameters
    (meshtron's ``build_adamw`` and training defaults), and the same thread count (one process).
-   The two models' steps alternate in a fixed order (meshtron, HF, meshtron, ..., warm-up
-   included), so load from other processes hits both alike. Figures are medians over
-   ``--steps`` steps each; ratio = meshtron median / HF median; "pair ratio" = the median over
-   steps of meshtron's step time / the HF step right after it (less sensitive to slow drifts in
-   load). The first steps' losses
-   are checked to agree, which shows that the weights and the loss are the same.
+   The two models' steps are interleaved in rounds (``harness.interleave``): in every round
+   each model takes one step, and which of the two goes first alternates every round
+   (meshtron first in round 0, HF first in round 1, ..., warm-up rounds included), so load
+   from other processes hits both alike and neither always runs first. Figures are medians
+   over ``--steps`` steps each; ratio = meshtron median / HF median; "pair ratio" = the median
+   over rounds of meshtron's step time / HF's step time in the same round (less sensitive to
+   slow drifts in load). The first steps' losses are checked to agree, which shows that the
+   weights and the loss are the same.
 2. **Preprocessing**: MB/s (1e6 bytes of UTF-8 text per second) of ``meshtron.data.preprocess``
    on the embedded default corpus (``stdlib_corpus`` at the default ``data.corpus_max_mb``) with
    a byte-level BPE of the default ``data.vocab_size`` trained once in a temporary cache
@@ -111,7 +113,7 @@ def build_steps(shape: Shape) -> tuple[int, dict[str, Callable[[], float]]]:
 
 def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
     params, calls = build_steps(shape)
-    run = harness.interleave(calls, steps, warmup=warmup, rotate=False)
+    run = harness.interleave(calls, steps, warmup=warmup)  # who goes first alternates
     harness.check_close(run.first, f"{name}: first losses", reference="hf")
     times = run.wall
     tokens = shape.batch * shape.seq
@@ -162,7 +164,8 @@ def main() -> None:
     print(harness.host_line(info, f"{info['torch_threads']} torch threads, transformers "
                           f"{info['transformers']}"))
     print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
-          "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF step after")
+          "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF step of the "
+          "same round")
     rows = []
     for name in args.shapes:
         rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup))
