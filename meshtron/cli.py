@@ -65,10 +65,17 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     from meshtron.parallel.mesh.process import process_info
     from meshtron.plan import check_run
+    from meshtron.training.run_dir import check_run_dir
 
     info = process_info()
     launching = args.nproc > 1 and not info.distributed
-    check_run(cfg, args.nproc if launching else info.world_size)  # before any process group
+    try:  # before any process group
+        check_run(cfg, args.nproc if launching else info.world_size)
+        check_run_dir(cfg)
+    except MeshtronError:
+        if info.distributed and info.rank != 0:
+            return 2  # every rank sees the same config and files: rank 0 says it once
+        raise
     if launching:
         from meshtron.parallel.mesh.launch import launch_local
 
@@ -107,6 +114,7 @@ def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
     sources = [open_source(path) for path in args.inputs]
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     if args.tokenizer:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:
@@ -121,10 +129,12 @@ def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
-    from meshtron.checkpoint.loading import load_for_inference
+    from meshtron.checkpoint.loading import load_for_inference, resolve_checkpoint
     from meshtron.models.generation import generate
 
-    model, tokenizer = load_for_inference(Path(args.checkpoint))
+    checkpoint = resolve_checkpoint(Path(args.checkpoint))
+    print(f"checkpoint: {checkpoint}", file=sys.stderr)
+    model, tokenizer = load_for_inference(checkpoint)
     ids = generate(
         model, tokenizer.encode(args.prompt), args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -237,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert", help="convert between meshtron checkpoints and Hugging Face models",
         description="Convert a Hugging Face model folder (config.json + safetensors; Llama, "
-        "Mistral, GPT-2) to a meshtron checkpoint, or a meshtron run or checkpoint to a Hugging "
-        "Face folder. The kind of --from is detected.",
+        "Mistral, Mixtral, GPT-2) to a meshtron checkpoint, or a meshtron run or checkpoint to "
+        "a Hugging Face folder. The kind of --from is detected.",
     )
     p.add_argument("--from", dest="src", required=True,
                    help="a Hugging Face model folder, or a meshtron run / checkpoint directory")

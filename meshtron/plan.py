@@ -88,6 +88,8 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     schedule = None
     if p.pp > 1 or p.vpp > 1:
         check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers)
+        if cfg.train.micro_batch is None:
+            micro_batch, micro_batches = _pipeline_micro_batch(cfg, micro_batch)
         schedule = build_schedule(p.schedule, p.pp, p.vpp, micro_batches)
         require(not (p.schedule == "zb-h1" and p.zero == 3 and layout.dp * p.cp > 1),
                 "parallel.schedule=zb-h1 computes weight gradients after the block's backward "
@@ -201,6 +203,20 @@ def _batch_split(cfg: Config, dp: int) -> tuple[int, int]:
             f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch="
             f"{micro_batch} x data-parallel size {dp}")
     return micro_batch, share // micro_batch
+
+
+def _pipeline_micro_batch(cfg: Config, share: int) -> tuple[int, int]:
+    """Without ``train.micro_batch``, a pipeline takes the largest micro-batch whose count its
+    schedule accepts (at least pp micro-batches; for interleaving, a multiple of pp). When none
+    does, the schedule's own refusal of one-sequence micro-batches is the error."""
+    p = cfg.parallel
+    for micro_batch in (d for d in range(share, 1, -1) if share % d == 0):
+        try:
+            build_schedule(p.schedule, p.pp, p.vpp, share // micro_batch)
+        except MeshtronError:
+            continue
+        return micro_batch, share // micro_batch
+    return 1, share
 
 
 def _check_fp8_blocks(cfg: Config) -> None:

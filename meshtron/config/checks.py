@@ -92,6 +92,10 @@ def validate(cfg: Config) -> None:
             f"data.valid_fraction must lie in (0, 1), got {d.valid_fraction}")
     require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
     require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
+    resume_from = cfg.checkpoint.resume_from
+    require(resume_from is None or (resume_from != "" and cfg.checkpoint.resume),
+            "checkpoint.resume_from needs checkpoint.resume=true and a step number or a "
+            "checkpoint directory")
     require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     require(not (pc.dtype == "fp64" and pc.fp8 != "none"),

@@ -254,12 +254,16 @@ class CheckpointConfig:
 
     dir: str | None = None
     """Where checkpoints go; None means <run.dir>/checkpoints."""
-    every: int = 0
-    """Save every this many steps; 0 saves only at the end."""
+    every: int = 500
+    """Save every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted after each save."""
     resume: bool = True
     """Resume from the newest complete checkpoint in checkpoint.dir when there is one."""
+    resume_from: str | None = None
+    """Resume from this step of checkpoint.dir (a number) or this checkpoint directory instead
+    of the newest; later checkpoints and metric rows are set aside as abandoned-* and
+    metrics.replaced.jsonl."""
     async_: bool = False
     """Copy the state to host memory and write it while training goes on (at most one save
     in flight; a failed save is reported at the next step). Set as ``checkpoint.async``."""

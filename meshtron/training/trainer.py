@@ -31,13 +31,20 @@ from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
-from meshtron.precision.fp8 import make_recipe
+from meshtron.precision.fp8 import make_recipe, scaled_mm_supported
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
 from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
+from meshtron.training.run_dir import (
+    check_resumable,
+    check_run_dir,
+    resume_path,
+    set_aside_later_checkpoints,
+    set_aside_later_metrics,
+)
 from meshtron.training.step import StepResult, evaluate, train_step
 
 Log = Callable[[str], None]
@@ -58,25 +65,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-MOE_SHAPE = ("num_experts", "expert_ffn_size", "shared_experts", "dense_layers", "every")
-
-
-def check_resumable(cfg: Config, manifest: dict, path: Path) -> None:
-    """The checkpoint's model has this run's shape (MoE routing settings may change)."""
-    saved = manifest.get("config", {}).get("model", {})
-    saved_moe = saved.get("moe", {})
-    current = cfg.to_dict()["model"]
-    current_moe = current.pop("moe")
-    fields = [(key, saved.get(key), value) for key, value in current.items() if key != "preset"]
-    fields += [(f"moe.{key}", saved_moe.get(key), current_moe[key]) for key in MOE_SHAPE]
-    for key, old, new in fields:
-        if old is not None and old != new:
-            raise MeshtronError(
-                f"checkpoint {path} was trained with model.{key}={old}, this run has "
-                f"model.{key}={new}; use a new checkpoint.dir or the same model"
-            )
 
 
 def fp8_options(pc: PrecisionConfig, mesh: ParallelMesh) -> FP8Options:
@@ -113,6 +101,7 @@ class Trainer:
         self.log = log if self.is_rank0 else _quiet
         self.device = device or torch.device("cpu")
         self.run_dir = Path(cfg.run.dir)
+        check_run_dir(cfg)
         torch.manual_seed(cfg.train.seed)
 
         self.data = self._build_data(cfg)
@@ -134,6 +123,7 @@ class Trainer:
                    num_layers=cfg.model.num_layers)
         self.model.to(self.device).train()
         self.precision.cast_parameters(self.model)
+        self.local_params = sum(p.numel() for p in self.model.parameters())  # before ZeRO-3
         self.optimizer = build_optimizer(self.model, self.mesh, cfg.train, zero=p.zero,
                                          bucket_mb=p.bucket_mb,
                                          reduce_dtype=self.precision.reduce_dtype)
@@ -153,7 +143,9 @@ class Trainer:
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
                  f"cp={cfg.parallel.cp} dp={plan.dp} pp={cfg.parallel.pp}"
                  f"{' sp' if cfg.parallel.sp else ''}; micro-batch {plan.micro_batch} x "
-                 f"{plan.micro_batches} accumulation steps")
+                 f"{plan.micro_batches} accumulation steps"
+                 + (" (train.micro_batch unset: the largest the pipeline schedule accepts)"
+                    if self.pipeline is not None and cfg.train.micro_batch is None else ""))
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
                  f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
@@ -171,6 +163,7 @@ class Trainer:
                      f"bubble {100 * schedule.theoretical_bubble():.1f}% in theory")
         self._log_activation_memory()
         self._log_state_memory()
+        self._log_fp8()
         self.saver = CheckpointSaver(
             cfg.checkpoint_dir, self.mesh.global_rank, self.mesh.layout.world_size,
             self._shared_token(), keep_last=cfg.checkpoint.keep_last,
@@ -214,11 +207,29 @@ class Trainer:
         """Bytes per parameter this rank keeps between steps, per kind (see precision.md)."""
         self.optimizer.init_state()  # torch's AdamW would create it at the first step
         held = self.optimizer.memory_bytes()
-        params = max(1, sum(p.numel() for p in self.optimizer.params))
+        params = max(1, self.local_params)
         parts = ", ".join(f"{kind} {b / 2**20:.1f} MiB ({b / params:.2f} B/param)"
                           for kind, b in held.items())
         self.log(f"state per rank ({self.cfg.precision.dtype}, zero {self.optimizer.stage}): "
                  f"{parts}")
+
+    def _log_fp8(self) -> None:
+        """Say that FP8 is on, and whether its products are native FP8 GEMMs here."""
+        pc = self.cfg.precision
+        if pc.fp8 == "none":
+            return
+        e4m3 = torch.float8_e4m3fn
+        native = (pc.fp8 != "blockwise" and self.device.type == "cuda"
+                  and scaled_mm_supported(self.device, e4m3, e4m3, 16, 16, 16))
+        if native:
+            how = "native FP8 GEMMs (torch._scaled_mm)"
+        elif self.device.type == "cpu":
+            how = ("emulated on CPU: the numerics of FP8 (quantised operands, fp32 "
+                   "accumulation), not its speed")
+        else:
+            how = "emulated (dequantised operands multiplied in fp32): no FP8 GEMM for these"
+        self.log(f"fp8: {pc.fp8} scaling in every block linear layer (gradients "
+                 f"{pc.fp8_grad}); {how}")
 
     def _build_data(self, cfg: Config) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
@@ -252,9 +263,14 @@ class Trainer:
         return token[0]
 
     def _maybe_resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
+        c = self.cfg.checkpoint
+        if not c.resume:
             return
-        path = find_latest(self.cfg.checkpoint_dir, warn=lambda m: self.log(f"warning: {m}"))
+        root = self.cfg.checkpoint_dir
+        if c.resume_from is not None:
+            path: Path | None = resume_path(root, c.resume_from)
+        else:
+            path = find_latest(root, warn=lambda m: self.log(f"warning: {m}"))
         if path is None:
             return
         manifest, reader = open_checkpoint(path)
@@ -263,6 +279,16 @@ class Trainer:
                             self.precision.scaler, self.log)
         self.step = int(manifest["step"])
         self.log(f"resumed from {path} at step {self.step}")
+        if self.mesh.world.pg is not None:
+            torch.distributed.barrier()  # every rank has read it before anything is renamed
+        if self.is_rank0:
+            if root.is_dir():
+                for moved in set_aside_later_checkpoints(root, self.step):
+                    self.log(f"set aside the later checkpoint as {moved}")
+            replaced = set_aside_later_metrics(self.run_dir, self.step)
+            if replaced:
+                self.log(f"moved {replaced} metric rows of steps after {self.step} to "
+                         f"{self.run_dir / 'metrics.replaced.jsonl'}")
 
     def save(self) -> Path:
         """Write a checkpoint: each rank its own shard (in the background with
