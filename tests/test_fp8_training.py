@@ -82,3 +82,14 @@ def test_blockwise_block_must_divide_the_layer_dimensions(tmp_path):
         "--precision.fp8=blockwise", "--precision.fp8_block=64", "--parallel.tp=2"])
     with pytest.raises(MeshtronError, match=r"hidden_size / parallel.tp = 32"):
         check_run(cfg, 2)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_an_fp8_run_says_so_at_start_up(recipe, tiny_overrides):
+    from meshtron.training.trainer import Trainer
+
+    logs: list[str] = []
+    Trainer(load_config(overrides=tiny_overrides + FP8[recipe]), log=logs.append)
+    line = next(m for m in logs if m.startswith("fp8:"))
+    assert f"fp8: {recipe} scaling in every block linear layer (gradients e5m2)" in line
+    assert "emulated on CPU" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -22,12 +23,14 @@ def state_bytes(rank: int, world_size: int, cache: str, root: str) -> list[dict]
         cfg = load_config(overrides=test_overrides(cache, f"{root}/{dtype}{zero}", steps=1) + [
             f"--precision.dtype={dtype}", f"--parallel.zero={zero}",
             f"--precision.reduce_dtype={reduce}", "--parallel.bucket_mb=0.02"])
-        trainer = Trainer(cfg, ParallelMesh(MeshLayout(world_size), rank), log=lambda m: None)
+        logs: list[str] = []
+        trainer = Trainer(cfg, ParallelMesh(MeshLayout(world_size), rank), log=logs.append)
         trainer.run()
         opt = trainer.optimizer
         out.append({"memory": opt.memory_bytes(), "n": sum(p.numel() for p in opt.params),
                     "padded": sum(b.padded for b in opt.reducer.buckets),
-                    "dtypes": {str(p.dtype) for p in trainer.model.parameters()}})
+                    "dtypes": {str(p.dtype) for p in trainer.model.parameters()},
+                    "state_line": next((m for m in logs if m.startswith("state per rank")), "")})
     return out
 
 
@@ -46,6 +49,12 @@ def test_state_bytes_per_rank_follow_the_formula(data_cache, tmp_path):
                         "grads": grad_bytes * p // (dp if zero >= 2 else 1),
                         "master": 4 * p // shard, "optimizer": 8 * p // shard}
             assert r["memory"] == expected, (rank, dtype, zero)
+            if rank == 0:  # the start-up line: bytes per parameter of the model, not per
+                # parameter still holding storage (none under ZeRO-3)
+                per_param = float(re.search(r"params [\d.]+ MiB \(([\d.]+) B/param\)",
+                                            r["state_line"]).group(1))
+                expected_b = 2 / (dp if zero == 3 else 1)
+                assert expected_b <= per_param < 1.1 * expected_b, r["state_line"]
 
 
 @pytest.mark.slow
