@@ -122,7 +122,8 @@ def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"tokenizer: {tokenizer.path}")
     stats = preprocess(sources, args.output, tokenizer)
     print(f"wrote {args.output}.bin/.idx: {stats['documents']} documents, {stats['tokens']} "
-          f"tokens, {stats['mb_per_s']:.1f} MB/s")
+          f"tokens, {stats['mb_per_s']:.1f} MB/s; tokenizer {stats['tokenizer']}")
+    print(f"train on it with: meshtron train --data.path={args.output}")
     return 0
 
 

@@ -112,6 +112,7 @@ def test_train_generate_plot_end_to_end(data_cache, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def "), proc.stdout
     assert len(proc.stdout.rstrip("\n")) > len("def ")  # something was generated
+    assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000006'}" in proc.stderr
 
     output = tmp_path / "plots" / "curve.png"
     proc = meshtron("plot", str(run_dir), "--output", str(output), cwd=tmp_path)

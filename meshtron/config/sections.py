@@ -216,7 +216,8 @@ class DataConfig:
     vocab_size: int = 8192
     """Vocabulary size of a tokenizer trained here."""
     valid_fraction: float = 0.02
-    """Share of each dataset's documents held out for validation."""
+    """Share of each dataset's tokens held out for validation (its tail, in whole windows, at
+    least one)."""
     corpus_max_mb: float = 8.0
     """Size cap of the embedded default corpus (the standard library's sources)."""
     document_mask: bool = False
