@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +28,10 @@ from meshtron.data import (
     open_source,
     prepare_dataset,
     preprocess,
-    split_documents,
     stdlib_corpus,
     train_tokenizer,
     train_valid_split,
+    valid_windows,
 )
 from meshtron.data import corpus as corpus_module
 from meshtron.data import tokenizer as tokenizer_module
@@ -401,43 +402,60 @@ def test_windows_are_slices_of_the_stream(tmp_path: Path, seq_len: int) -> None:
     np.testing.assert_array_equal(part[0], stream[10 : 11 + seq_len])
 
 
-def test_split_documents() -> None:
-    train, valid = split_documents(100, 0.05)
-    again = split_documents(100, 0.05)
-    assert train.tolist() == again[0].tolist() and valid.tolist() == again[1].tolist()
-    assert len(valid) == 5 and sorted([*train, *valid]) == list(range(100))
-    assert valid.tolist() == sorted(valid.tolist()) and valid.max() > 80  # spread out
-    for n in (2, 3, 10):
-        train, valid = split_documents(n, 0.001)
-        assert len(valid) >= 1 and len(train) >= 1 and len(train) + len(valid) == n
-    train, valid = split_documents(2, 0.99)
-    assert len(train) == 1 and len(valid) == 1
-    assert split_documents(1, 0.1)[1].size == 0
+def test_valid_windows_rule() -> None:
+    # round(valid_fraction * tokens / seq_len) whole windows, at least one, and at most what
+    # leaves training one window ((tokens - 2) // seq_len - 1); 0 means "too small".
+    assert valid_windows(1_000_000, 100, 0.02) == 200
+    assert valid_windows(9_200, 256, 0.02) == 1  # 0.72 windows rounds up to the minimum one
+    assert valid_windows(1000, 16, 0.1) == 6  # 6.25
+    assert valid_windows(1000, 100, 0.9) == 8  # capped: training keeps 999 - 800 tokens
+    assert valid_windows(2 * 17, 16, 0.1) == 1  # the smallest dataset: one window each side
+    assert valid_windows(2 * 17 - 1, 16, 0.1) == 0
 
 
 def test_train_valid_split_single_document(tmp_path: Path) -> None:
     doc = np.arange(1000) % 500
     ds = _dataset(tmp_path, [doc])
+    # 6 validation windows = 6*16+1 = 97 tail tokens; training is the 903 before them
     train, valid = train_valid_split(ds, 16, 0.1, "one.txt")
-    assert train.num_tokens == 900 and valid.num_tokens == 100
-    np.testing.assert_array_equal(valid[0], doc[900:917])
-    assert len(train) == 899 // 16 and len(valid) == 99 // 16
-    with pytest.raises(MeshtronError, match=r"validation split of one.txt holds 100 tokens, fewer "
-                       r"than train.seq_len\+1 = 129"):
-        train_valid_split(ds, 128, 0.1, "one.txt")
+    assert train.num_tokens == 903 and valid.num_tokens == 97
+    np.testing.assert_array_equal(valid[0], doc[903:920])
+    np.testing.assert_array_equal(valid[5], doc[983:1000])  # the whole tail, nothing wasted
+    assert len(train) == 902 // 16 and len(valid) == 6
+    # 2% of 1000 tokens is far below one window of 129: validation still gets one
+    train, valid = train_valid_split(ds, 128, 0.02, "one.txt")
+    assert (len(train), len(valid)) == (6, 1) and valid.num_tokens == 129
+    with pytest.raises(MeshtronError, match=r"^one.txt holds 1,000 tokens, too few for one "
+                       r"training and one validation window of train.seq_len\+1 = 501 tokens "
+                       r"each \(at least 1,002 tokens\); lower train.seq_len or add text$"):
+        train_valid_split(ds, 500, 0.1, "one.txt")
 
 
-def test_train_valid_split_documents(tmp_path: Path) -> None:
+def test_train_valid_split_cuts_the_token_tail(tmp_path: Path) -> None:
+    # 20 documents of 50 tokens: validation is round(0.1 * 1000 / 8) = 12 windows, the last
+    # 12*8+1 = 97 tokens, which starts inside document 18
     docs = [np.full(50, i) for i in range(20)]
     ds = _dataset(tmp_path, docs)
+    stream = np.concatenate(docs)
     train, valid = train_valid_split(ds, 8, 0.1, "many")
-    assert len(valid.document_ids) == 2
-    assert set(train.document_ids.tolist()).isdisjoint(valid.document_ids.tolist())
-    # one huge document among tiny ones: the document split would starve one side
+    assert len(valid) == 12 and valid.num_tokens == 97
+    assert train.num_tokens + valid.num_tokens == 1000
+    assert valid.document_ids.tolist() == [18, 19]  # only the documents it overlaps
+    assert train.document_ids.tolist() == list(range(19))
+    for i in range(len(valid)):
+        np.testing.assert_array_equal(valid[i], stream[903 + 8 * i : 903 + 8 * i + 9])
+    last = len(train) - 1
+    assert last == (903 - 1) // 8 - 1
+    np.testing.assert_array_equal(train[last], stream[8 * last : 8 * last + 9])
+    # one huge document among tiny ones, and two whole files: both sides always get windows
     docs = [np.zeros(3000, dtype=np.int64), np.ones(5, dtype=np.int64)]
     uneven = _dataset(tmp_path, docs, "uneven")
     train, valid = train_valid_split(uneven, 32, 0.1, "uneven")
-    assert len(train) > 0 and len(valid) > 0
+    assert (len(train), len(valid)) == (84, 9)
+    two = _dataset(tmp_path, [np.zeros(900, dtype=np.int64), np.ones(1100, dtype=np.int64)], "2")
+    train, valid = train_valid_split(two, 256, 0.02, "two files")
+    assert (len(train), len(valid)) == (6, 1)  # not one whole file each
+    assert train.document_ids.tolist() == [0, 1] and valid.document_ids.tolist() == [1]
 
 
 # ----------------------------------------------------------------------------- preprocessing
@@ -493,7 +511,8 @@ def test_build_training_data_single_file(tmp_path: Path) -> None:
     logs: list[str] = []
     data = build_training_data(_config(tmp_path, [str(tmp_path / "book.txt")]), 16, 7, logs.append)
     assert any(line.startswith("tokenizer: trained") for line in logs)
-    assert any("train windows" in line for line in logs)
+    assert any(re.fullmatch(r"dataset: [\d.]+K tokens: [\d.]+K train \([\d,]+ windows\), "
+                            r"[\d.]+K? valid \([\d,]+ windows?\)", line) for line in logs), logs
     assert len(data.train) > 0 and len(data.valid) > 0
     batch = data.train_batch(3, 8)
     assert batch.shape == (8, 17) and str(batch.dtype) == "torch.int64"
@@ -532,9 +551,11 @@ def test_build_training_data_default_corpus(tmp_path: Path) -> None:
 
 def test_build_training_data_indexed_path(tmp_path: Path, tokenizer: Tokenizer) -> None:
     (tmp_path / "t.txt").write_text(make_text(3000, 4))
-    preprocess([str(tmp_path / "t.txt")], str(tmp_path / "ds"), tokenizer, log=quiet)
+    preprocess([str(tmp_path / "t.txt")], str(tmp_path / "ds"), tokenizer, log=quiet,
+               write_tokenizer=False)  # as Megatron's preprocessing would leave it
     cfg = _config(tmp_path, [str(tmp_path / "ds")])
-    with pytest.raises(MeshtronError, match="set data.tokenizer"):
+    with pytest.raises(MeshtronError, match="without ds.tokenizer.json beside it; set "
+                       "data.tokenizer"):
         build_training_data(cfg, 16, 0, quiet)
     cfg.tokenizer = str(tokenizer.path)
     data = build_training_data(cfg, 16, 0, quiet)
@@ -554,7 +575,8 @@ def test_build_training_data_errors(tmp_path: Path) -> None:
     with pytest.raises(MeshtronError, match="empty.txt holds no text"):
         build_training_data(_config(tmp_path, [str(tmp_path / "empty.txt")]), 16, 0, quiet)
     (tmp_path / "short.txt").write_text("just a few words")
-    with pytest.raises(MeshtronError, match="fewer than train.seq_len"):
+    with pytest.raises(MeshtronError, match="holds 5 tokens, too few for one training and one "
+                       "validation window"):
         build_training_data(_config(tmp_path, [str(tmp_path / "short.txt")]), 16, 0, quiet)
     (tmp_path / "ok.txt").write_text(make_text(100, 0))
     with pytest.raises(MeshtronError, match="weight"):

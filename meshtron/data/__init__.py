@@ -5,7 +5,7 @@ The trainer needs only :func:`build_training_data`; the other names are for tool
 
 from meshtron.data.blend import BlendedDataset, parse_blend
 from meshtron.data.corpus import stdlib_corpus
-from meshtron.data.gpt_dataset import GPTDataset, split_documents, train_valid_split
+from meshtron.data.gpt_dataset import GPTDataset, train_valid_split, valid_windows
 from meshtron.data.indexed import (
     IndexedDataset,
     IndexedDatasetWriter,
@@ -35,8 +35,8 @@ __all__ = [
     "parse_blend",
     "prepare_dataset",
     "preprocess",
-    "split_documents",
     "stdlib_corpus",
     "train_tokenizer",
     "train_valid_split",
+    "valid_windows",
 ]

@@ -20,7 +20,7 @@ class GPTDataset:
     """Windows of ``seq_len + 1`` tokens over documents ``document_ids`` of ``indexed``.
 
     ``token_range`` (start, stop) restricts the windows to part of the concatenated stream,
-    which is how a dataset of a single document is split into training and validation.
+    which is how a dataset is split into training and validation (:func:`train_valid_split`).
     """
 
     def __init__(
@@ -80,45 +80,45 @@ class GPTDataset:
         return out
 
 
-def split_documents(num_docs: int, valid_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic, seed-free (train ids, valid ids) with validation documents spread evenly.
+def valid_windows(total_tokens: int, seq_len: int, valid_fraction: float) -> int:
+    """Validation windows of a dataset of ``total_tokens``: about ``valid_fraction`` of its
+    tokens in whole windows, at least one, leaving training at least one (0: too small).
 
-    With two or more documents each side gets at least one; with fewer, everything is training
-    (split the tokens instead, see :func:`train_valid_split`).
+    Training then holds ``total_tokens - (k * seq_len + 1)`` tokens, which make at least one
+    window if and only if ``k <= (total_tokens - 2) // seq_len - 1``.
     """
-    everything = np.arange(num_docs, dtype=np.int64)
-    if num_docs < 2:
-        return everything, np.zeros(0, dtype=np.int64)
-    count = min(num_docs - 1, max(1, round(num_docs * valid_fraction)))
-    valid = ((np.arange(count) + 0.5) * (num_docs / count)).astype(np.int64)
-    keep = np.ones(num_docs, dtype=bool)
-    keep[valid] = False
-    return everything[keep], valid
+    most = (total_tokens - 2) // seq_len - 1
+    if most < 1:
+        return 0
+    return min(most, max(1, round(valid_fraction * total_tokens / seq_len)))
 
 
 def train_valid_split(
     indexed: IndexedDataset, seq_len: int, valid_fraction: float, name: str
 ) -> tuple[GPTDataset, GPTDataset]:
-    """Training and validation windows of one dataset.
+    """Training and validation windows of one dataset, split by tokens without a seed.
 
-    Whole documents go to validation (:func:`split_documents`) when both sides then hold at
-    least one window. Otherwise (a single document, or one huge document among tiny ones) the
-    token stream is cut instead: validation is its last ``valid_fraction`` of tokens.
+    Validation is the tail of the token stream (documents in order, cut inside a document
+    when needed): :func:`valid_windows` whole windows, ``k * seq_len + 1`` tokens. Cutting
+    tokens rather than choosing whole documents keeps the split at its share whatever the
+    documents' sizes (a folder of two files no longer sends one to validation), and a tail
+    matches Megatron's contiguous splits. Data too small for one window on each side
+    (fewer than ``2 * (seq_len + 1)`` tokens) is refused.
     """
-    if len(indexed) >= 2:
-        train_ids, valid_ids = split_documents(len(indexed), valid_fraction)
-        train = GPTDataset(indexed, seq_len, train_ids)
-        valid = GPTDataset(indexed, seq_len, valid_ids)
-        if len(train) and len(valid):
-            return train, valid
     total = indexed.total_tokens
-    cut = total - max(1, round(total * valid_fraction))
-    train = GPTDataset(indexed, seq_len, None, (0, max(cut, 0)))
-    valid = GPTDataset(indexed, seq_len, None, (max(cut, 0), total))
-    for split, dataset in (("training", train), ("validation", valid)):
-        if len(dataset) == 0:
-            raise MeshtronError(
-                f"the {split} split of {name} holds {dataset.num_tokens} tokens, fewer than "
-                f"train.seq_len+1 = {seq_len + 1}; use a shorter seq_len or more text"
-            )
+    k = valid_windows(total, seq_len, valid_fraction)
+    if k == 0:
+        raise MeshtronError(
+            f"{name} holds {total:,} tokens, too few for one training and one validation "
+            f"window of train.seq_len+1 = {seq_len + 1} tokens each (at least "
+            f"{2 * (seq_len + 1):,} tokens); lower train.seq_len or add text"
+        )
+    cut = total - (k * seq_len + 1)
+    # Each side gets only the documents it overlaps, so neither holds run arrays of the other.
+    ends = np.cumsum(indexed.sequence_lengths, dtype=np.int64)
+    first_valid = int(np.searchsorted(ends, cut, side="right"))  # the document holding `cut`
+    ids = np.arange(len(indexed), dtype=np.int64)
+    head = int(ends[first_valid - 1]) if first_valid else 0  # tokens before that document
+    train = GPTDataset(indexed, seq_len, ids[: first_valid + 1], (0, cut))
+    valid = GPTDataset(indexed, seq_len, ids[first_valid:], (cut - head, total - head))
     return train, valid

@@ -5,6 +5,10 @@ each. A very large document (a whole book in one ``.txt``) is cut into pieces at
 between two visible ASCII characters before encoding; the byte-level pre-tokenizer never joins
 characters across such a break, so the pieces encode to exactly the ids of the whole while
 spreading over all cores and keeping memory bounded.
+
+A dataset written for the user (``meshtron preprocess``) carries its tokenizer beside it as
+``PREFIX.tokenizer.json``, so ``data.path=PREFIX`` trains without naming the tokenizer: the
+ids in a ``.bin`` mean nothing without the exact tokenizer that made them.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from itertools import chain
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
+from meshtron.config import TrainConfig
 from meshtron.data import cache
 from meshtron.data.indexed import (
     IndexedDataset,
@@ -34,6 +40,51 @@ PIECE_CHARS = 1 << 20
 BATCH_CHARS = 8 << 20
 _PROGRESS_S = 10.0
 _LINE_BREAK = re.compile(r"[!-~]\n(?=[!-~])")
+TOKENIZER_SUFFIX = ".tokenizer.json"
+"""``PREFIX.tokenizer.json`` is the tokenizer a preprocessed ``PREFIX`` was made with."""
+USEFUL_WINDOWS = 1000
+"""Below this many windows at the default ``train.seq_len`` a dataset is mostly repeated by a
+default run (200 steps x 8 windows), so ``preprocess`` warns."""
+
+
+class PreprocessStats(TypedDict):
+    """What :func:`preprocess` did; ``tokenizer`` is the copy beside the dataset (None when
+    not written), ``warning`` the too-small warning it logged (None when it did not)."""
+
+    documents: int
+    tokens: int
+    input_bytes: int
+    seconds: float
+    mb_per_s: float
+    tokenizer: str | None
+    warning: str | None
+
+
+def tokenizer_beside(prefix: str | Path) -> Path:
+    """Where the tokenizer of the preprocessed dataset ``prefix`` lives."""
+    return Path(str(prefix) + TOKENIZER_SUFFIX)
+
+
+def format_count(n: int) -> str:
+    """Three significant digits with K/M/B: 184, 2.27K, 42.5K, 2.08M."""
+    value = float(f"{n:.3g}")
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= scale:
+            return f"{value / scale:g}{unit}"
+    return f"{value:g}"
+
+
+def small_output_warning(name: str, tokens: int) -> str | None:
+    """A one-line warning when ``tokens`` is too few to be worth training on, else None."""
+    seq_len = TrainConfig().seq_len
+    useful = USEFUL_WINDOWS * seq_len
+    if tokens >= useful:
+        return None
+    return (
+        f"warning: {name} holds {tokens:,} tokens, fewer than {useful:,} ({USEFUL_WINDOWS:,} "
+        f"windows at the default train.seq_len={seq_len}); a model trained on it mostly "
+        "memorises it, so add text if you can"
+    )
 
 
 def split_document(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
@@ -69,10 +120,16 @@ def preprocess(
     output_prefix: str | Path,
     tokenizer: Tokenizer,
     log: Log = print,
-) -> dict[str, float]:
+    *,
+    write_tokenizer: bool = True,
+    warn_small: bool = True,
+) -> PreprocessStats:
     """Tokenise raw text into ``output_prefix.bin``/``.idx`` (EOS after every document).
 
-    Returns documents, tokens, input bytes, seconds and MB/s.
+    With ``write_tokenizer`` the tokenizer is copied to ``output_prefix.tokenizer.json``
+    (:func:`tokenizer_beside`) before the index appears; with ``warn_small`` a too small
+    output is logged (:func:`small_output_warning`). The cache turns both off: its entries are
+    keyed by the tokenizer and the trainer reports their sizes.
     """
     sources = [open_source(x) if isinstance(x, str) else x for x in inputs]
     name = " + ".join(s.name for s in sources)
@@ -97,20 +154,38 @@ def preprocess(
                 log(f"preprocess: {documents} documents, {tokens / 1e6:.1f}M tokens so far")
         if documents == 0:
             raise MeshtronError(f"{name} holds no text")
+        written = _write_tokenizer(tokenizer, output_prefix) if write_tokenizer else None
         writer.finalize()
     seconds = time.perf_counter() - start
     rate = num_bytes / 1e6 / max(seconds, 1e-9)
     log(
-        f"preprocess: {documents} documents, {tokens / 1e6:.2f}M tokens from "
-        f"{num_bytes / 1e6:.1f} MB in {seconds:.1f} s ({rate:.1f} MB/s)"
+        f"preprocess: {documents:,} documents, {format_count(tokens)} tokens from "
+        f"{format_count(num_bytes)}B in {seconds:.1f} s ({rate:.1f} MB/s)"
     )
+    warning = small_output_warning(str(output_prefix), tokens) if warn_small else None
+    if warning:
+        log(warning)
     return {
         "documents": documents,
         "tokens": tokens,
         "input_bytes": num_bytes,
         "seconds": seconds,
         "mb_per_s": rate,
+        "tokenizer": str(written) if written else None,
+        "warning": warning,
     }
+
+
+def _write_tokenizer(tokenizer: Tokenizer, prefix: str | Path) -> Path:
+    """Copy the tokenizer to ``prefix.tokenizer.json`` (atomically; a no-op onto itself)."""
+    target = tokenizer_beside(prefix)
+    try:
+        if target.exists() and target.samefile(tokenizer.path):
+            return target
+        cache.atomic_write_bytes(target, tokenizer.path.read_bytes())
+    except OSError as err:
+        raise MeshtronError(f"cannot write the tokenizer to {target} ({err.strerror})") from None
+    return target
 
 
 def prepare_dataset(
@@ -138,7 +213,7 @@ def prepare_dataset(
             IndexedDataset(prefix)
         except MeshtronError:
             log(f"preprocess: tokenising {source.name} into {prefix}")
-            preprocess([source], prefix, tokenizer, log)
+            preprocess([source], prefix, tokenizer, log, write_tokenizer=False, warn_small=False)
         else:
             log(f"dataset: cached {source.name} at {prefix}")
     return prefix
