@@ -8,6 +8,9 @@ and on a CPU, to check the script itself (a tiny model, 2 steps per mode)::
 
     .venv/bin/python benchmarks/gpu.py --smoke
 
+Both print a table and write every figure to ``--json`` (default ``gpu-benchmark.json`` in the
+current directory); ``tests/test_gpu_benchmark.py`` runs the smoke mode.
+
 The model (1.26B parameters): 24 layers, hidden 2048, 16 heads, 8 kv heads, ffn 5632, vocab
 32000, untied embeddings, sequence 2048. It runs through meshtron's own training stack, built as
 ``meshtron/training/trainer.py`` does (the run plan, ``Transformer`` on a single-process mesh
@@ -31,6 +34,7 @@ when the next step would pass it, and modes that no longer fit are skipped with 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import gc
@@ -38,7 +42,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +222,21 @@ def machine(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` in types JSON holds: dataclasses (the model config nests its MoEConfig) as
+    dicts, tuples as lists, anything else unknown (paths, dtypes, devices) as its string, so the
+    report is written after a long run instead of failing at the end."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     base = results.get("bf16", {}).get("tokens_per_s")
 
@@ -333,7 +352,7 @@ def main() -> None:
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(device),
-        "model": asdict(cfg.model),
+        "model": cfg.model,
         "params": size.params, "seq_len": shape.seq, "micro_batch": micro_batch,
         "tokens_per_step": micro_batch * shape.seq, "recompute": args.recompute,
         "gemm": args.gemm, "smoke": args.smoke, "warmup_steps": warmup, "timed_steps": steps,
@@ -343,7 +362,7 @@ def main() -> None:
         "goals": "not evaluated for --smoke" if args.smoke else goals(results),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
-    harness.write_json(args.json, report)
+    harness.write_json(args.json, jsonable(report))
     print(f"\nwrote {args.json} ({report['wall_s']:.0f} s in all)")
 
 

@@ -8,9 +8,13 @@ import pickle
 import pytest
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as WordLevelTokenizer
+from tokenizers import models
 
 from meshtron.checkpoint.boxes import flat_range_boxes, local_to_global, volume
-from meshtron.checkpoint.shards import Piece, write_shard
+from meshtron.checkpoint.hf_convert import convert
+from meshtron.checkpoint.model_io import write_model_checkpoint
+from meshtron.checkpoint.shards import Piece, current_umask, write_shard
 from meshtron.checkpoint.store import (
     finalize_checkpoint,
     find_latest,
@@ -20,7 +24,9 @@ from meshtron.checkpoint.store import (
     temp_dir,
     verify_checkpoint,
 )
+from meshtron.config import load_config
 from meshtron.errors import MeshtronError
+from meshtron.models.transformer import Transformer
 from meshtron.parallel.mesh.params import ShardSpec
 
 
@@ -182,3 +188,31 @@ def test_empty_or_missing_root_has_no_checkpoint(tmp_path):
     assert find_latest(tmp_path / "nothing") is None
     os.makedirs(tmp_path / "empty")
     assert find_latest(tmp_path / "empty") is None
+
+
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"),
+                         [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)],
+                         ids=["umask-022", "umask-077"])
+def test_checkpoint_and_hf_export_files_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    """safetensors writes 0o600 files by itself; ours get the mode the umask gives any file."""
+    cfg = load_config(overrides=["--model.num_layers=1", "--model.hidden_size=32",
+                                 "--model.num_heads=2", "--model.num_kv_heads=2",
+                                 "--model.ffn_hidden_size=64",
+                                 "--model.vocab_size=128", "--model.max_seq_len=16"])
+    state = {k: v.detach() for k, v in Transformer(cfg.model).state_dict().items()}
+    tokenizer = tmp_path / "tokenizer.json"
+    WordLevelTokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tokenizer))
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        save(tmp_path / "store", 1)
+        write_model_checkpoint(tmp_path / "model", cfg, state, tokenizer=tokenizer)
+        convert(tmp_path / "model", tmp_path / "hf", "hf")
+    finally:
+        os.umask(old)
+    written = [p for root in ("store", "model", "hf") for p in (tmp_path / root).rglob("*")]
+    assert {p.name for p in written} >= {"shard-00000.safetensors", "model.safetensors"}
+    for path in [tmp_path / "store", tmp_path / "model", tmp_path / "hf", *written]:
+        expected = dir_mode if path.is_dir() else file_mode
+        assert path.stat().st_mode & 0o777 == expected, f"{path}: {oct(path.stat().st_mode)}"

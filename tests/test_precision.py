@@ -1,9 +1,18 @@
-"""Loss scaling: overflow halves the scale and skips the step; clean stretches double it."""
+"""Loss scaling: overflow halves the scale and skips the step; clean stretches double it. The
+start-up note for 16-bit formats on CPUs without hardware 16-bit matmuls."""
 
 import math
 
+import pytest
+import torch
+
 from meshtron.config import load_config
-from meshtron.precision.policy import LossScaler
+from meshtron.precision.policy import (
+    NATIVE_CPU_FLAGS,
+    LossScaler,
+    cpu_flags,
+    cpu_low_precision_note,
+)
 from meshtron.training.trainer import Trainer
 
 
@@ -26,3 +35,19 @@ def test_an_overflowing_fp16_step_is_skipped_and_weights_do_not_change(tiny_over
     assert trainer.precision.scaler.scale == 2.0**119
     for name, param in trainer.model.named_parameters():
         assert (param == before[name]).all(), f"{name} changed in a skipped step"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_formats_on_a_cpu_without_hardware_matmuls_get_one_warning_line(dtype):
+    note = cpu_low_precision_note(dtype, torch.device("cpu"), native=False)
+    assert note is not None and "\n" not in note
+    assert f"precision.dtype={dtype}" in note and "fp32 is faster" in note and "x slower" in note
+    assert cpu_low_precision_note(dtype, "cpu", native=True) is None
+    assert cpu_low_precision_note(dtype, torch.device("cuda", 0), native=False) is None
+    on_this_cpu = cpu_low_precision_note(dtype, "cpu")  # from this machine's flags
+    assert (on_this_cpu is None) == (not cpu_flags().isdisjoint(NATIVE_CPU_FLAGS[dtype]))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_full_precision_gets_no_note(dtype):
+    assert cpu_low_precision_note(dtype, "cpu", native=False) is None

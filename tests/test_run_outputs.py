@@ -116,3 +116,28 @@ def test_plot_of_a_file_that_is_no_run_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "not a run directory" in err[0]
 
 
+
+
+def test_a_run_with_one_logged_point_is_drawn_as_a_marker(tmp_path):
+    """A line through a single point is invisible; short series get a marker at each point."""
+    from matplotlib.figure import Figure
+
+    from meshtron.training.plot import MARKED_POINTS, draw_runs, plot_runs
+
+    run = tmp_path / "one"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    ax = Figure().add_subplot()
+    draw_runs(ax, [run])
+    (line,) = ax.get_lines()
+    assert line.get_xydata().tolist() == [[1.0, 5.0]]
+    assert line.get_marker() not in ("None", "", " ", None) and line.get_markersize() > 0
+    assert plot_runs([run], tmp_path / "one.png").read_bytes()[:8] == PNG_MAGIC
+
+    long = tmp_path / "long"
+    long.mkdir()
+    (long / "metrics.jsonl").write_text("".join(
+        f'{{"step": {s}, "loss": 1.0}}\n' for s in range(MARKED_POINTS + 1)))
+    ax = Figure().add_subplot()
+    draw_runs(ax, [long])
+    assert ax.get_lines()[0].get_marker() in ("None", None)  # long curves stay plain lines

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import yaml
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from meshtron.checkpoint.hf_config import hf_config_dict, hf_model_config
 from meshtron.checkpoint.hf_mapping import (
@@ -48,6 +47,7 @@ from meshtron.checkpoint.hf_mapping import (
 )
 from meshtron.checkpoint.loading import resolve_checkpoint
 from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
+from meshtron.checkpoint.shards import save_safetensors
 from meshtron.config import Config, ModelConfig, config_from_dict
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
@@ -154,7 +154,8 @@ def import_hf(src: Path, dst: Path) -> Conversion:
     checkpoint = write_model_checkpoint(dst, cfg, tensors, tokenizer=tokenizer)
     settings: dict[str, Any] = {"model": cfg.to_dict()["model"],
                                 "train": {"seq_len": cfg.train.seq_len},
-                                "checkpoint": {"dir": str(dst.resolve())}}
+                                "checkpoint": {"dir": str(dst.resolve())},
+                                "run": {"dir": str(dst.resolve())}}  # its own run, not runs/default
     if tokenizer is not None:  # outside step_* (which training may prune): a stable path
         shutil.copyfile(tokenizer, dst / "tokenizer.json")
         settings["data"] = {"tokenizer": str((dst / "tokenizer.json").resolve())}
@@ -276,7 +277,7 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
     tmp = dst.parent / f".tmp-{dst.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     notes = []
     if tokenizer is not None:

@@ -52,6 +52,29 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (``os.umask``
+    sets as it reads, which a background checkpoint thread must not race with)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``save_file``, then the mode every other file gets (0o666 less the umask): safetensors
+    writes through a private temporary file, which leaves the result 0o600."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 @dataclass
 class Piece:
     """One box of one global tensor, with this rank's data for it."""
@@ -68,7 +91,7 @@ def write_shard(directory: Path, rank: int, pieces: list[Piece], rng: torch.Tens
     tensors = {f"p{i}": p.data.contiguous() for i, p in enumerate(pieces)}
     tensors["rng"] = rng
     path = directory / f"{base}.safetensors"
-    save_file(tensors, str(path))
+    save_safetensors(tensors, path)
     fsync_file(path)
     index = {
         "file": path.name, "sha256": sha256(path), "rng": "rng",

@@ -72,3 +72,44 @@ class Precision:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
+
+
+NATIVE_CPU_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16", "bf16"),
+                    "fp16": ("avx512_fp16", "amx_fp16", "asimdhp")}
+"""The CPU flags (x86 AVX-512/AMX; Arm ``bf16`` and ``asimdhp``, as PyTorch checks them, not
+measured here) under which PyTorch's oneDNN runs 16-bit matmuls in hardware; without them
+``aten::mm`` falls back to a reference GEMM many times slower than fp32's MKL one
+(docs/precision.md)."""
+CPU_SLOWDOWN = {"bf16": "2-30x", "fp16": "15-35x"}
+"""Step time against fp32 measured on the fallback (tiny preset, an AMD EPYC; bf16 with oneDNN
+held to AVX-512 without BF16, 2-10x, or to AVX2, 14-30x), see docs/precision.md."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_low_precision_note(dtype: str, device: torch.device | str, *,
+                           native: bool | None = None) -> str | None:
+    """A one-line warning for a bf16/fp16 run on a CPU that lacks hardware 16-bit matmuls (it
+    trains many times slower than in fp32 there); None otherwise. ``native``: whether the CPU
+    has them (None: read its flags)."""
+    if torch.device(device).type != "cpu" or dtype not in NATIVE_CPU_FLAGS:
+        return None
+    flags = NATIVE_CPU_FLAGS[dtype]
+    if native is None:
+        native = not cpu_flags().isdisjoint(flags)
+    if native:
+        return None
+    names = "/".join(f.upper().replace("_", "-") for f in flags[:2])
+    return (f"precision.dtype={dtype} on a CPU without {names}: its matmuls run on PyTorch's "
+            f"slow fallback kernels, measured {CPU_SLOWDOWN[dtype]} slower per step than fp32; "
+            f"fp32 is faster here (use {dtype} on GPUs)")

@@ -1,0 +1,43 @@
+"""benchmarks/gpu.py in its CPU smoke mode: runs every mode, prints the table, writes a report
+that parses (the model config, with its nested MoE section, once made the JSON writer fail)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+MODES = ("bf16", "tensorwise", "delayed", "blockwise")
+FIGURES = {"gemm", "build_s", "warmup_steps", "timed_steps", "step_times_s", "losses",
+           "peak_memory_gib", "note", "median_step_s", "tokens_per_s", "mfu"}
+
+
+@pytest.mark.slow  # a fresh interpreter and four modes: 5 s alone, 15-30 s on shared cores
+def test_smoke_mode_prints_the_table_and_writes_a_parsable_report(tmp_path):
+    # the default --json, so the report lands in the working directory: here, not the repo
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu-benchmark.json"]
+    report = json.loads((tmp_path / "gpu-benchmark.json").read_text())
+
+    assert report["smoke"] is True and report["machine"]["device"] == "cpu"
+    assert report["model"]["num_layers"] == 2 and report["model"]["hidden_size"] == 128
+    assert report["model"]["moe"]["num_experts"] == 0  # the nested MoEConfig, as a dict
+    assert report["tokens_per_step"] == report["micro_batch"] * report["seq_len"]
+    assert list(report["results"]) == list(MODES)
+    for mode, figures in report["results"].items():
+        assert figures.keys() >= FIGURES, f"{mode}: {figures}"
+        assert figures["timed_steps"] == 1 and len(figures["losses"]) == 2
+        assert figures["tokens_per_s"] > 0 and figures["median_step_s"] > 0
+    assert report["results"]["blockwise"]["gemm"] == "emulated"
+    assert report["goals"] == "not evaluated for --smoke"
+
+    table = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| mode | gemm | step s | tokens/s |")
+    assert [row.split(" | ")[0].lstrip("| ") for row in table[2:]] == list(MODES)
+    assert "wrote gpu-benchmark.json" in run.stdout
