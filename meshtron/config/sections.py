@@ -232,7 +232,8 @@ class PrecisionConfig:
 
     dtype: str = "fp32"
     """Parameters and activations: fp32, bf16/fp16 with fp32 master weights, or fp64 for
-    verification runs."""
+    verification runs. On a CPU without 16-bit matrix instructions bf16/fp16 are many times
+    slower than fp32 (said at start-up)."""
     reduce_dtype: str = "fp32"
     """Gradient buckets and their data-parallel reduction: fp32, or bf16 (half the bytes)."""
     loss_scaling: bool = True

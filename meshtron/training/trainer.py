@@ -32,7 +32,7 @@ from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe, scaled_mm_supported
-from meshtron.precision.policy import Precision
+from meshtron.precision.policy import Precision, cpu_low_precision_note
 from meshtron.training.hardware import peak_flops
 from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 from meshtron.training.metrics import MetricsWriter
@@ -164,6 +164,9 @@ class Trainer:
         self._log_activation_memory()
         self._log_state_memory()
         self._log_fp8()
+        slow = cpu_low_precision_note(pc.dtype, self.device)
+        if slow:
+            self.log(f"warning: {slow}")
         self.saver = CheckpointSaver(
             cfg.checkpoint_dir, self.mesh.global_rank, self.mesh.layout.world_size,
             self._shared_token(), keep_last=cfg.checkpoint.keep_last,
