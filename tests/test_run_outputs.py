@@ -56,8 +56,10 @@ def test_mfu_tensorboard_and_no_leftover_temporaries(data_cache, tmp_path):
     (stale / "shard-00000.safetensors").write_bytes(b"torn")
     cfg = config(data_cache, run_dir, 3, "--train.log_every=1", "--train.peak_flops=1e12",
                  "--checkpoint.every=2")
-    trainer = Trainer(cfg, log=quiet)
+    logs: list[str] = []
+    trainer = Trainer(cfg, log=logs.append)
     trainer.run()
+    assert "mfu: against 1 TFLOP/s per rank, from train.peak_flops" in logs
     rows = read_metrics(run_dir)
     per_token = training_flops_per_token(trainer.cfg.model, cfg.train.seq_len)
     for row in rows:

@@ -52,13 +52,21 @@ def measure_matmul_flops(sizes: tuple[int, ...] = (1024, 2048), repeats: int = 3
 
 def peak_flops(device: torch.device, configured: float | None) -> float:
     """The configured figure, else the GPU's data-sheet peak, else a measured CPU matmul rate."""
+    return peak_source(device, configured)[0]
+
+
+def peak_source(device: torch.device, configured: float | None) -> tuple[float, str]:
+    """:func:`peak_flops` and where it comes from, for the start-up line."""
     if configured:
-        return configured
+        return configured, "train.peak_flops"
     if device.type == "cuda":
-        found = gpu_peak_flops(torch.cuda.get_device_name(device))
+        name = torch.cuda.get_device_name(device)
+        found = gpu_peak_flops(name)
         if found:
-            return found
-    return _measured_cpu_peak(torch.get_num_threads())
+            return found, f"the {name} data sheet's dense bf16 peak"
+    return (_measured_cpu_peak(torch.get_num_threads()),
+            f"an fp32 matmul measured at start-up on {torch.get_num_threads()} threads; it reads "
+            "low when other processes share the cores, so set train.peak_flops for a stable MFU")
 
 
 @functools.cache

@@ -33,7 +33,7 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe, scaled_mm_supported
 from meshtron.precision.policy import Precision, cpu_low_precision_note
-from meshtron.training.hardware import peak_flops
+from meshtron.training.hardware import peak_source
 from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
@@ -331,7 +331,8 @@ class Trainer:
             return result
         tokens_per_step = self.plan.tokens_per_step
         flops_per_step = training_flops_per_token(cfg.model, t.seq_len) * tokens_per_step
-        peak = peak_flops(self.device, t.peak_flops)
+        peak, source = peak_source(self.device, t.peak_flops)
+        self.log(f"mfu: against {peak / 1e12:.3g} TFLOP/s per rank, from {source}")
         writer = MetricsWriter(self.run_dir) if self.is_rank0 else None
         progress = ProgressBar(t.steps, self.step, cfg.run.progress and self.is_rank0)
         self.mesh.stats.take()
