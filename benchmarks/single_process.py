@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/single_process.py [--steps N] [--json OUT]
+    .venv/bin/python benchmarks/single_process.py [--steps N] [--user-steps N] [--json OUT]
 
 1. **Training step** (forward, backward and AdamW step; fp32; CPU) of meshtron's ``Transformer``
    and of ``transformers.LlamaForCausalLM`` with the same shape and the same weights (meshtron's
@@ -23,7 +23,12 @@ Run from the repository root::
    over rounds of meshtron's step time / HF's step time in the same round (less sensitive to
    slow drifts in load). The first steps' losses are checked to agree, which shows that the
    weights and the loss are the same.
-2. **Preprocessing**: MB/s (1e6 bytes of UTF-8 text per second) of ``meshtron.data.preprocess``
+2. **The user's path** (``trainer_path.py``): ``meshtron train``'s whole step (tiny preset, seq
+   128, global batch 8, one micro-batch; data fetch, ``train_step``, metrics row) against a plain
+   HF loop of the same shape (same weights and batches, ``clip_grad_norm_(1.0)``, torch AdamW
+   foreach), and meshtron's model in that same loop; ``--user-steps`` interleaved rounds (order
+   rotating), medians, ratio and pair ratio to the HF loop (and process CPU time).
+3. **Preprocessing**: MB/s (1e6 bytes of UTF-8 text per second) of ``meshtron.data.preprocess``
    on the embedded default corpus (``stdlib_corpus`` at the default ``data.corpus_max_mb``) with
    a byte-level BPE of the default ``data.vocab_size`` trained once in a temporary cache
    (training timed separately); median of ``--preprocess-runs`` runs, each into a fresh
@@ -42,6 +47,7 @@ from typing import Any
 
 import harness
 import torch
+import trainer_path
 import transformers
 from torch import nn
 
@@ -156,6 +162,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--preprocess-runs", type=int, default=3, help="0 skips preprocessing")
+    parser.add_argument("--user-steps", type=int, default=20,
+                        help="timed rounds of the user's path (meshtron train's step); 0 skips")
+    parser.add_argument("--data-cache", help="data.cache_dir of the user's path (default: the "
+                        "config's)")
+    parser.add_argument("--no-model-step", action="store_true",
+                        help="skip the model-only training step comparison")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,22 +175,34 @@ def main() -> None:
                      torch_threads=torch.get_num_threads())
     print(harness.host_line(info, f"{info['torch_threads']} torch threads, transformers "
                           f"{info['transformers']}"))
-    print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
-          "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF step of the "
-          "same round")
     rows = []
-    for name in args.shapes:
+    for name in [] if args.no_model_step else args.shapes:
+        if not rows:
+            print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
+                  "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF "
+                  "step of the same round")
         rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup))
         print(f"  {name}: meshtron {rows[-1]['meshtron_s']:.3f}, HF {rows[-1]['hf_s']:.3f} "
               "s/step", flush=True)
-    print()
-    print(harness.markdown_table(
-        ("shape", "params", "tokens / step", "meshtron s/step", "HF s/step", "ratio",
-         "pair ratio", "meshtron tokens/s", "HF tokens/s"),
-        ((r["shape"], f"{r['params'] / 1e6:.1f}M", r["batch"] * r["seq"], f"{r['meshtron_s']:.3f}",
-          f"{r['hf_s']:.3f}", f"{r['ratio']:.3f}", f"{r['pair_ratio_median']:.3f}",
-          f"{r['meshtron_tokens_per_s']:.0f}", f"{r['hf_tokens_per_s']:.0f}") for r in rows)))
+    if rows:
+        print()
+        print(harness.markdown_table(
+            ("shape", "params", "tokens / step", "meshtron s/step", "HF s/step", "ratio",
+             "pair ratio", "meshtron tokens/s", "HF tokens/s"),
+            ((r["shape"], f"{r['params'] / 1e6:.1f}M", r["batch"] * r["seq"],
+              f"{r['meshtron_s']:.3f}", f"{r['hf_s']:.3f}", f"{r['ratio']:.3f}",
+              f"{r['pair_ratio_median']:.3f}", f"{r['meshtron_tokens_per_s']:.0f}",
+              f"{r['hf_tokens_per_s']:.0f}") for r in rows)))
     result = harness.record(info, train_step=rows)
+    if args.user_steps > 0:
+        user = trainer_path.bench_user_path(args.user_steps, args.warmup, args.data_cache)
+        result["user_path"] = user
+        parts = ", ".join(f"{k} {v:.2f} ms" for k, v in user["parts_ms"].items())
+        print(f"\nthe user's path: {user['command']} ({user['params'] / 1e6:.1f}M params, vocab "
+              f"{user['vocab']}, {user['tokens']} tokens / step), median of {args.user_steps} "
+              f"interleaved steps each; ratios to the HF loop; trainer parts: {parts}; trainer "
+              f"/ meshtron model pair ratio {user['trainer_over_model_pair_ratio']:.3f}\n")
+        print(trainer_path.user_path_table(user))
     if args.preprocess_runs > 0:
         pre = bench_preprocess(args.preprocess_runs)
         result["preprocess"] = pre

@@ -349,11 +349,12 @@ def test_expert_parallel_training_matches_one_process(world_size, data_cache, tm
             assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
     metrics = read_metrics(tmp_path / "layout1")
     if world_size == 2:  # capacity 1.0 drops some copies; routing metrics are logged
-        # measured at step 20 (the one-process twin gives the same): 14.8% of copies dropped,
-        # the busiest expert of layer 1 at 1.62x the mean, aux loss 1.004 (1 = balanced)
+        # measured at step 20 (the one-process twin gives the same; since validation is each
+        # dataset's token tail): 21.1% of copies dropped, the busiest expert of layer 1 at
+        # 1.80x the mean, aux loss 1.007 (1 = balanced)
         last = metrics[-1]
-        assert 0.12 < last["moe/dropped_fraction"] < 0.18
-        assert 1.45 < last["moe/layer1/load_max_over_mean"] < 1.8
+        assert 0.18 < last["moe/dropped_fraction"] < 0.24
+        assert 1.6 < last["moe/layer1/load_max_over_mean"] < 2.0
         assert 1.0 <= last["moe/aux_loss"] < 1.02
 
 

@@ -8,7 +8,10 @@ from torch import nn
 from meshtron.config import TrainConfig
 
 
-def build_adamw(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+def build_adamw(model: nn.Module, t: TrainConfig, *, fused: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW, by default its foreach implementation (several passes over the tensors
+    per step); ``fused``: its fused kernel, one pass per tensor (CPU and GPUs), the same update
+    up to rounding."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -17,9 +20,8 @@ def build_adamw(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True
-    )
+    kernel = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kernel)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -17,10 +17,12 @@ With a single data-parallel rank there is nothing to shard: any stage runs as st
 bf16/fp16 parameters (2N) always get fp32 master weights (4N, sharded like the moments), so
 stage 0 then runs the same flat-buffer AdamW as the sharded stages, on whole buckets.
 
-Two classes behind one interface: :class:`ReplicatedOptimizer` (torch's AdamW on the whole
-model: stage 0 in fp32 or fp64) and :class:`ShardedOptimizer` (flat buffers of which each rank
-updates its chunk: every other case). :func:`build_optimizer` picks one. Both say what they
-hold through :meth:`DataParallelOptimizer.held_tensors`, which is all a checkpoint reads.
+Two classes behind one interface: :class:`ReplicatedOptimizer` (torch's fused AdamW on the
+whole model: stage 0 in fp32 or fp64) and :class:`ShardedOptimizer` (flat buffers of which each
+rank updates its chunk: every other case). :func:`build_optimizer` picks one. Both say what they
+hold through :meth:`DataParallelOptimizer.held_tensors`, which is all a checkpoint reads. A
+one-process fp32 run has nothing to reduce: its gradients stay in ``.grad``
+(:class:`LocalGradients`, no buckets and no hooks), with the same numbers.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from meshtron.config import TrainConfig
 from meshtron.optim.adamw import build_adamw, set_learning_rate
 from meshtron.optim.flat_params import FlatParams
 from meshtron.optim.grad_buckets import Bucket, GradReducer
+from meshtron.optim.local_grads import LocalGradients
 from meshtron.optim.param_sharding import ShardedUnits
 from meshtron.optim.sharded_adamw import MOMENTS, ShardedAdamW
 from meshtron.parallel.mesh.groups import ParallelMesh
@@ -66,15 +69,21 @@ class DataParallelOptimizer(ABC):
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, stage: int,
                  bucket_mb: float, reduce_dtype: torch.dtype | None,
-                 on_event: Callable[[str, int], None] | None):
+                 on_event: Callable[[str, int], None] | None, local: bool = False):
+        """``local``: gradients stay in ``.grad`` (:class:`LocalGradients`, one process)."""
         self.mesh = mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.stage = stage
-        self.reducer = GradReducer(
-            self.params, mesh.dp_cp, stage=stage, bucket_bytes=int(bucket_mb * 2**20),
-            dtype=reduce_dtype or self.params[0].dtype,
-            units=self._units(model) if stage == 3 else None, on_event=on_event,
-        )
+        dtype = reduce_dtype or self.params[0].dtype
+        self.reducer: GradReducer | LocalGradients
+        if local:
+            self.reducer = LocalGradients(self.params, mesh.dp_cp, dtype=dtype)
+        else:
+            self.reducer = GradReducer(
+                self.params, mesh.dp_cp, stage=stage, bucket_bytes=int(bucket_mb * 2**20),
+                dtype=dtype, units=self._units(model) if stage == 3 else None,
+                on_event=on_event,
+            )
 
     def _units(self, model: nn.Module) -> list[list[nn.Parameter]]:
         """ZeRO-3's units: each block's trainable parameters, then everything else."""
@@ -167,22 +176,20 @@ class DataParallelOptimizer(ABC):
 
 class ReplicatedOptimizer(DataParallelOptimizer):
     """ZeRO-0 with fp32 (or fp64) parameters: torch's AdamW over the whole model, gradients
-    pointed at the all-reduced buckets."""
+    pointed at the all-reduced buckets, or left in ``.grad`` when ``local``."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *,
                  bucket_mb: float, reduce_dtype: torch.dtype | None = None,
-                 on_event: Callable[[str, int], None] | None = None):
+                 on_event: Callable[[str, int], None] | None = None, local: bool = False):
         super().__init__(model, mesh, t, stage=0, bucket_mb=bucket_mb,
-                         reduce_dtype=reduce_dtype, on_event=on_event)
-        self.adamw = build_adamw(model, t)
+                         reduce_dtype=reduce_dtype, on_event=on_event, local=local)
+        self.adamw = build_adamw(model, t, fused=True)  # one pass per tensor, not ~6
 
     def hold_shared_parameters(self) -> None:
         """Every parameter stays whole: nothing to hold."""
 
     def step(self, lr: float) -> None:
-        for bucket in self.reducer.buckets:  # torch's AdamW reads .grad: point it at the buffers
-            for i, param in enumerate(bucket.params):
-                param.grad = bucket.view(bucket.grad, i).to(param.dtype)  # a copy if bf16
+        self.reducer.point_param_grads()  # torch's AdamW reads .grad
         set_learning_rate(self.adamw, lr)
         self.adamw.step()
 
@@ -191,7 +198,7 @@ class ReplicatedOptimizer(DataParallelOptimizer):
         for param in (p for group in self.adamw.param_groups for p in group["params"]):
             state = self.adamw.state[param]  # created in torch's own order of first use
             if not state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = _step_count(param, 0)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param,
                                                        memory_format=torch.preserve_format)
@@ -205,7 +212,7 @@ class ReplicatedOptimizer(DataParallelOptimizer):
     def steps_taken(self, steps: int) -> None:
         self.init_state()
         for param in self.params:
-            self.adamw.state[param]["step"] = torch.tensor(float(steps))
+            self.adamw.state[param]["step"] = _step_count(param, steps)
 
     def masters_from_params(self) -> None:
         """No master weights: the parameters are the weights AdamW updates."""
@@ -286,6 +293,11 @@ class ShardedOptimizer(DataParallelOptimizer):
         return out
 
 
+def _step_count(param: nn.Parameter, steps: int) -> torch.Tensor:
+    """AdamW's step count as its fused kernel keeps it: fp32, on the parameter's device."""
+    return torch.tensor(float(steps), dtype=torch.float32, device=param.device)
+
+
 def _whole(kind: str, param: nn.Parameter, tensor: torch.Tensor) -> HeldState:
     return HeldState(kind, param, tuple(tensor.shape), tensor.view(-1), 0, True)
 
@@ -310,11 +322,19 @@ def build_optimizer(model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zer
                     bucket_mb: float, reduce_dtype: torch.dtype | None = None,
                     on_event: Callable[[str, int], None] | None = None
                     ) -> DataParallelOptimizer:
-    """The optimizer for ``parallel.zero`` on this mesh (stage 0 when dp x cp is one rank)."""
+    """The optimizer for ``parallel.zero`` on this mesh (stage 0 when dp x cp is one rank).
+
+    A one-process fp32 run reduces nothing, so it keeps no gradient buckets (``local``); fp64
+    runs, which verify the math and not the speed, keep them, so that a one-process fp64 run
+    exercises the same bucket path as the multi-rank runs it is compared with. So do runs
+    that round gradients to another ``reduce_dtype``, or that watch bucket events
+    (``on_event``)."""
     stage = zero if mesh.dp_cp.size > 1 else 0
     dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
     if stage == 0 and at_least_fp32(dtype) == dtype:
+        local = (mesh.layout.world_size == 1 and dtype == torch.float32
+                 and reduce_dtype in (None, dtype) and on_event is None)
         return ReplicatedOptimizer(model, mesh, t, bucket_mb=bucket_mb,
-                                   reduce_dtype=reduce_dtype, on_event=on_event)
+                                   reduce_dtype=reduce_dtype, on_event=on_event, local=local)
     return ShardedOptimizer(model, mesh, t, stage=stage, bucket_mb=bucket_mb,
                             reduce_dtype=reduce_dtype, on_event=on_event)
