@@ -130,19 +130,41 @@ def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    _check_sampling(args)
     from meshtron.checkpoint.loading import load_for_inference, resolve_checkpoint
     from meshtron.models.generation import generate
 
     checkpoint = resolve_checkpoint(Path(args.checkpoint))
     print(f"checkpoint: {checkpoint}", file=sys.stderr)
     model, tokenizer = load_for_inference(checkpoint)
+    prompt = tokenizer.encode(args.prompt)
+    room = model.cfg.max_seq_len - min(len(prompt) or 1, model.cfg.max_seq_len - 1)
+    if args.max_new_tokens > room:
+        print(f"note: the model has {model.cfg.max_seq_len} positions and the prompt takes "
+              f"{model.cfg.max_seq_len - room}, so at most {room} new tokens are generated "
+              f"(--max-new-tokens {args.max_new_tokens})", file=sys.stderr)
     ids = generate(
-        model, tokenizer.encode(args.prompt), args.max_new_tokens,
+        model, prompt, args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=tokenizer.eos_id, seed=args.seed,
     )
     print(args.prompt + tokenizer.decode(ids))
     return 0
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Sampling settings that make sense, refused with one line before anything loads."""
+    import math
+
+    if args.max_new_tokens < 0:
+        raise MeshtronError(f"--max-new-tokens must not be negative, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise MeshtronError(f"--temperature must be a finite number >= 0 (0 is greedy), got "
+                            f"{args.temperature}")
+    if args.top_k < 0:
+        raise MeshtronError(f"--top-k must not be negative (0 disables it), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise MeshtronError(f"--top-p must lie in (0, 1] (1 disables it), got {args.top_p}")
 
 
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:

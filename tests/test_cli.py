@@ -114,6 +114,11 @@ def test_train_generate_plot_end_to_end(data_cache, tmp_path):
     assert len(proc.stdout.rstrip("\n")) > len("def ")  # something was generated
     assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000006'}" in proc.stderr
 
+    proc = meshtron("generate", "--checkpoint", str(run_dir), "--prompt", "def ",
+                    "--max-new-tokens", "1000", "--temperature", "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: the model has 64 positions" in proc.stderr  # capped, and said so
+
     output = tmp_path / "plots" / "curve.png"
     proc = meshtron("plot", str(run_dir), "--output", str(output), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

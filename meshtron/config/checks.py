@@ -10,6 +10,7 @@ by the run plan (:mod:`meshtron.plan`). Every failure is one sentence in a
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 
 from meshtron.config.sections import (
@@ -85,7 +86,16 @@ def validate(cfg: Config) -> None:
     }
     for name, value in nonneg.items():
         require(value >= 0, f"{name} must not be negative, got {value}")
+    finite = {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.eps": t.eps,
+              "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
+              "model.init_std": m.init_std, "model.dropout": m.dropout}
+    for name, value in finite.items():
+        require(math.isfinite(value), f"{name} must be a finite number, got {value}")
     require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        require(0 <= beta < 1, f"{name} must lie in [0, 1), got {beta}")
+    require(t.eps > 0, f"train.eps must be positive, got {t.eps}")
+    require(m.init_std >= 0, f"model.init_std must not be negative, got {m.init_std}")
     require(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     require(m.dropout < 1, f"model.dropout must be below 1, got {m.dropout}")
     require(0 < d.valid_fraction < 1,

@@ -151,11 +151,15 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if not p.is_file():
             raise MeshtronError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text())
+            data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        except UnicodeDecodeError:
+            raise MeshtronError(f"{p}: not a text file (a config is UTF-8 YAML)") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise MeshtronError(f"{p}: not valid YAML{where}") from None
+            problem = getattr(err, "problem", None)
+            detail = f": {problem}" if problem and "given twice" in problem else ""
+            raise MeshtronError(f"{p}: not valid YAML{where}{detail}") from None
         _apply_mapping(cfg, data, str(p))
     for text in overrides:
         section, key, value = parse_override(text)
@@ -163,6 +167,21 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     resolve(cfg)
     validate(cfg)
     return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last
+    silently, so half of a config would be ignored without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -201,4 +220,8 @@ def resolve(cfg: Config) -> None:
     if m.tie_embeddings is None:
         m.tie_embeddings = False
     if cfg.data.path is not None:
-        cfg.data.path = [p for p in cfg.data.path if p] or None
+        paths = [p for p in cfg.data.path if p]
+        if not paths:
+            raise MeshtronError("data.path is empty; name a file, folder or dataset prefix, or "
+                                "leave data.path unset for the built-in corpus")
+        cfg.data.path = paths
