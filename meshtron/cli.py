@@ -174,8 +174,21 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 
     runs = [Path(r) for r in args.runs]
     default = runs[0] / "loss.png" if len(runs) == 1 else Path("loss.png")
-    print(plot_runs(runs, Path(args.output) if args.output else default))
+    print(plot_runs(runs, _png_path(args.output, "loss.png") if args.output else default))
     return 0
+
+
+def _png_path(given: str, default_name: str) -> Path:
+    """Where a PNG goes: inside ``given`` when it is a directory, with ``.png`` added when it
+    names no extension (matplotlib would add it without saying so)."""
+    path = Path(given)
+    if path.is_dir():
+        return path / default_name
+    return path if path.suffix else path.with_name(path.name + ".png")
+
+
+SCHEDULE_LIMITS = {"pp": 256, "vpp": 16, "microbatches": 4096}
+"""What `meshtron schedule` simulates and draws (larger tables take minutes and gigabytes)."""
 
 
 def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
@@ -184,6 +197,14 @@ def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.parallel.pipeline.schedules import COMM_KINDS, build_schedule
     from meshtron.parallel.pipeline.timeline import plot_schedule
 
+    for name, limit in SCHEDULE_LIMITS.items():
+        if getattr(args, name) > limit:
+            raise MeshtronError(f"--{name} {getattr(args, name)} is beyond what `meshtron "
+                                f"schedule` simulates and draws (at most {limit})")
+    if args.pp * args.vpp * args.microbatches > 65536:
+        raise MeshtronError(f"--pp x --vpp x --microbatches = "
+                            f"{args.pp * args.vpp * args.microbatches} actions per pass is beyond "
+                            "what `meshtron schedule` simulates and draws (at most 65536)")
     schedule = build_schedule(args.schedule, args.pp, args.vpp, args.microbatches)
     print(f"schedule {schedule.name}: pp={schedule.pp} vpp={schedule.vpp} "
           f"micro-batches={schedule.microbatches}")
@@ -200,7 +221,8 @@ def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
           + " ".join(str(n) for n in schedule.peak_in_flight()))
     default = (f"schedule-{schedule.name}-pp{schedule.pp}-vpp{schedule.vpp}"
                f"-m{schedule.microbatches}.png")
-    print(f"timeline: {plot_schedule(schedule, Path(args.out or default))}")
+    out = _png_path(args.out, default) if args.out else Path(default)
+    print(f"timeline: {plot_schedule(schedule, out)}")
     return 0
 
 

@@ -61,3 +61,41 @@ def test_generate_refuses_meaningless_sampling_before_loading(tmp_path, capsys, 
     assert main(["generate", "--checkpoint", str(missing), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshtron: error: ") and message in err[0]
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshtron: error: "), err
+    return err[0]
+
+
+def test_schedule_sizes_are_bounded(capsys):
+    assert main(["schedule", "--pp", "100000", "--microbatches", "100000"]) == 2
+    assert "--pp 100000 is beyond what `meshtron schedule` simulates" in one_error_line(capsys)
+    assert main(["schedule", "--pp", "64", "--microbatches", "2048"]) == 2
+    assert "at most 65536" in one_error_line(capsys)
+
+
+def test_png_outputs_named_by_a_directory_go_inside_it(tmp_path, capsys):
+    out_dir = tmp_path / "pngs"
+    out_dir.mkdir()
+    assert main(["schedule", "--pp", "2", "--microbatches", "2", "--out", str(out_dir)]) == 0
+    written = out_dir / "schedule-1f1b-pp2-vpp1-m2.png"
+    assert written.is_file() and f"timeline: {written}" in capsys.readouterr().out
+    assert main(["schedule", "--pp", "2", "--microbatches", "2",
+                 "--out", str(tmp_path / "plain")]) == 0
+    assert (tmp_path / "plain.png").is_file() and "plain.png" in capsys.readouterr().out
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    assert main(["plot", str(run), "--output", str(out_dir)]) == 0
+    assert (out_dir / "loss.png").is_file() and str(out_dir / "loss.png") in capsys.readouterr().out
+
+
+def test_plot_of_a_binary_metrics_file_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(bytes(range(128, 256)) * 8)
+    assert main(["plot", str(run)]) == 2
+    assert "is not a metrics file (not UTF-8 text)" in one_error_line(capsys)

@@ -105,6 +105,15 @@ def test_fp16_overflow_without_loss_scaling_stops_with_a_clear_error(tiny_overri
     assert "\n" not in str(err.value) and torch.equal(weight.detach(), before)
 
 
+def test_an_fp32_overflow_does_not_advise_loss_scaling(tiny_overrides):
+    trainer = Trainer(load_config(overrides=tiny_overrides + ["--train.steps=2"]),
+                      log=lambda m: None)
+    next(trainer.model.parameters()).register_hook(lambda grad: grad * math.inf)
+    with pytest.raises(MeshtronError, match="in fp32; the step was skipped") as err:
+        trainer.run()
+    assert "loss scaling is for fp16 and would not help" in str(err.value)
+
+
 def test_fp64_keeps_every_state_in_fp64(tiny_overrides):
     """Verification runs: fp64 parameters, gradient buckets and AdamW moments (8 + 8 + 16
     bytes per parameter at ZeRO 0, no masters)."""

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshtron.errors import MeshtronError
+
 REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                    "mem_peak_bytes")
 
@@ -48,10 +50,14 @@ def _scalars(row: dict[str, Any], prefix: str = ""):
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All rows of a run's ``metrics.jsonl``; a torn last line (crash mid-write) is skipped."""
     rows = []
-    with open(run_dir / "metrics.jsonl") as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except UnicodeDecodeError:
+        raise MeshtronError(f"{path} is not a metrics file (not UTF-8 text)") from None
+    return [row for row in rows if isinstance(row, dict)]

@@ -355,11 +355,15 @@ class Trainer:
                 result.losses.append(out.loss)
                 result.grad_norms.append(out.grad_norm)
                 if out.skipped and self.precision.scaler is None:
+                    advice = ("Enable precision.loss_scaling, lower train.lr, or use bf16/fp32"
+                              if cfg.precision.dtype == "fp16" else
+                              "Lower train.lr or train.grad_clip, or check the data; loss "
+                              "scaling is for fp16 and would not help here")
+                    scaling = " without loss scaling" if cfg.precision.dtype == "fp16" else ""
                     raise MeshtronError(
                         f"the gradient overflowed (grad norm {out.grad_norm}) at step "
-                        f"{self.step} in {cfg.precision.dtype} without loss scaling; the step "
-                        "was skipped and the weights are unchanged. Enable "
-                        "precision.loss_scaling, lower train.lr, or use bf16/fp32")
+                        f"{self.step} in {cfg.precision.dtype}{scaling}; the step was skipped "
+                        f"and the weights are unchanged. {advice}")
                 if not math.isfinite(out.loss):
                     raise MeshtronError(f"loss became {out.loss} at step {self.step}; lower "
                                         "train.lr or use precision.dtype=fp32")
