@@ -11,8 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshtron.data import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, indexed_prefix
+from meshtron.config import DataConfig
+from meshtron.data import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    build_training_data,
+    dtype_for_vocab,
+    indexed_prefix,
+)
 from meshtron.errors import MeshtronError
+from tests.test_cli import assert_user_error, meshtron
 
 
 def random_docs(count: int, high: int, seed: int = 0) -> list[np.ndarray]:
@@ -157,3 +165,56 @@ def test_indexed_prefix_detection(tmp_path: Path, good_dataset: str) -> None:
     assert indexed_prefix(str(tmp_path / "missing")) is None
 
 
+
+
+def _multimodal(tmp_path: Path) -> Path:
+    """Megatron's multimodal layout: the plain index, then one int8 mode per sequence."""
+    plain = _megatron_bytes([3, 2, 4], [0, 3], code=8, itemsize=2)
+    (tmp_path / "mm.idx").write_bytes(plain + np.array([0, 1, 0], dtype=np.int8).tobytes())
+    (tmp_path / "mm.bin").write_bytes(np.arange(9, dtype=np.uint16).tobytes())
+    return tmp_path / "mm"
+
+
+def test_multimodal_index_is_refused_as_unsupported(tmp_path: Path) -> None:
+    prefix = _multimodal(tmp_path)
+    with pytest.raises(MeshtronError, match="multimodal") as err:
+        IndexedDataset(prefix)
+    assert str(err.value) == (
+        f"{prefix}.idx is a multimodal index (it ends with 3 sequence modes, as Megatron's "
+        "builder writes with multimodal=True), and meshtron does not support multimodal "
+        "indexed datasets"
+    )
+    idx = Path(f"{prefix}.idx")
+    for size in (idx.stat().st_size - 1, idx.stat().st_size + 1):  # not modes: corrupt
+        idx.write_bytes(_megatron_bytes([3, 2, 4], [0, 3], code=8, itemsize=2).ljust(size, b"\0"))
+        with pytest.raises(MeshtronError, match=r"mm\.idx is truncated or corrupt"):
+            IndexedDataset(prefix)
+
+
+def test_prefix_without_tokenizer_says_how_to_pass_one(tmp_path: Path) -> None:
+    with IndexedDatasetWriter(tmp_path / "meg", np.uint16) as writer:  # as Megatron leaves it
+        writer.add_document(np.arange(100))
+        writer.finalize()
+    cfg = DataConfig(path=[str(tmp_path / "meg")], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(MeshtronError) as err:
+        build_training_data(cfg, 16, 0, lambda _: None)
+    message = str(err.value)
+    assert "without meg.tokenizer.json beside it" in message and "\n" not in message
+    assert "--data.tokenizer=PATH/tokenizer.json" in message
+
+
+def test_cli_refuses_multimodal_and_tokenizerless_prefixes(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("".join(f"line {i} of some text to train on.\n"
+                                            for i in range(800)))
+    made = meshtron("preprocess", "t.txt", "--output", "ds", "--vocab-size=512",
+                    "--cache-dir=cache", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    idx = tmp_path / "ds.idx"
+    plain = idx.read_bytes()
+    idx.write_bytes(plain + bytes(len(IndexedDataset(tmp_path / "ds"))))
+    train = ("train", "--data.path=ds", "--data.cache_dir=cache", "--run.dir=run",
+             "--train.steps=1")
+    assert_user_error(meshtron(*train, cwd=tmp_path), "meshtron does not support multimodal")
+    idx.write_bytes(plain)
+    (tmp_path / "ds.tokenizer.json").unlink()
+    assert_user_error(meshtron(*train, cwd=tmp_path), "--data.tokenizer=PATH/tokenizer.json")

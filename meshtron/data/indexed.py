@@ -9,9 +9,11 @@ holds, little-endian::
     int32 sequence lengths[N] | int64 sequence byte pointers[N] | int64 document indices[D]
 
 Document indices start at 0 and end at N (each entry is a document boundary in sequences). Our
-writer stores one sequence per document. Both files are opened with numpy memory maps, so a
-dataset of any size opens instantly and is paged in on demand; every inconsistency is reported
-as a :class:`MeshtronError` naming the file instead of surfacing later as a numpy error.
+writer stores one sequence per document. Megatron's builder with ``multimodal=True`` appends
+int8 sequence modes[N]; such an index is recognised by its size and refused as unsupported.
+Both files are opened with numpy memory maps, so a dataset of any size opens instantly and is
+paged in on demand; every inconsistency is reported as a :class:`MeshtronError` naming the file
+instead of surfacing later as a numpy error.
 """
 
 from __future__ import annotations
@@ -168,6 +170,12 @@ class IndexedDataset:
             raise MeshtronError(f"{idx} has unknown token dtype code {code}")
         self.dtype = DTYPE_CODES[code]
         expected = HEADER.size + 12 * count + 8 * num_docs
+        if count and size == expected + count:
+            raise MeshtronError(
+                f"{idx} is a multimodal index (it ends with {count} sequence modes, as Megatron's "
+                "builder writes with multimodal=True), and meshtron does not support multimodal "
+                "indexed datasets"
+            )
         if size != expected:
             raise MeshtronError(
                 f"{idx} is truncated or corrupt: {count} sequences and {num_docs} document "

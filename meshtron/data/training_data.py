@@ -143,7 +143,8 @@ def _tokenizer(
         path = preprocessed[0]
         raise MeshtronError(
             f"data.path {path} is a preprocessed dataset without {beside[path].name} beside it; "
-            "set data.tokenizer to the tokenizer.json it was made with"
+            "set data.tokenizer to the tokenizer.json it was made with "
+            "(--data.tokenizer=PATH/tokenizer.json, or tokenizer: under data: in the config file)"
         )
     by_content: dict[str, str] = {}
     for path, tok in found.items():
