@@ -2,8 +2,9 @@
 
 A read-only directory, a path that is a file, or a full disk used to be found at the first
 save, after training steps were spent. :func:`check_writable` creates and removes a probe file
-where the output will go (permissions alone do not tell: root ignores them, and read-only
-mounts are not visible in the mode bits) and turns the OS error into one readable line.
+where the output will go, or where its directory will be created (permissions alone do not
+tell: root ignores them, and a read-only mount does not show in the mode bits), and turns the
+OS error into one readable line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from meshtron.errors import MeshtronError
 
 REASONS = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
            errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the device",
-           errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a parent is a file"}
+           errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a parent is a file",
+           errno.EFBIG: "file size limit exceeded", errno.EIO: "input/output error"}
 
 
 def os_reason(err: OSError) -> str:
@@ -26,17 +28,23 @@ def os_reason(err: OSError) -> str:
 
 
 def check_writable(directory: Path, what: str) -> None:
-    """``directory`` exists (or can be created) and accepts a new file; else one line naming
-    ``what`` (e.g. ``"run.dir"``) and the reason. Directories it had to create are kept."""
-    if directory.exists() and not directory.is_dir():
-        raise MeshtronError(f"{what} {directory} is a file, not a directory")
+    """``directory`` accepts a new file, or can be created (probed in its nearest existing
+    ancestor, so nothing is left behind); else one line naming ``what`` (e.g. ``"run.dir"``)
+    and the reason."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise MeshtronError(f"{what} {directory} is a file, not a directory" if existing ==
+                            directory else f"{what} {directory} cannot be created: {existing} "
+                            "is a file")
+    probe = existing / f".meshtron-probe-{uuid.uuid4().hex[:8]}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".meshtron-probe-{uuid.uuid4().hex[:8]}"
         with open(probe, "wb") as f:
             f.write(b"0")
             f.flush()
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as err:
+        probe.unlink(missing_ok=True)
         raise MeshtronError(f"{what} {directory} is not writable ({os_reason(err)})") from None

@@ -87,11 +87,29 @@ def test_newest_complete_checkpoint_wins_and_half_written_ones_are_skipped(tmp_p
     save(tmp_path, 10)
     save(tmp_path, 20)
     (tmp_path / ".tmp-step_00000030-999").mkdir()
-    (tmp_path / "step_00000040").mkdir()
     warnings = []
     assert find_latest(tmp_path, warn=warnings.append).name == "step_00000020"
-    assert any(".tmp-step_00000030" in w for w in warnings)
-    assert any("step_00000040 is incomplete" in w for w in warnings)
+    assert warnings == [f"ignoring {tmp_path / '.tmp-step_00000030-999'}: a save that did not "
+                        "complete"]
+
+
+def test_an_unusable_newest_checkpoint_stops_unless_falling_back_is_asked_for(tmp_path):
+    """A step directory exists only complete: one without a usable manifest was damaged
+    later, so it is named in an error (default) or skipped with a warning (``previous``)."""
+    save(tmp_path, 10)
+    (tmp_path / "step_00000040").mkdir()
+    with pytest.raises(MeshtronError, match=r"newest checkpoint is unusable: checkpoint "
+                       r".*step_00000040 is incomplete: meta.json is missing; move it away, or "
+                       r"set checkpoint.on_corrupt=previous"):
+        find_latest(tmp_path, warn=pytest.fail)
+    warnings = []
+    assert find_latest(tmp_path, warnings.append, on_corrupt="previous").name == "step_00000010"
+    assert len(warnings) == 1 and "step_00000040 is incomplete" in warnings[0]
+    shard = tmp_path / "step_00000010" / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"!")  # caught by verifying every file
+    with pytest.raises(MeshtronError, match="none of the 2 checkpoints under .* is usable"):
+        find_latest(tmp_path, warnings.append, on_corrupt="previous")
+    assert "step_00000010/shard-00000.safetensors is corrupt" in warnings[-1]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -199,7 +217,7 @@ def test_checkpoint_and_hf_export_files_follow_the_umask(tmp_path, umask, file_m
                                  "--model.num_heads=2", "--model.num_kv_heads=2",
                                  "--model.ffn_hidden_size=64",
                                  "--model.vocab_size=128", "--model.max_seq_len=16"])
-    state = {k: v.detach() for k, v in Transformer(cfg.model).state_dict().items()}
+    state = {k: torch.zeros_like(v) for k, v in Transformer(cfg.model).state_dict().items()}
     tokenizer = tmp_path / "tokenizer.json"
     WordLevelTokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
         str(tokenizer))

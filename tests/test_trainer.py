@@ -146,16 +146,22 @@ def test_half_written_checkpoints_are_skipped_and_corrupt_ones_named(data_cache,
     (root / "step_00000015" / "meta.json").unlink()
     shutil.copytree(good, root / ".tmp-step_00000020-4242")
 
+    with pytest.raises(MeshtronError, match=r"newest checkpoint is unusable: .*step_00000015 is "
+                       "incomplete: meta.json is missing"):
+        Trainer(config(data_cache, run_dir, 12, "--checkpoint.resume=true"), log=print)
+    shutil.rmtree(root / "step_00000015")
     with pytest.raises(MeshtronError, match=r"step_00000010/shard-00000.safetensors is corrupt"):
         Trainer(config(data_cache, run_dir, 12, "--checkpoint.resume=true"), log=print)
-    shutil.rmtree(root / "step_00000010")
+    shutil.copytree(good, root / "step_00000015")
+    (root / "step_00000015" / "meta.json").unlink()
     logs: list[str] = []
-    trainer = Trainer(config(data_cache, run_dir, 12, "--checkpoint.resume=true"),
-                      log=logs.append)
+    trainer = Trainer(config(data_cache, run_dir, 12, "--checkpoint.resume=true",
+                             "--checkpoint.on_corrupt=previous"), log=logs.append)
     assert trainer.step == 5
     warnings = [line for line in logs if line.startswith("warning:")]
     assert any(".tmp-step_00000020-4242" in w for w in warnings), warnings
     assert any("step_00000015" in w and "meta.json" in w for w in warnings), warnings
+    assert any("step_00000010/shard-00000.safetensors is corrupt" in w for w in warnings)
     assert any("resumed from" in line and "step_00000005" in line for line in logs)
     _, reader = open_checkpoint(good)
     for name, param in trainer.model.named_parameters():

@@ -46,6 +46,7 @@ from meshtron.checkpoint.hf_mapping import (
     to_hf,
 )
 from meshtron.checkpoint.loading import resolve_checkpoint
+from meshtron.checkpoint.manifest import read_manifest, verify_file
 from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from meshtron.checkpoint.shards import save_safetensors
 from meshtron.config import Config, ModelConfig, config_from_dict
@@ -261,8 +262,11 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
         if state[name].shape != shape:
             raise MeshtronError(f"checkpoint {checkpoint}: parameter {name} has shape "
                                 f"{tuple(state[name].shape)}, its config implies {tuple(shape)}")
-    tokenizer_path = checkpoint / "tokenizer.json"
-    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path.is_file() else None
+    manifest = read_manifest(checkpoint)
+    tokenizer_path = None
+    if "tokenizer.json" in manifest["files"] or (checkpoint / "tokenizer.json").exists():
+        tokenizer_path = verify_file(checkpoint, manifest, "tokenizer.json")
+    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path is not None else None
     config = hf_config_dict(model_cfg, state["embed.weight"].dtype,
                             tokenizer.eos_id if tokenizer else None)
     family = hf_format(model_cfg).model_types[0].display
@@ -280,7 +284,7 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
     save_safetensors(hf, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     notes = []
-    if tokenizer is not None:
+    if tokenizer_path is not None and tokenizer is not None:
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
                             "eos_token": tokenizer.decode([tokenizer.eos_id]),

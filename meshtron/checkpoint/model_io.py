@@ -1,25 +1,56 @@
 """Whole-model access to checkpoints: the global weights in, a one-process checkpoint out.
 
-For tools that work on a model as a whole (conversion to and from Hugging Face, inspection),
-independent of the layout the checkpoint was saved under.
+For tools that work on a model as a whole (conversion to and from Hugging Face, inspection,
+generation), independent of the layout the checkpoint was saved under. What comes out is
+checked: the config builds a model whose parameters the checkpoint holds with the same shapes
+(compared on the meta device, before anything is allocated), and every weight is finite.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from meshtron.checkpoint.manifest import read_manifest, saved_config
+from meshtron.checkpoint.shards import check_finite
 from meshtron.checkpoint.store import open_checkpoint, save_tensors
 from meshtron.config import Config, config_from_dict
+from meshtron.errors import MeshtronError
+from meshtron.models.transformer import Transformer
+
+
+def model_config(path: Path, manifest: dict[str, Any]) -> Config:
+    """The checkpoint's run config, refused unless the model it builds is the one stored."""
+    try:
+        cfg = config_from_dict(saved_config(path, manifest))
+    except MeshtronError as err:
+        raise MeshtronError(f"checkpoint {path} holds an invalid config: {err}") from None
+    with torch.device("meta"):
+        expected = {f"model/{name}": tuple(t.shape)
+                    for name, t in Transformer(cfg.model).state_dict().items()}
+    tensors = manifest["tensors"]
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise MeshtronError(f"checkpoint {path} lacks {name[6:]}, which its config's "
+                                "model has")
+        if tuple(tensors[name]["shape"]) != shape:
+            raise MeshtronError(f"checkpoint {path}: {name[6:]} has shape "
+                                f"{list(tensors[name]['shape'])}, its config implies "
+                                f"{list(shape)}")
+    return cfg
 
 
 def read_model_tensors(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
     """The run config and every model parameter, whole, under its global name."""
+    cfg = model_config(checkpoint, read_manifest(checkpoint))
     manifest, reader = open_checkpoint(checkpoint)
-    cfg = config_from_dict(manifest["config"])
     names = [n for n in reader.tensors if n.startswith("model/")]
-    return cfg, {n[len("model/"):]: reader.read(n) for n in names}
+    tensors = {n[len("model/"):]: reader.read(n) for n in names}
+    for name, tensor in tensors.items():
+        check_finite(checkpoint, name, tensor)
+    return cfg, tensors
 
 
 def write_model_checkpoint(root: Path, cfg: Config, tensors: dict[str, torch.Tensor],

@@ -10,15 +10,20 @@ no collectives: ranks meet through the files in the temporary directory.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from meshtron.checkpoint.shards import Piece, write_shard
-from meshtron.checkpoint.store import finalize_checkpoint, step_dir_name, temp_dir
+from meshtron.checkpoint.store import finalize_checkpoint, newest_step_dir, step_dir_name, temp_dir
 from meshtron.errors import MeshtronError
+from meshtron.files import os_reason
 
 
 class CheckpointSaver:
@@ -44,7 +49,10 @@ class CheckpointSaver:
         tmp.mkdir(parents=True, exist_ok=True)
         rng = torch.get_rng_state()
         if self.executor is None:
-            self._write(tmp, step, pieces, rng, meta, copy_files)
+            try:
+                self._write(tmp, step, pieces, rng, meta, copy_files)
+            except (OSError, SafetensorError) as err:
+                raise self._failed(step, tmp, err) from None
         else:
             self.pending = (step, self.executor.submit(self._write, tmp, step, pieces, rng,
                                                        meta, copy_files))
@@ -73,7 +81,23 @@ class CheckpointSaver:
         except MeshtronError:
             raise
         except Exception as err:  # noqa: BLE001 - an I/O error of the writer thread
-            raise MeshtronError(f"saving checkpoint of step {step} failed: {err}") from err
+            raise self._failed(step, temp_dir(self.root, step, self.token), err) from None
+
+    def _failed(self, step: int, tmp: Path, err: BaseException) -> MeshtronError:
+        """One line for a save the file system refused, saying what is kept; the half-written
+        directory is removed (it would only fill the disk further)."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = re.search(r"os error (\d+)", str(err))  # how safetensors reports an OSError
+        if isinstance(err, OSError) or code:
+            number = err.errno if isinstance(err, OSError) else int(code.group(1))
+            reason = os_reason(OSError(number, os.strerror(number or 0)))
+        else:
+            reason = str(err).strip().splitlines()[0][:160]
+        kept = newest_step_dir(self.root)
+        return MeshtronError(
+            f"saving the checkpoint of step {step} under {self.root} failed ({reason}); "
+            + (f"the newest complete checkpoint, {kept}, is kept" if kept else
+               "there is no earlier checkpoint"))
 
     def close(self) -> None:
         try:

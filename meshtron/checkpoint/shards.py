@@ -139,14 +139,25 @@ def check_tensor_index(path: Path, tensors: Any, files: dict[str, str]) -> None:
         if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
             raise MeshtronError(f"{where} has no valid dtype (allowed: {', '.join(DTYPES)})")
         shape = _int_list(entry.get("shape"), f"{where}: shape")
-        for piece in entry.get("pieces", []):
-            if not isinstance(piece, dict) or piece.get("file") not in files:
+        pieces = entry.get("pieces", [])
+        if not isinstance(pieces, list):
+            raise MeshtronError(f"{where}: pieces must be a list")
+        for piece in pieces:
+            if not isinstance(piece, dict) or piece.get("file") not in files \
+                    or not isinstance(piece.get("key"), str):
                 raise MeshtronError(f"{where} points into a file the index does not list")
             offset = _int_list(piece.get("offset"), f"{where}: offset")
             size = _int_list(piece.get("size"), f"{where}: size")
             if len(offset) != len(shape) or len(size) != len(shape) or any(
                     o + s > n for o, s, n in zip(offset, size, shape)):
                 raise MeshtronError(f"{where}: piece {offset}+{size} lies outside shape {shape}")
+
+
+def check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """Weights that are NaN or infinite are refused: a model from them computes nothing."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise MeshtronError(f"checkpoint {path}: {name} holds NaN or infinite values; "
+                            "refusing to use it (use an earlier checkpoint)")
 
 
 class ShardReader:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -32,6 +31,13 @@ from typing import Any
 
 import torch
 
+from meshtron.checkpoint.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    STEP_DIR,
+    read_manifest,
+    verify_files,
+)
 from meshtron.checkpoint.shards import (
     Piece,
     ShardReader,
@@ -43,11 +49,9 @@ from meshtron.checkpoint.shards import (
 )
 from meshtron.errors import MeshtronError
 
-FORMAT_VERSION = 2
-MANIFEST = "meta.json"
 LATEST = "latest"
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-READABLE_FILES = re.compile(r"^(shard-\d{5}\.(safetensors|json)|tokenizer\.json)$")
+ON_CORRUPT = ("error", "previous")
+ON_CORRUPT_HINT = "set checkpoint.on_corrupt=previous to fall back to the one before it"
 
 
 def step_dir_name(step: int) -> str:
@@ -126,45 +130,24 @@ def save_tensors(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: 
     return finalize_checkpoint(tmp, root, step, 1, meta, copy_files, keep_last)
 
 
+def newest_step_dir(root: Path) -> Path | None:
+    """The newest step directory under ``root`` by name (not verified), or None."""
+    if not root.is_dir():
+        return None
+    named = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir())
+    return named[-1] if named else None
+
+
 def _prune(root: Path, keep_last: int) -> None:
     complete = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of one checkpoint directory, with a clear error when it is unusable."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise MeshtronError(f"checkpoint {path} is incomplete: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise MeshtronError(f"checkpoint manifest {manifest_path} is not valid JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        raise MeshtronError(f"checkpoint {path} has an unknown format (expected {FORMAT_VERSION})")
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise MeshtronError(f"checkpoint manifest {manifest_path} lists no files")
-    for filename in files:
-        if not isinstance(filename, str) or Path(filename).name != filename or ".." in filename:
-            raise MeshtronError(f"checkpoint {path} names a file outside itself: {filename!r}")
-        if not READABLE_FILES.match(filename):
-            raise MeshtronError(
-                f"checkpoint {path} lists {filename!r}: only shard-NNNNN.safetensors/.json and "
-                "tokenizer.json are read (never pickled formats)")
-    return manifest
-
-
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """Check every file against its recorded sha256; return the manifest."""
     manifest = read_manifest(path)
-    for filename, expected in manifest["files"].items():
-        file = path / filename
-        if not file.is_file():
-            raise MeshtronError(f"checkpoint file {file} is missing")
-        if sha256(file) != expected:
-            raise MeshtronError(f"checkpoint file {file} is corrupt (checksum mismatch)")
+    verify_files(path, manifest)
     return manifest
 
 
@@ -174,12 +157,17 @@ def open_checkpoint(path: Path) -> tuple[dict[str, Any], ShardReader]:
     return manifest, ShardReader(path, manifest)
 
 
-def find_latest(root: Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None when there is none).
+def find_latest(root: Path, warn: Callable[[str], None] | None = None,
+                on_corrupt: str = "error", hint: str = ON_CORRUPT_HINT) -> Path | None:
+    """The newest checkpoint under ``root`` (None when there is none); ``root`` may also be a
+    checkpoint directory itself.
 
-    ``root`` may also be a checkpoint directory itself. Half-written saves and step directories
-    without a readable manifest are reported through ``warn`` and skipped; the files of the one
-    chosen are verified when read.
+    Only a ``.tmp-*`` directory (a save that was interrupted) is skipped, through ``warn``: a
+    step directory exists only complete, so one that is unusable was damaged afterwards, and
+    the run stops with one line naming it. With ``on_corrupt="previous"`` every candidate's
+    files are verified and unusable ones are skipped (through ``warn``) for an older one.
+    Either way, when step directories exist but none is usable the answer is an error,
+    never "no checkpoint" (which would train from scratch).
     """
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
     if (root / MANIFEST).is_file():
@@ -187,14 +175,24 @@ def find_latest(root: Path, warn: Callable[[str], None] | None = None) -> Path |
         return root
     if not root.is_dir():
         return None
-    for leftover in root.glob(".tmp-step_*"):
-        warn(f"ignoring half-written checkpoint {leftover}")
+    for leftover in sorted(root.glob(".tmp-step_*")):
+        warn(f"ignoring {leftover}: a save that did not complete")
     candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True)
     for candidate in candidates:
         try:
-            read_manifest(candidate)
+            if not candidate.is_dir():
+                raise MeshtronError(f"{candidate} is a file named like a checkpoint directory")
+            manifest = read_manifest(candidate)
+            if on_corrupt == "previous":
+                verify_files(candidate, manifest)
         except MeshtronError as err:
-            warn(f"skipping checkpoint: {err}")
+            if on_corrupt != "previous":
+                raise MeshtronError(f"the newest checkpoint is unusable: {err}; move it away, "
+                                    f"or {hint}") from None
+            warn(f"skipping an unusable checkpoint: {err}")
             continue
         return candidate
+    if candidates:
+        raise MeshtronError(f"none of the {len(candidates)} checkpoints under {root} is usable "
+                            "(each is named in a warning above)")
     return None

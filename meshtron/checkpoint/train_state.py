@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshtron.checkpoint.held import Held, held_tensors
-from meshtron.checkpoint.shards import DTYPES, Piece, ShardReader
+from meshtron.checkpoint.shards import DTYPES, Piece, ShardReader, check_finite
 from meshtron.checkpoint.store import open_checkpoint
 from meshtron.errors import MeshtronError
 from meshtron.optim.data_parallel import DataParallelOptimizer
@@ -134,7 +134,10 @@ def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn
     optimizer.init_state()
     helds = held_tensors(model, optimizer, mesh)
     _check_shapes(path, reader, helds)
-    _load(reader, [h for h in helds if h.name.startswith("model/")])
+    weights = [h for h in helds if h.name.startswith("model/")]
+    _load(reader, weights)
+    for held in weights:
+        check_finite(path, held.name[6:], held.flat)
     optimizer.masters_from_params()
     _load(reader, _optimizer_helds(path, reader, helds, log))
     optimizer.steps_taken = int(manifest.get("optimizer", {}).get("steps", 0))

@@ -57,6 +57,7 @@ def validate(cfg: Config) -> None:
     choice(p.schedule, SCHEDULES, "parallel.schedule")
     choice(p.cp_comm, CP_COMMS, "parallel.cp_comm")
     choice(t.recompute, RECOMPUTE, "train.recompute")
+    choice(cfg.checkpoint.on_corrupt, ("error", "previous"), "checkpoint.on_corrupt")
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,

@@ -266,6 +266,11 @@ class CheckpointConfig:
     """Resume from this step of checkpoint.dir (a number) or this checkpoint directory instead
     of the newest; later checkpoints and metric rows are set aside as abandoned-* and
     metrics.replaced.jsonl."""
+    on_corrupt: str = "error"
+    """When the newest checkpoint is complete but unusable (damaged, edited, unreadable):
+    ``error`` stops with one line naming it; ``previous`` verifies every file and falls back
+    to the newest checkpoint that passes, saying which were skipped. A ``.tmp-*`` directory
+    (an interrupted save) is always skipped with a warning."""
     async_: bool = False
     """Copy the state to host memory and write it while training goes on (at most one save
     in flight; a failed save is reported at the next step). Set as ``checkpoint.async``."""

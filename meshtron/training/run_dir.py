@@ -16,9 +16,11 @@ from typing import Any
 
 import yaml
 
-from meshtron.checkpoint.store import STEP_DIR, step_dir_name
+from meshtron.checkpoint.manifest import STEP_DIR, saved_config
+from meshtron.checkpoint.store import step_dir_name
 from meshtron.config import Config
 from meshtron.errors import MeshtronError
+from meshtron.files import check_writable
 
 MOE_SHAPE = ("num_experts", "expert_ffn_size", "shared_experts", "dense_layers", "every")
 """The MoE fields that shape parameters (routing settings may change between runs)."""
@@ -46,10 +48,16 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
 
 
 def check_run_dir(cfg: Config) -> None:
-    """Refuse a run whose ``run.dir`` is not a directory, or holds a run of another model."""
+    """Refuse a run whose ``run.dir`` or ``checkpoint.dir`` cannot be written (probed: found
+    at the first save, it would cost the steps before it), whose checkpoint directory holds a
+    file named like a checkpoint, or whose run directory holds a run of another model."""
     run_dir = Path(cfg.run.dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise MeshtronError(f"run.dir {run_dir} is a file, not a directory")
+    check_writable(run_dir, "run.dir")
+    check_writable(cfg.checkpoint_dir, "checkpoint.dir")
+    for entry in cfg.checkpoint_dir.iterdir() if cfg.checkpoint_dir.is_dir() else ():
+        if STEP_DIR.match(entry.name) and not entry.is_dir():
+            raise MeshtronError(f"{entry} is a file named like a checkpoint directory; move it "
+                                "out of checkpoint.dir")
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return
@@ -67,7 +75,7 @@ def check_run_dir(cfg: Config) -> None:
 
 def check_resumable(cfg: Config, manifest: dict[str, Any], path: Path) -> None:
     """The checkpoint's model has this run's shape."""
-    differences = model_differences(manifest.get("config") or {}, cfg)
+    differences = model_differences(saved_config(path, manifest), cfg)
     if differences:
         raise MeshtronError(f"checkpoint {path} holds another model ({'; '.join(differences[:3])})"
                             "; use a new checkpoint.dir or the same model")

@@ -99,6 +99,8 @@ class Trainer:
         self.mesh = mesh or ParallelMesh.single()
         self.is_rank0 = self.mesh.global_rank == 0
         self.log = log if self.is_rank0 else _quiet
+        self.warn = self._warn_on_stderr if log is print and self.is_rank0 else (
+            lambda message: self.log(f"warning: {message}"))
         self.device = device or torch.device("cpu")
         self.run_dir = Path(cfg.run.dir)
         check_run_dir(cfg)
@@ -166,7 +168,7 @@ class Trainer:
         self._log_fp8()
         slow = cpu_low_precision_note(pc.dtype, self.device)
         if slow:
-            self.log(f"warning: {slow}")
+            self.warn(slow)
         self.saver = CheckpointSaver(
             cfg.checkpoint_dir, self.mesh.global_rank, self.mesh.layout.world_size,
             self._shared_token(), keep_last=cfg.checkpoint.keep_last,
@@ -175,6 +177,11 @@ class Trainer:
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
+
+    @staticmethod
+    def _warn_on_stderr(message: str) -> None:
+        """Warnings of a run that logs to the console go where errors go, not into the log."""
+        print(f"warning: {message}", file=sys.stderr)
 
     def _log_activation_memory(self) -> None:
         """The formula's activation bytes on this rank (dense llama blocks): one micro-batch
@@ -273,7 +280,7 @@ class Trainer:
         if c.resume_from is not None:
             path: Path | None = resume_path(root, c.resume_from)
         else:
-            path = find_latest(root, warn=lambda m: self.log(f"warning: {m}"))
+            path = find_latest(root, warn=self.warn, on_corrupt=c.on_corrupt)
         if path is None:
             return
         manifest, reader = open_checkpoint(path)
