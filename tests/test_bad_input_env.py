@@ -89,3 +89,21 @@ def test_a_save_the_file_system_refuses_says_what_is_kept(data_cache, tmp_path, 
         f"saving the checkpoint of step 2 under {root} failed (file size limit exceeded); the "
         f"newest complete checkpoint, {root / 'step_00000001'}, is kept")
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_metrics_the_file_system_refuses_are_one_line(data_cache, tmp_path, capsys):
+    """metrics.jsonl at the file-size limit: the first row's write fails (EFBIG)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    limit = 3 << 20
+    row = '{"step": 0, "loss": 0.0}\n'
+    (run / "metrics.jsonl").write_text(row * (limit // len(row) + 1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        code = main(["train", *test_overrides(data_cache, str(run), 1)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"meshtron: error: cannot write the metrics of step 1 to {run} "
+                                 "(file size limit exceeded)"], err

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from meshtron.errors import MeshtronError
+from meshtron.files import os_reason
 
 try:
     import fcntl
@@ -69,5 +70,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
+    except OSError as err:
+        raise MeshtronError(f"cannot write the cache entry {path} ({os_reason(err)}); free "
+                            "space or set data.cache_dir to another folder") from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -5,12 +5,14 @@ Only global rank 0 creates a writer; other ranks pass ``None`` around instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from meshtron.errors import MeshtronError
+from meshtron.files import os_reason
 
 REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                    "mem_peak_bytes")
@@ -28,13 +30,18 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in row]
         assert not missing, f"metrics row lacks {missing}"
-        self._jsonl.write(json.dumps(row) + "\n")
-        step = int(row["step"])
-        for key, value in _scalars(row):
-            self._tb.add_scalar(key, value, step)
+        try:
+            self._jsonl.write(json.dumps(row) + "\n")
+            step = int(row["step"])
+            for key, value in _scalars(row):
+                self._tb.add_scalar(key, value, step)
+        except OSError as err:
+            raise MeshtronError(f"cannot write the metrics of step {row['step']} to "
+                                f"{self.path.parent} ({os_reason(err)})") from None
 
     def close(self) -> None:
-        self._jsonl.close()
+        with contextlib.suppress(OSError):  # a refused write was reported by write()
+            self._jsonl.close()
         self._tb.close()
 
 
