@@ -16,6 +16,8 @@ import typing
 from pathlib import Path
 
 from meshtron.errors import MeshtronError
+from meshtron.files import check_writable
+from meshtron.signals import Stopped, report_stop, stop_on_signals
 
 
 def _config_reference() -> str:
@@ -170,11 +172,15 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
-    from meshtron.training.plot import plot_runs
-
     runs = [Path(r) for r in args.runs]
     default = runs[0] / "loss.png" if len(runs) == 1 else Path("loss.png")
-    print(plot_runs(runs, _png_path(args.output, "loss.png") if args.output else default))
+    out = _png_path(args.output, "loss.png") if args.output else default
+    place = next(p for p in (out.parent, *out.parents) if p.exists())  # create nothing yet
+    if args.output or place == out.parent:  # a missing run directory is plot_runs' to report
+        check_writable(place, f"{'--output ' if args.output else ''}{out}: the folder")
+    from meshtron.training.plot import plot_runs
+
+    print(plot_runs(runs, out))
     return 0
 
 
@@ -229,9 +235,12 @@ def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    dst = Path(args.dst)
+    place = next(p for p in (dst, *dst.parents) if p.exists())  # a failed convert leaves no --to
+    check_writable(place, "--to" if place == dst else f"--to {dst}: the folder")
     from meshtron.checkpoint.hf_convert import convert
 
-    result = convert(Path(args.src), Path(args.dst), args.format)
+    result = convert(Path(args.src), dst, args.format)
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.output}")
@@ -351,21 +360,24 @@ def _peer_failure(err: BaseException) -> str | None:
 
 
 def main(argv: typing.Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    try:
-        code = args.func(args, extra)
-    except MeshtronError as err:
-        sys.stdout.flush()
-        print(f"meshtron: error: {err}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt:
-        print("meshtron: interrupted", file=sys.stderr)
-        code = 130
-    except Exception as err:
-        message = _peer_failure(err)
-        if message is None:
-            raise
-        print(f"meshtron: error: {message}", file=sys.stderr)
-        code = 1
+    with stop_on_signals() as received:  # first thing: a rank may be stopped while it starts
+        command = None
+        try:
+            args, extra = build_parser().parse_known_args(argv)
+            command = args.command
+            code = args.func(args, extra)
+        except (Stopped, KeyboardInterrupt) as err:
+            code = report_stop(err, training=command == "train")
+        except Exception as err:
+            if received.signum is not None:  # e.g. a collective whose peer the signal stopped
+                code = report_stop(Stopped(received.signum), training=command == "train")
+            elif isinstance(err, MeshtronError):
+                sys.stdout.flush()
+                print(f"meshtron: error: {err}", file=sys.stderr)
+                code = 2
+            elif (message := _peer_failure(err)) is not None:
+                print(f"meshtron: error: {message}", file=sys.stderr)
+                code = 1
+            else:
+                raise
     return _finish(code)

@@ -3,6 +3,15 @@ silently ignored): each now ends in one `meshtron: error:` line before anything 
 
 from __future__ import annotations
 
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 
 from meshtron.cli import main
@@ -99,3 +108,105 @@ def test_plot_of_a_binary_metrics_file_is_one_line(tmp_path, capsys):
     (run / "metrics.jsonl").write_bytes(bytes(range(128, 256)) * 8)
     assert main(["plot", str(run)]) == 2
     assert "is not a metrics file (not UTF-8 text)" in one_error_line(capsys)
+
+
+
+NOBODY = 65534
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
+
+
+def _as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def _root_without_override() -> Callable[[], None]:
+    """Root keeps its uid but the child loses the capabilities that skip permission checks
+    (the bounding set is what root gets at exec), for when nobody cannot reach the Python."""
+    libc = ctypes.CDLL(None, use_errno=True)  # looked up before the fork
+
+    def drop() -> None:
+        for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    return drop
+
+
+Runner = Callable[..., subprocess.CompletedProcess]
+PROBE = """import sys, meshtron
+try:
+    open(sys.argv[1], "w")
+except PermissionError:
+    sys.exit(13)
+"""
+"""Exits 13 where meshtron runs and the file cannot be written: the test can go ahead."""
+
+
+@pytest.fixture
+def read_only_dir() -> Iterator[tuple[Path, Runner]]:
+    """A 0o555 directory and a runner of ``python ARGS`` that cannot write into it. Root ignores
+    permission bits, so under root the child runs as nobody (in a scratch folder made
+    traversable, unlike tmp_path's parents) or, where nobody cannot run this Python, as root
+    without CAP_DAC_OVERRIDE; skipped where neither leaves the directory read-only."""
+    base = Path(tempfile.mkdtemp(prefix="meshtron-ro-"))
+    base.chmod(0o755)
+    read_only = base / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["HOME"] = str(base)
+    ways = [_as_nobody, _root_without_override()] if os.geteuid() == 0 else [None]
+
+    def runner(preexec: Callable[[], None] | None) -> Runner:
+        def run(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, *args], cwd=base, env=env, text=True,
+                                  capture_output=True, timeout=120, preexec_fn=preexec)
+        return run
+
+    try:
+        tried = []
+        for preexec in ways:
+            run = runner(preexec)
+            try:
+                probe = run("-c", PROBE, str(read_only / "probe"))
+            except (OSError, subprocess.SubprocessError) as err:  # the preexec failed
+                tried.append(repr(err))
+                continue
+            if probe.returncode == 13:
+                yield read_only, run
+                return
+            tried.append(probe.stderr.strip()[-200:] or "the probe was written")
+        pytest.skip(f"no read-only directory can be made here: {tried}")
+    finally:
+        read_only.chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def assert_one_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("meshtron: error: ") and fragment in lines[0], lines[0]
+
+
+def test_convert_to_a_read_only_place_is_refused_up_front(read_only_dir):
+    read_only, run = read_only_dir
+    source = read_only.parent / "model"  # refused before the source is even looked at
+    proc = run("-m", "meshtron", "convert", "--from", str(source), "--to", str(read_only / "out"))
+    assert_one_error(proc, f"--to {read_only / 'out'}: the folder {read_only} is not writable "
+                           "(permission denied)")
+    assert not (read_only / "out").exists()
+    proc = run("-m", "meshtron", "convert", "--from", str(source), "--to", str(read_only))
+    assert_one_error(proc, f"--to {read_only} is not writable (permission denied)")
+
+
+def test_plot_to_a_read_only_place_is_refused_up_front(read_only_dir):
+    read_only, run = read_only_dir
+    metrics = read_only.parent / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text('{"step": 1, "loss": 2.5}\n')
+    proc = run("-m", "meshtron", "plot", str(metrics.parent),
+               "--output", str(read_only / "curve.png"))
+    assert_one_error(proc, f"--output {read_only / 'curve.png'}: the folder {read_only} is not "
+                           "writable (permission denied)")
