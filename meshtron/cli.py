@@ -8,6 +8,7 @@ errors are instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -16,8 +17,13 @@ import typing
 from pathlib import Path
 
 from meshtron.errors import MeshtronError
-from meshtron.files import check_writable
+from meshtron.files import REASONS as OS_REASONS
+from meshtron.files import check_writable, os_reason
 from meshtron.signals import Stopped, report_stop, stop_on_signals
+
+if typing.TYPE_CHECKING:
+    from meshtron.config import Config
+    from meshtron.parallel.mesh.process import ProcessInfo
 
 
 def _config_reference() -> str:
@@ -78,6 +84,15 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         if info.distributed and info.rank != 0:
             return 2  # every rank sees the same config and files: rank 0 says it once
         raise
+    from meshtron.training.run_lock import run_lock
+
+    holder = not info.distributed or info.rank == 0  # the launcher, or rank 0 under torchrun
+    with run_lock(Path(cfg.run.dir), cfg.checkpoint_dir) if holder else contextlib.nullcontext():
+        return _launch_or_train(args, extra, cfg, info, launching)
+
+
+def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
+                     info: ProcessInfo, launching: bool) -> int:
     if launching:
         from meshtron.parallel.mesh.launch import launch_local
 
@@ -374,6 +389,11 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
             elif isinstance(err, MeshtronError):
                 sys.stdout.flush()
                 print(f"meshtron: error: {err}", file=sys.stderr)
+                code = 2
+            elif isinstance(err, OSError) and err.errno in OS_REASONS:
+                where = f" ({err.filename})" if err.filename else ""
+                print(f"meshtron: error: the file system refused a write or read{where}: "
+                      f"{os_reason(err)}", file=sys.stderr)
                 code = 2
             elif (message := _peer_failure(err)) is not None:
                 print(f"meshtron: error: {message}", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import socket
 import subprocess
 import sys
 
@@ -15,8 +16,10 @@ import pytest
 from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
+from meshtron.training import run_lock
 from meshtron.training.trainer import Trainer
 from tests.parity import test_overrides
+from tests.test_bad_input import one_error_line
 
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
 
@@ -107,3 +110,37 @@ def test_metrics_the_file_system_refuses_are_one_line(data_cache, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"meshtron: error: cannot write the metrics of step 1 to {run} "
                                  "(file size limit exceeded)"], err
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from meshtron.training.run_lock import run_lock
+with run_lock(Path(sys.argv[1]), Path(sys.argv[2])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_training_on_a_busy_directory_is_refused_naming_the_holder(data_cache, tmp_path,
+                                                                          capsys):
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != run_lock.HELD_ENV}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run), str(run / "checkpoints")],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        busy = f"(pid {holder.pid} on host {socket.gethostname()}, since "
+        assert main(["train", *test_overrides(data_cache, str(run), 1)]) == 2
+        line = one_error_line(capsys)
+        assert line.startswith(f"meshtron: error: run.dir {run} is in use by another training "
+                               + busy) and line.endswith("or use another run.dir"), line
+        other = test_overrides(data_cache, str(tmp_path / "other"), 1)
+        assert main(["train", *other, f"--checkpoint.dir={run / 'checkpoints'}"]) == 2
+        assert f"checkpoint.dir {run / 'checkpoints'} is in use by another training " + busy \
+            in one_error_line(capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", *test_overrides(data_cache, str(run), 1)]) == 0  # released by the kernel
+    assert os.environ.get(run_lock.HELD_ENV) is None
