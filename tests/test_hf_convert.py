@@ -180,13 +180,14 @@ def _wrong_shape(folder: Path) -> None:
 HF_BREAKAGES = {
     "unsupported": (lambda f: edit_config(f, model_type="qwen2_moe",
                                           architectures=["Qwen2MoeForCausalLM"]),
-                    "unsupported architecture 'qwen2_moe'; meshtron converts Llama, Mistral, "
-                    "Mixtral and GPT-2"),
-    "sliding window": (lambda f: edit_config(f, model_type="mistral", sliding_window=64),
-                       "sliding_window=64 is shorter than max_position_embeddings=128"),
-    "rope scaling": (lambda f: edit_config(f, rope_scaling={"rope_type": "llama3",
+                    "unsupported architecture 'qwen2_moe' (its shared expert has a sigmoid gate, "
+                    "which meshtron does not compute); meshtron converts GPT-2, Llama, Mistral, "
+                    "Mixtral, Qwen2, Qwen3 and Qwen3-MoE"),
+    "partial rotary": (lambda f: edit_config(f, partial_rotary_factor=0.5),
+                       "partial_rotary_factor=0.5 is not supported"),
+    "rope scaling": (lambda f: edit_config(f, rope_scaling={"rope_type": "dynamic",
                                                             "factor": 8.0}),
-                     "rope scaling 'llama3' is not supported"),
+                     "rope scaling 'dynamic' is not supported"),
     "missing tensor": (_missing_tensor, "lacks tensor 'model.layers.1.mlp.up_proj.weight'"),
     "wrong shape": (_wrong_shape, "tensor 'model.norm.weight'"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "holds no model.safetensors"),

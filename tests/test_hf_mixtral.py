@@ -102,7 +102,6 @@ UNSUPPORTED = {
     "unnormalised": (("--model.moe.normalize_topk=false",), "model.moe.normalize_topk=false"),
     "route scale": (("--model.moe.route_scale=2.5",), "model.moe.route_scale=2.5"),
     "capacity": (("--model.moe.capacity_factor=1.25",), "model.moe.capacity_factor=1.25"),
-    "top-1": (("--model.moe.top_k=1",), "model.moe.top_k=1"),
     "gpt2": (("--model.arch=gpt2",), "model.arch=gpt2"),
     "several": (("--model.moe.score=sigmoid", "--model.moe.route_scale=2.5"),
                 "model.moe.score=sigmoid, model.moe.route_scale=2.5"),
@@ -137,12 +136,10 @@ def _missing_expert(folder: Path) -> None:
 
 
 MIXTRAL_BREAKAGES = {
-    "top-1": (lambda f: edit_config(f, num_experts_per_tok=1),
-              "num_experts_per_tok=1 is not supported"),
     "top-k > experts": (lambda f: edit_config(f, num_experts_per_tok=8),
                         "num_experts_per_tok=8 exceeds num_local_experts=4"),
-    "sliding window": (lambda f: edit_config(f, sliding_window=64),
-                       "sliding_window=64 is shorter than max_position_embeddings=128"),
+    "attention bias": (lambda f: edit_config(f, attention_bias=True),
+                       "attention_bias=true is not a Mixtral setting"),
     "more experts": (lambda f: edit_config(f, num_local_experts=5),
                      "has shape (4, 64), its config.json implies (5, 64)"),
     "missing expert": (_missing_expert,

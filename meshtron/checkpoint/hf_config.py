@@ -16,15 +16,15 @@ import torch
 from meshtron.checkpoint.hf_mapping import hf_config_kwargs, hf_format
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
-from meshtron.models.arch import hf_model_types
+from meshtron.models.arch import REFUSED_HF_TYPES, hf_model_types
 from meshtron.models.architecture import HFConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def supported_families() -> str:
-    """'Llama, Mistral, Mixtral and GPT-2': the families meshtron converts, for messages."""
-    names = [t.display for _, t in hf_model_types().values()]
+    """'GPT-2, Llama, ... and Qwen3-MoE': the families meshtron converts, for messages."""
+    names = sorted(t.display for _, t in hf_model_types().values())
     return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
@@ -37,19 +37,20 @@ def _model_type(hf: dict[str, Any], where: str) -> str:
                           None)
     if model_type not in known:
         found = model_type or "/".join(hf.get("architectures") or []) or "unknown"
-        raise MeshtronError(f"{where}: unsupported architecture '{found}'; meshtron converts "
-                            f"{supported_families()}")
+        why = f" ({REFUSED_HF_TYPES[found]})" if found in REFUSED_HF_TYPES else ""
+        raise MeshtronError(f"{where}: unsupported architecture '{found}'{why}; meshtron "
+                            f"converts {supported_families()}")
     return model_type
 
 
 def hf_model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """A meshtron ``ModelConfig`` from an HF ``config.json`` dict, refusing what meshtron's
-    blocks cannot compute exactly (rope scaling, biases, sliding windows, other activations,
-    a Mixtral routing each token to one expert)."""
-    arch, model_type = hf_model_types()[_model_type(hf, where)]
+    """A meshtron ``ModelConfig`` from an HF ``config.json`` dict, refusing by name what
+    meshtron's blocks cannot compute exactly (other rope types, partial rotary, other
+    activations, sliding windows on some layers only, expert patterns it cannot say)."""
+    fmt, model_type = hf_model_types()[_model_type(hf, where)]
     reader = HFConfig(hf, model_type.defaults, where)
-    values = {ours: reader.get(theirs) for ours, theirs in arch.hf.fields}
-    arch.hf.from_config(reader, values)
+    values = {ours: reader.get(theirs) for ours, theirs in fmt.fields}
+    fmt.from_config(reader, values)
     cfg = ModelConfig(**values)
     cfg.vocab_size, cfg.vocab_multiple = _vocab(reader.saved(), reader.get("vocab_size"))
     return cfg

@@ -24,26 +24,31 @@ Tensors = dict[str, torch.Tensor]
 
 
 def hf_format(cfg: ModelConfig) -> HFFormat:
-    """The HF family of ``cfg``'s architecture, or one line on why there is none."""
+    """The HF family a model of ``cfg`` exports as (the first of its architecture's families
+    that accepts it), or one line on why there is none."""
     arch = architecture_of(cfg)
-    if arch.hf is None:
+    fmt = arch.hf_format_of(cfg)
+    if fmt is None:
         raise MeshtronError(f"architecture '{arch.name}' has no Hugging Face format")
-    if (reason := arch.hf.refusals(cfg)) is not None:
+    if (reason := fmt.refusals(cfg)) is not None:
         raise MeshtronError(reason)
-    return arch.hf
+    return fmt
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """Arguments for the ``transformers`` config class of ``cfg``'s HF family (``LlamaConfig``,
-    ``MixtralConfig``, ``GPT2Config``)."""
+    ``MixtralConfig``, ``Qwen3Config``, ...)."""
     fmt = hf_format(cfg)
     fields = {theirs: getattr(cfg, ours) for ours, theirs in fmt.fields}
     return {"vocab_size": padded_vocab_size(cfg), **fields, **fmt.to_config(cfg)}
 
 
 def tensor_rules(cfg: ModelConfig) -> list[TensorRule]:
-    """Every rule of ``cfg``'s HF family with full names (layers and experts expanded)."""
+    """Every rule of ``cfg``'s HF family with full names (layers and experts expanded) whose
+    tensors the model has: a family's table names its optional tensors (biases, q/k norms,
+    dense and expert MLPs), and each model keeps the ones it was built with."""
     fmt = hf_format(cfg)
+    present = expected_state(cfg)
     experts = range(cfg.moe.num_experts if cfg.is_moe else 0)
 
     def expand(rule: TensorRule, ours: str, theirs: str) -> list[TensorRule]:
@@ -58,7 +63,7 @@ def tensor_rules(cfg: ModelConfig) -> list[TensorRule]:
             rules += expand(rule, f"layers.{i}.", fmt.layer_prefix.format(i=i))
     for rule in fmt.global_rules:
         rules += expand(rule, "", "")
-    return rules
+    return [rule for rule in rules if all(name in present for name in rule.ours)]
 
 
 def expected_state(cfg: ModelConfig) -> dict[str, torch.Size]:

@@ -21,6 +21,7 @@ from meshtron.config.sections import (
     FP8_RECIPES,
     RECOMPUTE,
     REDUCE_DTYPES,
+    ROPE_SCALINGS,
     ROUTER_SCORES,
     SCHEDULES,
     Config,
@@ -122,17 +123,55 @@ def validate(cfg: Config) -> None:
 
 
 def check_model_shape(m: ModelConfig) -> None:
-    """The model section on its own: heads, kv heads and the mixture of experts."""
-    require(
-        m.hidden_size % m.num_heads == 0,
-        f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}",
-    )
+    """The model section on its own: heads, kv heads, the attention and rotary settings and
+    the mixture of experts."""
+    if m.head_dim is None:
+        require(m.hidden_size % m.num_heads == 0, f"model.hidden_size={m.hidden_size} is not "
+                f"divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+    else:
+        require(m.head_dim > 0, f"model.head_dim must be a positive integer, got {m.head_dim}")
+        require(m.head_dim % 2 == 0 or m.arch == "gpt2",
+                f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     require(
         m.num_heads % m.num_kv_heads == 0,
         f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}",
     )
+    if m.sliding_window is not None:
+        require(m.sliding_window > 0,
+                f"model.sliding_window must be a positive integer, got {m.sliding_window}")
+    if m.arch == "gpt2":
+        extras = [name for name, on in (
+            ("qkv_bias", m.qkv_bias), ("proj_bias", m.proj_bias), ("mlp_bias", m.mlp_bias),
+            ("qk_norm", m.qk_norm), ("head_dim", m.head_dim is not None),
+            ("rope.scaling", m.rope.scaling != "none")) if on]
+        if extras:
+            raise MeshtronError(f"model.{extras[0]} is a llama-arch setting (gpt2 has biases "
+                                "everywhere, no q/k norms and learned positions)")
+    _check_rope(m)
     if m.is_moe:
+        require(not m.mlp_bias, "model.mlp_bias is not supported with routed experts (experts "
+                "have no biases)")
         _check_moe(m)
+
+
+def _check_rope(m: ModelConfig) -> None:
+    rope = m.rope
+    choice(rope.scaling, ROPE_SCALINGS, "model.rope.scaling")
+    values = {"factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+              "high_freq_factor": rope.high_freq_factor, "beta_fast": rope.beta_fast,
+              "beta_slow": rope.beta_slow}
+    if rope.attention_factor is not None:
+        values["attention_factor"] = rope.attention_factor
+    for name, value in values.items():
+        require(math.isfinite(value) and value > 0,
+                f"model.rope.{name} must be a positive number, got {value}")
+    if rope.original_max_len is not None:
+        require(rope.original_max_len > 0, "model.rope.original_max_len must be a positive "
+                f"integer, got {rope.original_max_len}")
+    if rope.scaling == "llama3":
+        require(rope.high_freq_factor > rope.low_freq_factor, "model.rope.high_freq_factor="
+                f"{rope.high_freq_factor} must exceed model.rope.low_freq_factor="
+                f"{rope.low_freq_factor}")
 
 
 def _check_moe(m: ModelConfig) -> None:

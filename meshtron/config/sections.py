@@ -22,6 +22,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_COMMS = ("ring", "all_to_all", "all_gather")
 RECOMPUTE = ("none", "selective", "full")
 ROUTER_SCORES = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence")
 EXPERT_COMPUTE = ("grouped", "loop")
 
@@ -46,7 +47,8 @@ class MoEConfig:
     score: str | None = None
     """Router scores: softmax or sigmoid."""
     normalize_topk: bool | None = None
-    """Rescale the chosen experts' weights to sum to one."""
+    """Rescale the chosen experts' weights to sum to one; with top_k=1 the lone weight is then
+    exactly 1 (Mixtral), while false keeps its probability (Switch)."""
     route_scale: float | None = None
     """Multiplier of the routing weights."""
     groups: int | None = None
@@ -80,6 +82,34 @@ MOE_DEFAULTS: dict[str, Any] = dict(
 
 
 @dataclass
+class RopeConfig:
+    """Rotary frequency scaling for context extension (``model.rope.*``), computed as
+    ``transformers``' rope init functions do; ``scaling=none`` keeps plain rotary."""
+
+    scaling: str = "none"
+    """How rotary frequencies are rescaled: none, linear (positions / factor), llama3
+    (Llama 3.1's band-wise scaling) or yarn (NTK-by-parts with an attention factor)."""
+    factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    original_max_len: int | None = None
+    """Positions of the original pre-training context (llama3, yarn); None: max_seq_len."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths beyond original_max_len / this are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_len / this are kept; between the two bands the
+    scaling is interpolated."""
+    beta_fast: float = 32.0
+    """yarn: rotations below which dimensions start being interpolated."""
+    beta_slow: float = 1.0
+    """yarn: rotations below which dimensions are fully interpolated."""
+    attention_factor: float | None = None
+    """yarn: multiplier of the rotary cos/sin tables (so of attention logits, squared); None:
+    0.1 * ln(factor) + 1, the YaRN paper's value."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions (transformers' default)."""
+
+
+@dataclass
 class ModelConfig:
     """Model shape. Unset fields (None) come from ``preset``; explicit values win."""
 
@@ -95,6 +125,21 @@ class ModelConfig:
     """Query heads of attention."""
     num_kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None: num_heads."""
+    head_dim: int | None = None
+    """Width of one attention head; None: hidden_size / num_heads (Qwen3 and some Mistral
+    models set it explicitly, so heads x head_dim may differ from hidden_size)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2); gpt2 always has them."""
+    proj_bias: bool = False
+    """A bias on attention's output projection (Llama's attention_bias sets it with
+    qkv_bias); gpt2 always has it."""
+    mlp_bias: bool = False
+    """Biases on the dense MLP's projections (Llama's mlp_bias); gpt2 always has them."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before rotary positions (Qwen3)."""
+    sliding_window: int | None = None
+    """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral);
+    None: to every earlier token."""
     ffn_hidden_size: int | None = None
     """Hidden units of the dense MLP."""
     vocab_size: int | None = None
@@ -105,6 +150,8 @@ class ModelConfig:
     """Positions the model supports (rotary tables or learned position embeddings)."""
     rope_theta: float | None = None
     """Base of the rotary position frequencies."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    """Rotary frequency scaling (model.rope.*)."""
     norm_eps: float | None = None
     """Epsilon of the normalisation layers."""
     tie_embeddings: bool | None = None
@@ -115,6 +162,11 @@ class ModelConfig:
     """Dropout probability (0, as in modern LLMs, keeps runs layout-independent)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings (model.moe.*)."""
+
+    @property
+    def head_size(self) -> int:
+        """The width of one attention head: ``head_dim``, or hidden_size / num_heads."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def is_moe(self) -> bool:

@@ -42,7 +42,8 @@ class HFConfig:
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "n_embd",
         "n_layer", "n_head", "n_inner", "n_positions", "num_local_experts",
-        "num_experts_per_tok"))
+        "num_experts_per_tok", "num_experts", "head_dim", "sliding_window",
+        "moe_intermediate_size", "decoder_sparse_step"))
 
     def __init__(self, raw: Mapping[str, Any], defaults: Mapping[str, Any], where: str):
         self.raw = raw
@@ -50,7 +51,7 @@ class HFConfig:
         self.where = where
 
     def get(self, key: str) -> Any:
-        value = self.raw.get(key, self.defaults[key])
+        value = self.raw[key] if key in self.raw else self.defaults[key]
         if key in self.INT_FIELDS and value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             self.refuse(f"'{key}' must be a positive integer, got {value!r}")
@@ -108,6 +109,9 @@ class HFFormat:
     saved: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     """Settings kept under ``meshtron`` in an exported config.json, beyond the vocabulary, so
     that importing it back restores them."""
+    accepts: Callable[[ModelConfig], bool] = lambda cfg: True
+    """Whether a model of ``cfg`` exports as this family: an architecture's variants are
+    tried in order before its main format (a llama with q/k norms is Qwen3)."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,19 @@ class Architecture:
     attention (:class:`meshtron.models.blocks.Attention`) today; latent attention plugs in
     here."""
     hf: HFFormat | None = None
+    hf_variants: tuple[HFFormat, ...] = ()
+    """Further Hugging Face families built from the same blocks (Qwen2, Qwen3 for llama),
+    each exporting the models its ``accepts`` claims; all of them import."""
     experts: str | None = None
     """The registry name of this architecture with routed experts (a llama with experts is
     the Mixtral-style entry); None: experts change only the MLP."""
     notes: tuple[str, ...] = field(default=())
     """Published models this entry covers (for docs)."""
+
+    def hf_formats(self) -> tuple[HFFormat, ...]:
+        """Every Hugging Face family of this architecture, in the order exports try them."""
+        return (*self.hf_variants, *((self.hf,) if self.hf is not None else ()))
+
+    def hf_format_of(self, cfg: ModelConfig) -> HFFormat | None:
+        """The family a model of ``cfg`` exports as (None: the architecture has none)."""
+        return next((fmt for fmt in self.hf_formats() if fmt.accepts(cfg)), None)

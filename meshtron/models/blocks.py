@@ -21,16 +21,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.errors import MeshtronError
 from meshtron.models.architecture import Architecture
 from meshtron.models.moe import MoE
+from meshtron.models.norms import RMSNorm
+from meshtron.models.rotary import Rotary
 from meshtron.parallel.context.attention import attend
-from meshtron.parallel.context.sequence import Sequence
+from meshtron.parallel.context.sequence import Sequence, attention_mask
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPRegion,
     replicated,
+    sharded,
 )
 from meshtron.parallel.tensor.linear import LinearMode
 
@@ -40,31 +44,6 @@ def make_norm(cfg: ModelConfig, arch: Architecture, region: TPRegion) -> nn.Modu
     for param in norm.parameters():
         replicated(param, region)
     return norm
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding (the half-split convention of HF Llama)."""
-
-    def __init__(self, head_dim: int, max_len: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, start: int = 0,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate ``x`` of shape [b, heads, s, head_dim] for positions start..start+s-1, or
-        for explicit ``positions`` [b, s]."""
-        if positions is None:
-            s = x.shape[-2]
-            cos, sin = self.cos[start : start + s], self.sin[start : start + s]
-        else:
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class KVCache:
@@ -85,11 +64,31 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
+def head_norm(cfg: ModelConfig, region: TPRegion) -> RMSNorm:
+    """RMSNorm over one head's width (Qwen3's q/k norm): every tp rank holds it whole but
+    normalises only its own heads, so its gradient is summed over tp."""
+    norm = RMSNorm(cfg.head_size, cfg.norm_eps)
+    sharded(norm.weight, tuple(norm.weight.shape), None, region.size,
+            region.group if region.size > 1 else None)
+    return norm
+
+
+def window_mask(q_index: torch.Tensor, k_index: torch.Tensor, window: int,
+                q_docs: torch.Tensor | None = None,
+                k_docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (within documents) and at most ``window - 1`` positions back, as HF's sliding
+    window: key j is seen from query i when i - window < j <= i. Shape [b or 1, 1, Lq, Lk]."""
+    near = (k_index[None, :] > q_index[:, None] - window)[None, None]
+    return attention_mask(q_index, k_index, q_docs, k_docs) & near
+
+
 class Attention(nn.Module):
     """Self-attention with heads split over tp; kv heads split or, when fewer than tp ranks,
     shared by groups of tp / num_kv_heads ranks. Under context parallelism the core spans the
     cp ranks (``mesh.layout.cp_comm``: ring or all_to_all). ``selective_recompute`` recomputes
-    the attention core in backward instead of keeping its intermediate state."""
+    the attention core in backward instead of keeping its intermediate state. Optional parts
+    come from the config: q/k/v and output biases (split like their weights), per-head q/k
+    RMSNorms before rotary, a sliding window."""
 
     def __init__(self, cfg: ModelConfig, layer: int, arch: Architecture, region: TPRegion,
                  mesh: ParallelMesh, mode: LinearMode, selective_recompute: bool = False):
@@ -97,16 +96,25 @@ class Attention(nn.Module):
         tp = region.size
         self.layer = layer
         self.region = region
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.head_size
         self.num_heads = cfg.num_heads // tp
         kv_pieces = min(tp, cfg.num_kv_heads)
         self.num_kv_heads = cfg.num_kv_heads // kv_pieces
         share = mesh.tp_subgroup(tp // kv_pieces) if kv_pieces < tp else None
-        h, d, bias = cfg.hidden_size, self.head_dim, arch.bias
-        self.q = ColumnParallelLinear(h, cfg.num_heads * d, bias, region, mode=mode)
-        self.kv = ColumnParallelLinear(h, 2 * cfg.num_kv_heads * d, bias, region, parts=2,
+        h, d = cfg.hidden_size, self.head_dim
+        qkv_bias, proj_bias = arch.bias or cfg.qkv_bias, arch.bias or cfg.proj_bias
+        self.q = ColumnParallelLinear(h, cfg.num_heads * d, qkv_bias, region, mode=mode)
+        self.kv = ColumnParallelLinear(h, 2 * cfg.num_kv_heads * d, qkv_bias, region, parts=2,
                                        pieces=kv_pieces, share_group=share, mode=mode)
-        self.proj = RowParallelLinear(cfg.num_heads * d, h, bias, region, mode=mode)
+        self.proj = RowParallelLinear(cfg.num_heads * d, h, proj_bias, region, mode=mode)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = head_norm(cfg, region), head_norm(cfg, region)
+        self.qk_norm = cfg.qk_norm
+        self.window = cfg.sliding_window
+        if self.window is not None and self.window < cfg.max_seq_len and mesh.cp.size > 1:
+            raise MeshtronError(f"model.sliding_window={self.window} does not combine with "
+                                f"parallel.cp={mesh.cp.size} (the cp attention paths are "
+                                "causal over the whole sequence)")
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
         self.cp, self.cp_comm = mesh.cp, mesh.layout.cp_comm
@@ -114,9 +122,9 @@ class Attention(nn.Module):
     @staticmethod
     def matmul_params(cfg: ModelConfig) -> int:
         """The q, kv and output projection weights of one block."""
-        head_dim = cfg.hidden_size // cfg.num_heads
-        qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
-        return qkv + cfg.num_heads * head_dim * cfg.hidden_size
+        width = cfg.head_size * cfg.num_heads
+        return cfg.hidden_size * (width + 2 * cfg.num_kv_heads * cfg.head_size) \
+            + width * cfg.hidden_size
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None, sequence: Sequence | None) -> torch.Tensor:
@@ -125,23 +133,39 @@ class Attention(nn.Module):
         return attend(q, k, v, self.cp, sequence, self.cp_comm, mask=mask,
                       dropout=self.dropout if self.training else 0.0)
 
+    def mask(self, start: int, s: int, device: torch.device,
+             sequence: Sequence | None) -> tuple[torch.Tensor | None, Sequence | None]:
+        """The explicit mask (None: plain causal) for queries start..start+s-1 over keys
+        0..start+s-1, and the sequence left for the core to mask by (a sliding window folds
+        documents into its own mask)."""
+        keys = torch.arange(start + s, device=device)
+        queries = keys[start:]
+        if self.window is not None and start + s > self.window:
+            docs = sequence.documents if sequence is not None else None
+            if sequence is not None:
+                queries = keys = sequence.global_index
+            return window_mask(queries, keys, self.window, docs, docs), None
+        if start > 0 and s > 1:  # a chunk after a cached prefix: causal within the chunk
+            return attention_mask(queries, keys, None, None)[0, 0], sequence
+        return None, sequence
+
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
         x = self.region.enter(x)
         b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q(x).view(b, s, self.num_heads, self.head_dim)
+        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim)
                 for t in self.kv(x).chunk(2, dim=-1))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         start = cache.length if cache is not None else 0
         if rotary is not None:
             positions = sequence.positions if sequence is not None else None
             q, k = rotary(q, start, positions), rotary(k, start, positions)
-        mask = None
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
-            if start > 0 and s > 1:  # a chunk after a prefix: causal within the chunk
-                keys = torch.arange(start + s, device=x.device)
-                mask = keys[None, :] <= (start + torch.arange(s, device=x.device))[:, None]
+        mask, sequence = self.mask(start, s, x.device, sequence)
         if self.selective_recompute and self.training:
             y = checkpoint(self.core, q, k, v, mask, sequence, use_reentrant=False)
         else:
@@ -159,12 +183,12 @@ class MLP(nn.Module):
         self.region = region
         self.gated = arch.gated_mlp
         ffn = ffn or cfg.ffn_hidden_size
-        h = cfg.hidden_size
+        h, bias = cfg.hidden_size, arch.bias or cfg.mlp_bias
         if self.gated:
-            self.gate_up = ColumnParallelLinear(h, 2 * ffn, arch.bias, region, parts=2, mode=mode)
+            self.gate_up = ColumnParallelLinear(h, 2 * ffn, bias, region, parts=2, mode=mode)
         else:
-            self.up = ColumnParallelLinear(h, ffn, arch.bias, region, mode=mode)
-        self.down = RowParallelLinear(ffn, h, arch.bias, region, mode=mode)
+            self.up = ColumnParallelLinear(h, ffn, bias, region, mode=mode)
+        self.down = RowParallelLinear(ffn, h, bias, region, mode=mode)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

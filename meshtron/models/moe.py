@@ -114,7 +114,7 @@ class Router(nn.Module):
             select = self._limit_groups(select)
         experts = select.topk(moe.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
-        if moe.normalize_topk and moe.top_k > 1:
+        if moe.normalize_topk:  # a lone expert's weight becomes exactly 1 (Mixtral)
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         if moe.route_scale != 1.0:
             weights = weights * moe.route_scale

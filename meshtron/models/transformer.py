@@ -23,9 +23,10 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.models.arch import architecture_of
-from meshtron.models.blocks import Block, KVCache, Rotary, make_norm
+from meshtron.models.blocks import Block, KVCache, make_norm
 from meshtron.models.flops import padded_vocab_size
 from meshtron.models.moe import MoE
+from meshtron.models.rotary import Rotary
 from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.mesh.params import tie_across_pipeline
@@ -101,8 +102,7 @@ class Transformer(nn.Module):
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         self.rotary = None
         if arch.rotary:
-            self.rotary = Rotary(cfg.hidden_size // cfg.num_heads, cfg.max_seq_len,
-                                 cfg.rope_theta)
+            self.rotary = Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope)
         elif self.has_embedding:
             self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
             replicated(self.pos_embed.weight, region)
@@ -139,7 +139,7 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.output_weight
         return KVCache(self.cfg.num_layers, batch, self.blocks()[0].attn.num_kv_heads, max_len,
-                       self.cfg.hidden_size // self.cfg.num_heads, p.dtype, p.device)
+                       self.cfg.head_size, p.dtype, p.device)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, chunk: int = 0,
                 sequence: Sequence | None = None) -> torch.Tensor:

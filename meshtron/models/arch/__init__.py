@@ -3,10 +3,13 @@ a new module plus an entry here.
 
 ``model.arch`` names the block spec (llama, gpt2); a model with routed experts takes its
 architecture's ``experts`` entry where it has one (a llama with experts is Mixtral-style).
+Hugging Face families built from the same blocks are attached here as variants: Qwen3, Qwen2
+and Mistral to llama, Qwen3-MoE to the Mixtral-style entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 from meshtron.config import ModelConfig
@@ -14,11 +17,22 @@ from meshtron.config.checks import choice
 from meshtron.models.arch.gpt2 import GPT2
 from meshtron.models.arch.llama import LLAMA
 from meshtron.models.arch.mixtral import MIXTRAL
-from meshtron.models.architecture import Architecture, HFModelType
+from meshtron.models.arch.qwen import QWEN2_FORMAT, QWEN3_FORMAT
+from meshtron.models.arch.qwen_moe import QWEN3_MOE_FORMAT
+from meshtron.models.architecture import Architecture, HFFormat, HFModelType
 
-ARCHITECTURES = MappingProxyType({a.name: a for a in (LLAMA, MIXTRAL, GPT2)})
+ARCHITECTURES = MappingProxyType({a.name: a for a in (
+    dataclasses.replace(LLAMA, hf_variants=(QWEN3_FORMAT, QWEN2_FORMAT, *LLAMA.hf_variants)),
+    dataclasses.replace(MIXTRAL, hf_variants=(QWEN3_MOE_FORMAT,)),
+    GPT2,
+)})
 CONFIG_ARCHS = ("llama", "gpt2")
 """The values ``model.arch`` takes (an entry reached through ``experts`` is not one)."""
+REFUSED_HF_TYPES = MappingProxyType({
+    "deepseek_v3": "it needs multi-head latent attention, which meshtron does not have yet",
+    "qwen2_moe": "its shared expert has a sigmoid gate, which meshtron does not compute",
+})
+"""Hugging Face model types refused with a reason (every other unknown type is refused too)."""
 
 
 def architecture_of(cfg: ModelConfig) -> Architecture:
@@ -28,7 +42,7 @@ def architecture_of(cfg: ModelConfig) -> Architecture:
     return ARCHITECTURES[arch.experts] if cfg.is_moe and arch.experts else arch
 
 
-def hf_model_types() -> dict[str, tuple[Architecture, HFModelType]]:
-    """Every Hugging Face ``model_type`` meshtron reads, with its architecture."""
-    return {t.name: (arch, t) for arch in ARCHITECTURES.values() if arch.hf is not None
-            for t in arch.hf.model_types}
+def hf_model_types() -> dict[str, tuple[HFFormat, HFModelType]]:
+    """Every Hugging Face ``model_type`` meshtron reads, with its family."""
+    return {t.name: (fmt, t) for arch in ARCHITECTURES.values()
+            for fmt in arch.hf_formats() for t in fmt.model_types}

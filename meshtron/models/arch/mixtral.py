@@ -1,5 +1,7 @@
 """Mixtral-style mixture of experts: llama blocks whose every MLP is a softmax top-k router
-over SwiGLU experts, renormalised and dropless; Hugging Face ``MixtralForCausalLM``.
+over SwiGLU experts, renormalised (a lone expert's weight is 1) and dropless; Hugging Face
+``MixtralForCausalLM``, with its sliding window. Qwen3-MoE is this architecture's variant
+(:mod:`meshtron.models.arch.qwen`).
 
 A llama model with ``model.moe.num_experts`` set is this entry. Its routing extensions that
 Mixtral cannot compute (shared experts, sigmoid or group-limited routing, dense layers, a
@@ -17,8 +19,10 @@ from meshtron.models.arch.llama import (
     FIELDS,
     GLOBAL_RULES,
     LLAMA,
-    llama_config_extras,
-    read_llama_config,
+    block_fields,
+    read_blocks,
+    read_window,
+    refuse_biases,
 )
 from meshtron.models.architecture import HFConfig, HFFormat, HFModelType, TensorRule
 
@@ -41,8 +45,8 @@ keeps them under ``meshtron`` in config.json so that importing it back restores 
 
 
 def refusals(cfg: ModelConfig) -> str | None:
-    """Every setting HF Mixtral cannot compute (llama blocks, every MLP routed, softmax top-k>1
-    renormalised, dropless), in one line."""
+    """Every setting HF Mixtral cannot compute (llama blocks without biases or q/k norms,
+    every MLP routed, softmax top-k renormalised, dropless), in one line."""
     moe = cfg.moe
     checks = (
         (moe.shared_experts == 0, f"model.moe.shared_experts={moe.shared_experts}"),
@@ -51,9 +55,10 @@ def refusals(cfg: ModelConfig) -> str | None:
         (moe.dense_layers == 0, f"model.moe.dense_layers={moe.dense_layers}"),
         (moe.every == 1, f"model.moe.every={moe.every}"),
         (moe.normalize_topk, "model.moe.normalize_topk=false"),
-        (moe.top_k > 1, "model.moe.top_k=1 (Mixtral renormalises a lone expert's weight to 1)"),
         (moe.route_scale == 1.0, f"model.moe.route_scale={moe.route_scale}"),
         (moe.capacity_factor == 0, f"model.moe.capacity_factor={moe.capacity_factor}"),
+        *((not getattr(cfg, name), f"model.{name}=true")
+          for name in ("qkv_bias", "proj_bias", "qk_norm")),
     )
     refused = [reason for ok, reason in checks if not ok]
     return (f"this mixture-of-experts model has no Hugging Face Mixtral equivalent: "
@@ -61,10 +66,10 @@ def refusals(cfg: ModelConfig) -> str | None:
 
 
 def read_mixtral_config(hf: HFConfig, values: dict[str, Any]) -> None:
-    read_llama_config(hf, values)
+    read_blocks(hf, values)
+    refuse_biases(hf, "Mixtral")
+    read_window(hf, values)
     top_k, experts = hf.get("num_experts_per_tok"), hf.get("num_local_experts")
-    hf.require(top_k > 1, "num_experts_per_tok=1 is not supported (Mixtral renormalises a lone "
-               "expert's weight to 1, meshtron keeps its probability)")
     hf.require(top_k <= experts, f"num_experts_per_tok={top_k} exceeds num_local_experts="
                f"{experts}")
     moe = MoEConfig(
@@ -85,11 +90,11 @@ def mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe
     return dict(intermediate_size=moe.expert_ffn_size, num_local_experts=moe.num_experts,
                 num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss,
-                router_jitter_noise=0.0, sliding_window=None, **llama_config_extras(cfg))
+                router_jitter_noise=0.0, sliding_window=cfg.sliding_window, **block_fields(cfg))
 
 
 MIXTRAL = dataclasses.replace(
-    LLAMA, name="mixtral", experts=None,
+    LLAMA, name="mixtral", experts=None, hf_variants=(),
     hf=HFFormat(
         model_types=(HFModelType("mixtral", "Mixtral", "MixtralForCausalLM", MIXTRAL_DEFAULTS),),
         fields=FIELDS, to_config=mixtral_config, from_config=read_mixtral_config,
