@@ -311,3 +311,25 @@ def test_bad_model_settings_are_one_line_each():
                                "--model.rope.high_freq_factor=1"])
     head_dim = load_config(overrides=[*SHAPE, "--model.hidden_size=60", "--model.head_dim=16"])
     assert head_dim.model.head_size == 16  # 60 / 4 heads need not divide with head_dim set
+
+
+# ----------------------------------------------------------------------------- parallel
+
+QWEN_STYLE = ["--model.qk_norm=true", "--model.head_dim=8", "--model.qkv_bias=true",
+              "--model.proj_bias=true", "--model.mlp_bias=true", "--model.sliding_window=8",
+              "--model.rope.scaling=yarn", "--model.rope.factor=4",
+              "--model.rope.original_max_len=16"]
+"""Every new block setting at once; the window (8) is shorter than train.seq_len (32)."""
+
+
+@pytest.mark.slow
+def test_new_block_settings_keep_tensor_parallel_parity(data_cache, tmp_path):
+    """q/k norms (one weight per head width, summed over tp; kv heads shared by both ranks),
+    biases split like their weights, the window and yarn, at tp=2 with sp vs one process."""
+    from tests.distributed import run_distributed
+    from tests.parity import assert_layouts_match, run_layouts
+
+    layouts = [["--parallel.tp=2", "--parallel.sp=true", "--model.num_kv_heads=1", *QWEN_STYLE],
+               ["--parallel.tp=2", "--data.document_mask=true", *QWEN_STYLE]]
+    results = run_distributed(run_layouts, 2, data_cache, str(tmp_path), layouts)
+    assert_layouts_match(layouts, results, data_cache, tmp_path)
