@@ -231,6 +231,31 @@ def test_sliding_window_decode_equals_full_recompute():
     assert max_diff(unwindowed(x)[:, :6], full[:, :6]) <= 1e-6  # and only beyond its width
 
 
+@pytest.mark.parametrize("overrides", [
+    ("--model.qk_norm=true", "--model.head_dim=24", "--model.qkv_bias=true",
+     "--model.proj_bias=true", "--model.mlp_bias=true"),
+    ("--model.qk_norm=true", "--model.qkv_bias=true", "--model.moe.num_experts=4",
+     "--model.moe.dense_layers=1", "--model.moe.expert_ffn_size=32"),
+])
+def test_parameter_count_covers_the_new_tensors(overrides):
+    from meshtron.models.flops import model_size
+
+    cfg = load_config(overrides=[*SHAPE, *overrides]).model
+    model = Transformer(cfg)
+    assert model_size(cfg).params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_window_mask_is_hf_sliding_window():
+    from meshtron.models.blocks import window_mask
+
+    index = torch.arange(10)
+    docs = torch.tensor([[0] * 4 + [1] * 6])
+    mask = window_mask(index, index, 3, docs, docs)[0, 0]
+    for i in range(10):
+        for j in range(10):  # HF: causal and kv_idx > q_idx - window; meshtron: within documents
+            assert bool(mask[i, j]) == (j <= i and j > i - 3 and docs[0, i] == docs[0, j])
+
+
 def test_hf_refusals_are_one_line_each():
     base = dict(HF_SHAPE, model_type="qwen2")
     refused = {
