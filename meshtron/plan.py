@@ -116,8 +116,8 @@ def check_model(cfg: Config) -> None:
     """What the model needs of its architecture and of the training sequence length."""
     m = cfg.model
     arch = architecture_of(m)
-    require((m.hidden_size // m.num_heads) % 2 == 0 or not arch.rotary,
-            "the head dimension (hidden_size / num_heads) must be even for rotary embeddings")
+    require(m.head_size % 2 == 0 or not arch.rotary, f"the head dimension ({m.head_size}: "
+            "model.head_dim, or hidden_size / num_heads) must be even for rotary embeddings")
     require(cfg.train.seq_len <= m.max_seq_len, f"train.seq_len={cfg.train.seq_len} exceeds "
             f"the model's positions (model.max_seq_len={m.max_seq_len})")
 
@@ -160,6 +160,10 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     if p.sp:
         require(t.seq_len % tp == 0,
                 f"parallel.sp needs train.seq_len={t.seq_len} divisible by parallel.tp={tp}")
+    window = m.sliding_window
+    require(window is None or window >= m.max_seq_len or layout.cp == 1,
+            f"model.sliding_window={window} does not combine with parallel.cp={layout.cp} (the "
+            "cp attention paths are causal over the whole sequence)")
     if layout.cp > 1:
         _check_context(cfg, layout)
 
@@ -223,7 +227,7 @@ def _check_fp8_blocks(cfg: Config) -> None:
     """Every tp-local dimension a blockwise-scaled linear layer reduces or produces must be a
     whole number of blocks."""
     m, tp, block = cfg.model, cfg.parallel.tp, cfg.precision.fp8_block
-    head_dim = m.hidden_size // m.num_heads
+    head_dim = m.head_size
     dims = {"model.hidden_size": m.hidden_size,
             "model.hidden_size / parallel.tp": m.hidden_size // tp,
             "model.ffn_hidden_size / parallel.tp": m.ffn_hidden_size // tp,

@@ -358,3 +358,35 @@ def test_new_block_settings_keep_tensor_parallel_parity(data_cache, tmp_path):
                ["--parallel.tp=2", "--data.document_mask=true", *QWEN_STYLE]]
     results = run_distributed(run_layouts, 2, data_cache, str(tmp_path), layouts)
     assert_layouts_match(layouts, results, data_cache, tmp_path)
+
+
+def test_window_with_context_parallelism_is_refused_by_the_plan():
+    from meshtron.plan import check_run
+
+    cfg = load_config(overrides=[*SHAPE, "--model.sliding_window=16", "--parallel.cp=2"])
+    with pytest.raises(MeshtronError) as err:
+        check_run(cfg, 2)  # before any process group exists
+    assert "model.sliding_window=16 does not combine with parallel.cp=2" in str(err.value)
+    check_run(load_config(overrides=[*SHAPE, "--model.sliding_window=128", "--parallel.cp=2"]), 2)
+
+
+def test_head_width_checks_and_memory_use_the_explicit_head_dim():
+    """hidden / heads = 64 / 4 = 16 is even and a whole FP8 block; the real width decides."""
+    from meshtron.plan import check_run
+    from meshtron.training.memory import activation_bytes_per_layer, measure_saved_bytes
+
+    odd = load_config(overrides=[*SHAPE, "--model.hidden_size=60", "--model.head_dim=16"])
+    check_run(odd, 1)  # 60 / 4 = 15 is odd, the heads are 16 wide
+    blocks = ["--precision.fp8=blockwise", "--precision.fp8_block=32", "--model.num_kv_heads=1"]
+    check_run(load_config(overrides=[*SHAPE, *blocks, "--model.head_dim=32"]), 1)
+    with pytest.raises(MeshtronError, match="kv heads x head dim per tp rank = 16"):
+        check_run(load_config(overrides=[*SHAPE, *blocks, "--model.head_dim=16"]), 1)
+    x = tokens(300, 17)
+    saved = []
+    for layers in (1, 2):
+        cfg = load_config(overrides=[*SHAPE, "--model.head_dim=24",
+                                     f"--model.num_layers={layers}"]).model
+        model = Transformer(cfg)
+        initialize(model, seed=0, std=0.02, num_layers=layers)
+        saved.append(measure_saved_bytes(model, x))
+    assert saved[1] - saved[0] == activation_bytes_per_layer(cfg, 2, 16)

@@ -41,7 +41,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
     """Bytes one llama block keeps for backward per micro-batch on one tensor-parallel rank."""
     n = micro_batch * seq_len
     h = cfg.hidden_size
-    d = h // cfg.num_heads
+    d = cfg.head_size
     heads = cfg.num_heads // tp
     kv_heads = cfg.num_kv_heads // min(tp, cfg.num_kv_heads)
     ffn = cfg.ffn_hidden_size // tp
