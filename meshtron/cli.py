@@ -69,14 +69,21 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.nproc < 1:
         raise MeshtronError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise MeshtronError(f"--max-restarts must not be negative, got {args.max_restarts}")
     cfg = load_config(args.config, _split_overrides(extra))  # before torch: errors are instant
+    if args.max_restarts and not (cfg.checkpoint.resume and (cfg.checkpoint.every or
+                                                             cfg.checkpoint.every_seconds)):
+        raise MeshtronError(
+            "--max-restarts needs checkpoints to restart from: set checkpoint.every (steps) or "
+            "checkpoint.every_seconds, and keep checkpoint.resume=true")
 
     from meshtron.parallel.mesh.process import process_info
     from meshtron.plan import check_run
     from meshtron.training.run_dir import check_run_dir
 
     info = process_info()
-    launching = args.nproc > 1 and not info.distributed
+    launching = (args.nproc > 1 or args.max_restarts > 0) and not info.distributed
     try:  # before any process group
         check_run(cfg, args.nproc if launching else info.world_size)
         check_run_dir(cfg)
@@ -97,12 +104,13 @@ def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
         from meshtron.parallel.mesh.launch import launch_local
 
         forwarded = (["--config", args.config] if args.config else []) + extra
-        return launch_local(args.nproc, forwarded)
+        return launch_local(args.nproc, forwarded, args.max_restarts)
 
     from meshtron.parallel.mesh import MeshLayout, ParallelMesh
-    from meshtron.parallel.mesh.process import device_for, init_process_group
+    from meshtron.parallel.mesh.process import device_for, die_with_launcher, init_process_group
     from meshtron.training.trainer import train
 
+    die_with_launcher()
     init_process_group(info, cfg.run.timeout_s)
     mesh = ParallelMesh(MeshLayout.of(cfg.parallel, info.world_size), info.rank)
     result = train(cfg, mesh, device=device_for(info))
@@ -190,9 +198,8 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     runs = [Path(r) for r in args.runs]
     default = runs[0] / "loss.png" if len(runs) == 1 else Path("loss.png")
     out = _png_path(args.output, "loss.png") if args.output else default
-    place = next(p for p in (out.parent, *out.parents) if p.exists())  # create nothing yet
-    if args.output or place == out.parent:  # a missing run directory is plot_runs' to report
-        check_writable(place, f"{'--output ' if args.output else ''}{out}: the folder")
+    if all(run.is_dir() for run in runs):  # a run that is not one is plot_runs' to report
+        check_writable(out.parent, f"{'--output ' if args.output else ''}{out}: the folder")
     from meshtron.training.plot import plot_runs
 
     print(plot_runs(runs, out))
@@ -278,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML file with config sections")
     p.add_argument("--nproc", type=int, default=1, help="number of local processes (default 1)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="when a rank fails, restart every rank from the newest checkpoint, up "
+                   "to R times (default 0)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("preprocess", help="tokenise text into an indexed dataset (.bin/.idx)")
@@ -364,7 +374,8 @@ def _peer_failure(err: BaseException) -> str | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     text = str(err)
-    from_collective = isinstance(err, RuntimeError) and _raised_by_torch_distributed(err)
+    from_collective = isinstance(err, RuntimeError) and (  # a Work's wait() has no torch frame
+        _raised_by_torch_distributed(err) or "gloo" in text or "NCCL" in text)
     if isinstance(err, dist.DistError) or (
             from_collective and any(sign in text for sign in PEER_FAILURE_SIGNS)):
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__

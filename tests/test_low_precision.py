@@ -94,22 +94,28 @@ def test_fp16_overflow_is_skipped_on_every_rank(data_cache, tmp_path):
 
 
 def test_fp16_overflow_without_loss_scaling_stops_with_a_clear_error(tiny_overrides):
+    logs: list[str] = []
     trainer = Trainer(load_config(overrides=tiny_overrides + [
-        "--precision.dtype=fp16", "--precision.loss_scaling=false", "--train.steps=2"]),
-        log=lambda m: None)
+        "--precision.dtype=fp16", "--precision.loss_scaling=false", "--train.steps=5",
+        "--train.max_skipped=2"]), log=logs.append)
     weight = next(trainer.model.parameters())
     before = weight.detach().clone()
     weight.register_hook(lambda grad: grad * math.inf)  # an overflowing fp16 gradient
-    with pytest.raises(MeshtronError, match="without loss scaling") as err:
+    with pytest.raises(MeshtronError, match=r"^2 steps in a row up to step 2 were not finite "
+                       r"\(grad norm (inf|nan)\) in fp16 without loss scaling") as err:
         trainer.run()
     assert "\n" not in str(err.value) and torch.equal(weight.detach(), before)
+    assert "the weights are those of step 0. Enable precision.loss_scaling" in str(err.value)
+    assert sum("skipped on every rank" in line for line in logs) == 2
 
 
 def test_an_fp32_overflow_does_not_advise_loss_scaling(tiny_overrides):
-    trainer = Trainer(load_config(overrides=tiny_overrides + ["--train.steps=2"]),
+    trainer = Trainer(load_config(overrides=tiny_overrides + ["--train.steps=2",
+                                                              "--train.max_skipped=1"]),
                       log=lambda m: None)
     next(trainer.model.parameters()).register_hook(lambda grad: grad * math.inf)
-    with pytest.raises(MeshtronError, match="in fp32; the step was skipped") as err:
+    with pytest.raises(MeshtronError, match="in fp32 .train.max_skipped=1.; they were skipped"
+                       ) as err:
         trainer.run()
     assert "loss scaling is for fp16 and would not help" in str(err.value)
 

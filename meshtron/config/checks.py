@@ -85,15 +85,21 @@ def validate(cfg: Config) -> None:
         "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every,
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "checkpoint.every": cfg.checkpoint.every, "model.dropout": m.dropout,
+        "checkpoint.every_seconds": cfg.checkpoint.every_seconds,
+        "run.straggler_every": cfg.run.straggler_every,
     }
     for name, value in nonneg.items():
         require(value >= 0, f"{name} must not be negative, got {value}")
     finite = {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.eps": t.eps,
               "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
-              "model.init_std": m.init_std, "model.dropout": m.dropout}
+              "model.init_std": m.init_std, "model.dropout": m.dropout,
+              "checkpoint.every_seconds": cfg.checkpoint.every_seconds}
     for name, value in finite.items():
         require(math.isfinite(value), f"{name} must be a finite number, got {value}")
     require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    require(t.max_skipped >= 1, f"train.max_skipped must be at least 1, got {t.max_skipped}")
+    require(math.isfinite(cfg.run.straggler_factor) and cfg.run.straggler_factor > 1,
+            f"run.straggler_factor must be a number above 1, got {cfg.run.straggler_factor}")
     for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         require(0 <= beta < 1, f"{name} must lie in [0, 1), got {beta}")
     require(t.eps > 0, f"train.eps must be positive, got {t.eps}")

@@ -251,6 +251,10 @@ class TrainConfig:
     """Global batches of the validation split per evaluation."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention cores) or full (whole layers)."""
+    max_skipped: int = 10
+    """A step whose loss or gradient norm is NaN/inf on any rank is skipped on every rank
+    (weights and optimizer state untouched, counted as skipped_steps); this many in a row stop
+    the run with one line."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; None looks it up (GPUs) or measures it (CPU)."""
 
@@ -310,6 +314,9 @@ class CheckpointConfig:
     """Where checkpoints go; None means <run.dir>/checkpoints."""
     every: int = 500
     """Save every this many steps (and at the end); 0 saves only at the end."""
+    every_seconds: float = 0.0
+    """Also save when this many seconds have passed since the last save (0: off): bounds the
+    work a crash or restart loses whatever the step time (rank 0's clock decides for all)."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted after each save."""
     resume: bool = True
@@ -340,6 +347,11 @@ class RunConfig:
     """Write loss.png into the run directory at the end."""
     timeout_s: float = 600.0
     """How long a rank waits in a collective before giving up (a peer died or hangs)."""
+    straggler_every: int = 20
+    """Every this many steps, gather each rank's compute time and name the ranks slower than
+    straggler_factor x the median (a log line and a metrics.jsonl event); 0 turns it off."""
+    straggler_factor: float = 1.5
+    """How many times the median compute time makes a rank a straggler."""
 
 
 @dataclass

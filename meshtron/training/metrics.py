@@ -39,6 +39,14 @@ class MetricsWriter:
             raise MeshtronError(f"cannot write the metrics of step {row['step']} to "
                                 f"{self.path.parent} ({os_reason(err)})") from None
 
+    def write_event(self, row: dict[str, Any]) -> None:
+        """A row that is not a step's metrics (``{"event": "straggler", ...}``)."""
+        try:
+            self._jsonl.write(json.dumps(row) + "\n")
+        except OSError as err:
+            raise MeshtronError(f"cannot write an event to {self.path} ({os_reason(err)})") \
+                from None
+
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a refused write was reported by write()
             self._jsonl.close()

@@ -8,6 +8,7 @@ gradient of the global mean loss whatever the micro-batch and data-parallel spli
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ class StepResult:
     loss: float
     grad_norm: float
     skipped: bool = False
+    compute_s: float = 0.0
+    """This rank's forward and backward time before it waits for the gradient reduction (a
+    straggler's is longer; what other ranks wait for is not in it, except inside tp/pp)."""
 
 
 def micro_batches(batch: torch.Tensor, micro_batch: int,
@@ -48,6 +52,8 @@ def train_step(
     precision: Precision,
     pipeline: PipelineExecutor | None = None,
     split: SequenceSplit | None = None,
+    poison: bool = False,
+    slow_down_s: float = 0.0,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, reduce, clip, and update the weights.
 
@@ -55,7 +61,11 @@ def train_step(
     every one under ZeRO-2); a step whose global grad norm is not finite is skipped everywhere.
     With a ``pipeline`` the micro-batches run through its schedule instead. ``split`` cuts
     sequences over cp and numbers documents (default: the mesh's cp, no document mask).
+    A non-finite loss is skipped the same way (both are agreed: the loss is reduced before
+    the decision). ``poison`` (a NaN in this rank's loss) and ``slow_down_s`` (extra compute
+    time) are injected faults (see :mod:`meshtron.training.faults`).
     """
+    started = time.perf_counter()
     optimizer.zero_grad()
     chunks = micro_batches(local_batch, micro_batch, split or SequenceSplit(mesh.cp))
     scale = precision.loss_scale  # the model's MoE losses read the same weight at forward
@@ -67,20 +77,25 @@ def train_step(
             optimizer.begin_micro_batch(last=i == len(chunks) - 1)
             logits = model(mb.tokens, sequence=mb.sequence)
             loss = model.loss_sum(logits, mb.targets)
+            if poison and i == 0:
+                loss = loss * float("nan")
             (loss * (scale / global_tokens)).backward()
             optimizer.end_micro_batch()
             loss_sum += loss.detach().double()
+    if slow_down_s > 0:
+        time.sleep(slow_down_s)
+    compute_s = time.perf_counter() - started
     optimizer.finish_gradients(unscale=1.0 / scale)
     all_reduce(loss_sum, mesh.dp_cp)
     all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
     grad_norm = float(optimizer.grad_norm())
-    skipped = not math.isfinite(grad_norm)
+    skipped = not (math.isfinite(grad_norm) and math.isfinite(float(loss_sum)))
     if precision.scaler is not None:
         precision.scaler.update(overflow=skipped)
     if not skipped:
         optimizer.clip(grad_norm, grad_clip)
         optimizer.step(lr)
-    return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped)
+    return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped, compute_s)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 
 from meshtron.checkpoint import train_state
 from meshtron.checkpoint.saver import CheckpointSaver
+from meshtron.checkpoint.shards import check_finite
 from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint
 from meshtron.config import Config, PrecisionConfig
 from meshtron.data import TrainingData, build_training_data
@@ -33,6 +34,7 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe, scaled_mm_supported
 from meshtron.precision.policy import Precision, cpu_low_precision_note
+from meshtron.training.faults import FaultPlan
 from meshtron.training.hardware import peak_source
 from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 from meshtron.training.metrics import MetricsWriter
@@ -46,6 +48,7 @@ from meshtron.training.run_dir import (
     set_aside_later_metrics,
 )
 from meshtron.training.step import StepResult, evaluate, train_step
+from meshtron.training.stragglers import StragglerWatch
 
 Log = Callable[[str], None]
 
@@ -141,6 +144,10 @@ class Trainer:
             self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
                                              plan.schedule, cfg.model.hidden_size)
         self.step = 0
+        self.skipped_steps = 0
+        self.faults = FaultPlan(self.mesh.global_rank)
+        self.stragglers = StragglerWatch(self.mesh, cfg.run.straggler_every,
+                                         cfg.run.straggler_factor)
         size = model_size(cfg.model)
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
                  f"cp={cfg.parallel.cp} dp={plan.dp} pp={cfg.parallel.pp}"
@@ -306,6 +313,8 @@ class Trainer:
         cfg = self.cfg
         self.saver.wait()  # the host buffers below belong to the save in flight until it ends
         pieces = train_state.capture(self.model, self.optimizer, self.mesh, self.saver.buffers)
+        for piece in pieces:  # never a checkpoint with a NaN in it
+            check_finite(cfg.checkpoint_dir, f"{piece.name} (about to be saved)", piece.data)
         meta = {"config": cfg.to_dict(), "layout": self.mesh.layout.sizes(),
                 "data": {"next_batch": self.step, "seed": cfg.train.seed},
                 **train_state.state_meta(self.optimizer, self.precision.scaler)}
@@ -343,9 +352,11 @@ class Trainer:
         writer = MetricsWriter(self.run_dir) if self.is_rank0 else None
         progress = ProgressBar(t.steps, self.step, cfg.run.progress and self.is_rank0)
         self.mesh.stats.take()
+        consecutive_skips, last_save = 0, time.monotonic()
         try:
             while self.step < t.steps:
                 self.saver.check()
+                self.faults.before_step(self.step + 1)
                 started = time.perf_counter()
                 lr = learning_rate(self.step, t)
                 batch = self.local_share(self.data.train_batch(self.step, t.global_batch))
@@ -354,6 +365,8 @@ class Trainer:
                     global_tokens=tokens_per_step, micro_batch=self.micro_batch,
                     lr=lr, grad_clip=t.grad_clip,
                     precision=self.precision, pipeline=self.pipeline, split=self.split,
+                    poison=self.faults.poison_loss(self.step + 1),
+                    slow_down_s=self.faults.slow_seconds(self.step + 1),
                 )
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -361,20 +374,15 @@ class Trainer:
                 self.step += 1
                 result.losses.append(out.loss)
                 result.grad_norms.append(out.grad_norm)
-                if out.skipped and self.precision.scaler is None:
-                    advice = ("Enable precision.loss_scaling, lower train.lr, or use bf16/fp32"
-                              if cfg.precision.dtype == "fp16" else
-                              "Lower train.lr or train.grad_clip, or check the data; loss "
-                              "scaling is for fp16 and would not help here")
-                    scaling = " without loss scaling" if cfg.precision.dtype == "fp16" else ""
-                    raise MeshtronError(
-                        f"the gradient overflowed (grad norm {out.grad_norm}) at step "
-                        f"{self.step} in {cfg.precision.dtype}{scaling}; the step was skipped "
-                        f"and the weights are unchanged. {advice}")
-                if not math.isfinite(out.loss):
-                    raise MeshtronError(f"loss became {out.loss} at step {self.step}; lower "
-                                        "train.lr or use precision.dtype=fp32")
+                consecutive_skips = consecutive_skips + 1 if out.skipped else 0
+                self.skipped_steps += out.skipped
+                if out.skipped:
+                    self._check_skips(out, consecutive_skips)
                 row = self._metrics_row(out, lr, elapsed, tokens_per_step, flops_per_step, peak)
+                for straggler in self.stragglers.add(self.step, out.compute_s):
+                    self.warn(straggler.line(self.step))
+                    if writer:
+                        writer.write_event(straggler.row(self.step))
                 if cfg.model.is_moe:
                     row.update(step_routing_stats(self.model.moe_layers(), cfg.model, self.mesh,
                                                   tokens_per_step, update_bias=not out.skipped))
@@ -388,8 +396,9 @@ class Trainer:
                     self.log(format_row(row, t.steps))
                 progress.update(self.step, out.loss, row["tokens_per_s"])
                 every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or last:
+                if (every and self.step % every == 0) or last or self._time_to_save(last_save):
                     result.checkpoint = self.save()
+                    last_save = time.monotonic()
         finally:
             progress.clear()
             if writer:
@@ -400,6 +409,44 @@ class Trainer:
             plot_runs([self.run_dir], self.run_dir / "loss.png")
         return result
 
+    def _check_skips(self, out: StepResult, consecutive: int) -> None:
+        """A skipped step (agreed by every rank) is said; ``train.max_skipped`` in a row stop
+        the run. fp16 with loss scaling skips as part of finding its scale: said only when
+        the limit is reached."""
+        cfg = self.cfg
+        what = (f"loss {out.loss}" if not math.isfinite(out.loss)
+                else f"grad norm {out.grad_norm}")
+        if self.precision.scaler is None:
+            self.warn(f"step {self.step} skipped on every rank: {what}; the weights and "
+                      "optimizer state are unchanged")
+        if consecutive < cfg.train.max_skipped:
+            return
+        if cfg.precision.dtype == "fp16" and self.precision.scaler is None:
+            advice = "Enable precision.loss_scaling, lower train.lr, or use bf16/fp32"
+        elif cfg.precision.dtype == "fp16":
+            advice = "Lower train.lr or train.grad_clip, use bf16/fp32, or check the data"
+        else:
+            advice = ("Lower train.lr or train.grad_clip, or check the data; loss scaling is "
+                      "for fp16 and would not help here")
+        scaling = " without loss scaling" if self.precision.scaler is None and \
+            cfg.precision.dtype == "fp16" else ""
+        raise MeshtronError(
+            f"{consecutive} steps in a row up to step {self.step} were not finite ({what}) in "
+            f"{cfg.precision.dtype}{scaling} (train.max_skipped={cfg.train.max_skipped}); they "
+            f"were skipped and the weights are those of step {self.step - consecutive}. "
+            f"{advice}")
+
+    def _time_to_save(self, last_save: float) -> bool:
+        """``checkpoint.every_seconds`` has passed since the last save, by rank 0's clock
+        (one tiny broadcast a step, so every rank saves at the same step)."""
+        limit = self.cfg.checkpoint.every_seconds
+        if limit <= 0:
+            return False
+        due = torch.tensor([float(time.monotonic() - last_save >= limit)])
+        if self.mesh.world.pg is not None:
+            torch.distributed.broadcast(due, src=0, group=self.mesh.world.pg)
+        return bool(due.item())
+
     def _metrics_row(self, out: StepResult, lr: float, elapsed: float, tokens: int,
                      flops: float, peak: float) -> dict:
         return {
@@ -407,7 +454,8 @@ class Trainer:
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mem_peak_bytes": peak_memory_bytes(self.device),
             "mfu": flops / elapsed / (peak * self.mesh.layout.world_size),
-            "skipped": out.skipped, "comm_bytes": self.mesh.stats.take(),
+            "skipped": out.skipped, "skipped_steps": self.skipped_steps,
+            "compute_s": out.compute_s, "comm_bytes": self.mesh.stats.take(),
         }
 
 

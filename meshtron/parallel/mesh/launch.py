@@ -2,7 +2,11 @@
 
 The same agent as ``torchrun --standalone --nproc-per-node N -m meshtron train ...``: it sets
 the rendezvous variables, watches the ranks, and stops the others when one fails. A failure is
-reported as one line naming the rank (the rank's own error line is printed above it).
+reported as one line naming the rank that failed first and how (its exit code or signal; the
+others' SIGTERM from the agent does not count). With ``--max-restarts R`` the agent starts the
+whole group again up to R times, each start resuming from the newest complete checkpoint
+(the restarted ranks meet under a store prefix of their own: see ``process.py``), and each
+restart is one line saying which rank failed.
 
 Ctrl-C and SIGTERM are left to meshtron's own handler (the agent handles only SIGHUP and
 SIGQUIT): it raises :class:`~meshtron.signals.Stopped` inside the agent, whose cleanup sends
@@ -15,10 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 
 from meshtron.errors import MeshtronError
+from meshtron.parallel.mesh.process import LAUNCHER_ENV
 from meshtron.signals import Stopped
 
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
@@ -29,26 +37,54 @@ SHUTDOWN_NOTES = ("death signal", "closing signal")
 """The agent's log lines while it stops the ranks: the CLI's one line says it instead."""
 
 
-class _DropShutdownNotes(logging.Filter):
+def describe_exit(code: int) -> str:
+    """``"was killed by SIGKILL"`` or ``"exited with code 1"``: how a rank ended."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class _AgentLog(logging.Filter):
+    """Drops the agent's shutdown notes (the CLI's one line says it instead) and turns its
+    "failed (exitcode ...) local_rank ..." error into one line per failure: which rank failed
+    and how, and whether the group restarts from the newest checkpoint."""
+
+    def __init__(self, max_restarts: int):
+        super().__init__()
+        self.max_restarts = max_restarts
+        self.failures = 0
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(note in record.getMessage() for note in SHUTDOWN_NOTES)
+        message = record.getMessage()
+        if any(note in message for note in SHUTDOWN_NOTES):
+            return False
+        if message.startswith("failed (exitcode: ") and record.args:
+            code, rank = int(record.args[0]), record.args[1]
+            self.failures += 1
+            if self.failures <= self.max_restarts:
+                print(f"meshtron: rank {rank} {describe_exit(code)}; restarting every rank from "
+                      f"the newest checkpoint (restart {self.failures} of {self.max_restarts})",
+                      file=sys.stderr, flush=True)
+            return False
+        return True
 
 
 @contextlib.contextmanager
-def _quiet_shutdown() -> Iterator[None]:
-    """Drop the agent's shutdown notes for the duration of the launch (and only then)."""
-    drop = _DropShutdownNotes()
+def _agent_log(max_restarts: int) -> Iterator[None]:
+    """Filter the agent's log for the duration of the launch (and only then)."""
+    log = _AgentLog(max_restarts)
     loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
     for logger in loggers:
-        logger.addFilter(drop)
+        logger.addFilter(log)
     try:
         yield
     finally:
         for logger in loggers:
-            logger.removeFilter(drop)
+            logger.removeFilter(log)
 
 
-def launch_local(nproc: int, train_args: Sequence[str]) -> int:
+def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -56,18 +92,20 @@ def launch_local(nproc: int, train_args: Sequence[str]) -> int:
 
     args = torchrun.parse_args([  # what torchrun's --standalone means: a private rendezvous
         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}",
-        f"--nproc-per-node={nproc}", "--max-restarts=0", f"--signals-to-handle={AGENT_SIGNALS}",
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        f"--signals-to-handle={AGENT_SIGNALS}",
         "--module", "meshtron", "train", *train_args,
     ])
     config, entrypoint, entry_args = torchrun.config_from_args(args)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process
     try:
-        with _quiet_shutdown():
+        with _agent_log(max_restarts):
             elastic_launch(config, entrypoint)(*entry_args)
     except SignalException as err:  # SIGHUP, SIGQUIT: the agent has stopped the ranks
         raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
-        raise MeshtronError(
-            f"rank {rank} exited with code {failure.exitcode}; the other ranks were stopped"
-        ) from None
+        rank, failure = err.get_first_failure()  # the others were stopped after it
+        used = f" (after {max_restarts} restarts)" if max_restarts else ""
+        raise MeshtronError(f"rank {rank} {describe_exit(failure.exitcode)}{used}; the other "
+                            "ranks were stopped") from None
     return 0

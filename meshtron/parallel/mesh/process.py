@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -62,8 +63,41 @@ def init_process_group(info: ProcessInfo, timeout_s: float) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo" and torch.get_num_threads() > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # several processes share the cores
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=_attempt_store(info, timeout), rank=info.rank,
+                            world_size=info.world_size, timeout=timeout)
+
+
+def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, its keys prefixed by the elastic agent's restart count.
+
+    A restarted group meets in the same agent store as the attempt before it; without a
+    prefix of its own, the new ranks read the dead ranks' addresses and fail to connect
+    ("connectFullMesh ... Connection refused")."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          info.world_size, is_master=not agent_store and info.rank == 0,
+                          timeout=timeout, multi_tenant=not agent_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"meshtron/attempt_{attempt}", store)
+
+
+LAUNCHER_ENV = "MESHTRON_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """A rank started by ``meshtron train --nproc`` gets SIGTERM when its launcher dies (even
+    by SIGKILL), instead of training on unsupervised (Linux; elsewhere nothing changes)."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_process(code: int) -> None:

@@ -1,0 +1,90 @@
+"""Fault injection, a testing tool: faults caused for real inside a training run.
+
+Set ``MESHTRON_FAULTS`` to ``;``-separated faults, each ``kind[:key=value...]``::
+
+    kill:rank=1:step=5         rank 1 SIGKILLs itself as step 5 begins
+    stall:rank=1:step=5        rank 1 SIGSTOPs itself (a hung process) as step 5 begins
+    nan:step=3                 step 3's loss is NaN on every rank (or only on rank=R)
+    slow:rank=1:seconds=0.2    rank 1 computes 0.2 s longer every step (or only at step=S)
+
+A fault without ``rank`` applies to every rank; without ``step`` (slow only), to every step.
+``kill`` and ``stall`` fire only in the first attempt of an elastic run (a restarted group
+would otherwise meet them again at the same step). Faults are read once, when the trainer
+starts; an unknown kind or key is refused with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from meshtron.errors import MeshtronError
+
+ENV = "MESHTRON_FAULTS"
+KINDS = ("kill", "stall", "nan", "slow")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    seconds: float = 0.0
+
+    def applies(self, rank: int, step: int) -> bool:
+        return self.rank in (None, rank) and self.step in (None, step)
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for spec in filter(None, (part.strip() for part in text.split(";"))):
+        kind, *settings = spec.split(":")
+        if kind not in KINDS:
+            raise MeshtronError(f"{ENV}: unknown fault '{kind}' (one of {', '.join(KINDS)})")
+        values: dict[str, float] = {}
+        for setting in settings:
+            key, _, value = setting.partition("=")
+            if key not in ("rank", "step", "seconds"):
+                raise MeshtronError(f"{ENV}: unknown setting '{key}' in '{spec}'")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise MeshtronError(f"{ENV}: '{setting}' in '{spec}' is not a number") from None
+        if kind != "slow" and "step" not in values:
+            raise MeshtronError(f"{ENV}: '{spec}' needs step=N")
+        faults.append(Fault(kind, _int(values.get("rank")), _int(values.get("step")),
+                            values.get("seconds", 0.0)))
+    return faults
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+class FaultPlan:
+    """The faults of this rank, fired by the trainer at the start of each step."""
+
+    def __init__(self, rank: int, env: dict[str, str] | None = None):
+        env = dict(os.environ if env is None else env)
+        self.rank = rank
+        self.faults = parse_faults(env.get(ENV, ""))
+        self.first_attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def before_step(self, step: int) -> None:
+        """Kill or stop this process (first attempt only)."""
+        for fault in self.faults:
+            if fault.kind in ("kill", "stall") and fault.applies(self.rank, step) \
+                    and self.first_attempt:
+                os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def poison_loss(self, step: int) -> bool:
+        return any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults)
+
+    def slow_seconds(self, step: int) -> float:
+        """Extra compute time of a straggler at ``step`` (spent inside the step's compute)."""
+        return sum(f.seconds for f in self.faults if f.kind == "slow" and f.applies(self.rank,
+                                                                                     step))

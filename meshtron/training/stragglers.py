@@ -1,0 +1,59 @@
+"""Straggler detection: every rank's compute time, gathered every few steps, set against the
+median.
+
+In a synchronous job the slowest rank sets everyone's step time, so step times alone do not
+say who is slow: each rank measures its own compute (forward and backward up to the wait for
+the gradient reduction, see :class:`~meshtron.training.step.StepResult`), and every
+``run.straggler_every`` steps the window's means are gathered (one small all-gather). A rank
+above ``run.straggler_factor`` times the median is named. Inside tensor- or pipeline-parallel
+groups a rank's compute includes waits for its peers, which blurs who is slow among them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtron.parallel.mesh.groups import ParallelMesh
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    compute_s: float
+    median_s: float
+
+    def line(self, step: int) -> str:
+        return (f"straggler: rank {self.rank} computed {self.compute_s:.3f} s per step over the "
+                f"last steps up to step {step}, {self.compute_s / self.median_s:.2f}x the "
+                f"median rank's {self.median_s:.3f} s")
+
+    def row(self, step: int) -> dict:
+        return {"event": "straggler", "step": step, "rank": self.rank,
+                "compute_s": self.compute_s, "median_s": self.median_s}
+
+
+class StragglerWatch:
+    def __init__(self, mesh: ParallelMesh, every: int, factor: float):
+        self.mesh = mesh
+        self.every = every
+        self.factor = factor
+        self.window: list[float] = []
+
+    def add(self, step: int, compute_s: float) -> list[Straggler]:
+        """Record this step's compute time; on a window boundary (every rank reaches it at the
+        same step), gather and return the stragglers (empty on one process)."""
+        self.window.append(compute_s)
+        if self.every <= 0 or step % self.every or self.mesh.world.pg is None:
+            return []
+        mine = torch.tensor([sum(self.window) / len(self.window)], dtype=torch.float64)
+        self.window.clear()
+        gathered = torch.zeros(self.mesh.layout.world_size, dtype=torch.float64)
+        dist.all_gather_into_tensor(gathered, mine, group=self.mesh.world.pg)
+        times = gathered.tolist()
+        median = statistics.median(times)
+        return [Straggler(rank, t, median) for rank, t in enumerate(times)
+                if median > 0 and t > self.factor * median]

@@ -1,0 +1,139 @@
+"""Faults caused for real (``MESHTRON_FAULTS``, signals from outside): a killed rank is named
+and, with ``--max-restarts``, the group restarts from the newest checkpoint with the numbers of
+an uninterrupted run; a NaN step is skipped on every rank; a slow rank is named a straggler; a
+killed launcher takes its ranks with it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from meshtron.cli import main
+from meshtron.training.faults import Fault, FaultPlan, parse_faults
+from tests.parity import test_overrides
+from tests.test_bad_input import one_error_line
+from tests.test_cli import _JOB_VARIABLES
+
+
+def _env(faults: str = "") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _JOB_VARIABLES and not k.startswith(("SLURM_", "MESHTRON_"))}
+    env.update(OMP_NUM_THREADS="1", MESHTRON_FAULTS=faults)
+    return env
+
+
+def _train(data_cache: str, run: Path, *extra: str, faults: str = "", steps: int = 6,
+           nproc: int = 2) -> subprocess.CompletedProcess:
+    args = test_overrides(data_cache, str(run), steps) + [
+        "--checkpoint.resume=true", "--checkpoint.every=2", "--train.log_every=1", *extra]
+    return subprocess.run([sys.executable, "-m", "meshtron", "train", "--nproc", str(nproc),
+                           *args], capture_output=True, text=True, timeout=240, env=_env(faults),
+                          cwd=run.parent)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """Loss per step of the run's metrics.jsonl (events left out)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "event" not in row}
+
+
+def test_fault_specs_are_parsed_and_bad_ones_refused(monkeypatch, capsys, data_cache, tmp_path):
+    assert parse_faults("kill:rank=1:step=5; slow:rank=0:seconds=0.25") == [
+        Fault("kill", 1, 5), Fault("slow", 0, None, 0.25)]
+    plan = FaultPlan(1, {"MESHTRON_FAULTS": "nan:step=3;slow:seconds=0.5:rank=1"})
+    assert plan.poison_loss(3) and not plan.poison_loss(4)
+    assert plan.slow_seconds(7) == 0.5 and FaultPlan(0, {"MESHTRON_FAULTS": "slow:rank=1:"
+                                                          "seconds=1"}).slow_seconds(7) == 0
+    for spec, message in (("boom:step=1", "unknown fault 'boom'"),
+                          ("kill:rank=1", "needs step=N"), ("nan:step=x", "is not a number"),
+                          ("nan:when=3", "unknown setting 'when'")):
+        monkeypatch.setenv("MESHTRON_FAULTS", spec)
+        assert main(["train", *test_overrides(data_cache, str(tmp_path / "run"), 1)]) == 2
+        assert message in one_error_line(capsys)
+
+
+def test_max_restarts_needs_checkpoints_to_restart_from(data_cache, tmp_path, capsys):
+    args = test_overrides(data_cache, str(tmp_path / "run"), 2)  # resume=false
+    assert main(["train", "--max-restarts", "1", *args]) == 2
+    assert "--max-restarts needs checkpoints to restart from" in one_error_line(capsys)
+    assert main(["train", "--max-restarts", "-1", *args]) == 2
+    assert "--max-restarts must not be negative" in one_error_line(capsys)
+
+
+@pytest.mark.slow
+def test_a_nan_step_is_skipped_everywhere_and_a_slow_rank_is_named(data_cache, tmp_path):
+    run = tmp_path / "run"
+    proc = _train(data_cache, run, "--run.straggler_every=3", "--checkpoint.every=1",
+                  faults="nan:rank=1:step=2;slow:rank=1:seconds=0.4")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: step 2 skipped on every rank: loss nan; the weights and optimizer state " \
+        "are unchanged" in proc.stderr
+    assert "warning: straggler: rank 1 computed" in proc.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "event" not in row]
+    assert [row["skipped_steps"] for row in steps] == [0, 1, 1, 1, 1, 1]
+    assert [row["skipped"] for row in steps] == [False, True, False, False, False, False]
+    events = [row for row in rows if row.get("event") == "straggler"]
+    assert {row["rank"] for row in events} == {1} and {row["step"] for row in events} == {3, 6}
+    for step_dir in sorted((run / "checkpoints").glob("step_*")):  # no NaN ever saved
+        for tensor in load_file(str(step_dir / "shard-00000.safetensors")).values():
+            assert tensor.is_floating_point() is False or bool(tensor.isfinite().all())
+    assert math.isfinite(steps[-1]["loss"])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_group_with_the_same_numbers(data_cache, tmp_path):
+    killed = tmp_path / "killed"
+    proc = _train(data_cache, killed, "--max-restarts=1", faults="kill:rank=1:step=4")
+    assert proc.returncode == 0, proc.stderr
+    assert ("meshtron: rank 1 was killed by SIGKILL; restarting every rank from the newest "
+            "checkpoint (restart 1 of 1)") in proc.stderr
+    assert "Traceback" not in proc.stderr and "resumed from" in proc.stdout
+    losses = _losses(killed)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    # Step 3 ran before the kill (its row was set aside by the resume) and again after it:
+    # bit for bit the same, as every step after a restart is (same layout, same data order).
+    first_try = [json.loads(line) for line in (killed / "metrics.replaced.jsonl").read_text()
+                 .splitlines()]
+    assert [row["step"] for row in first_try] == [3] and first_try[0]["loss"] == losses[3]
+
+    blamed = tmp_path / "blamed"  # no restarts: the rank that died is the one named
+    proc = _train(data_cache, blamed, faults="kill:rank=1:step=3")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "meshtron: error: rank 1 was killed by SIGKILL; the other ranks were stopped")
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_ranks_with_it(data_cache, tmp_path):
+    run = tmp_path / "run"
+    args = test_overrides(data_cache, str(run), 400) + ["--train.log_every=1"]
+    launcher = subprocess.Popen([sys.executable, "-m", "meshtron", "train", "--nproc", "2",
+                                 *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, env=_env(), cwd=tmp_path)
+    try:
+        while "step" not in (launcher.stdout.readline() or "step"):
+            pass
+        ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                               text=True).stdout.split()
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+        assert alive == [], "ranks kept training without their launcher"
+    finally:
+        launcher.kill()
