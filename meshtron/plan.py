@@ -116,8 +116,9 @@ def check_model(cfg: Config) -> None:
     """What the model needs of its architecture and of the training sequence length."""
     m = cfg.model
     arch = architecture_of(m)
-    require(m.head_size % 2 == 0 or not arch.rotary, f"the head dimension ({m.head_size}: "
-            "model.head_dim, or hidden_size / num_heads) must be even for rotary embeddings")
+    require(m.latent_attention or m.head_size % 2 == 0 or not arch.rotary, f"the head "
+            f"dimension ({m.head_size}: model.head_dim, or hidden_size / num_heads) must be even "
+            "for rotary embeddings")  # latent attention's rotary width is checked with it
     require(cfg.train.seq_len <= m.max_seq_len, f"train.seq_len={cfg.train.seq_len} exceeds "
             f"the model's positions (model.max_seq_len={m.max_seq_len})")
 
@@ -164,6 +165,9 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     require(window is None or window >= m.max_seq_len or layout.cp == 1,
             f"model.sliding_window={window} does not combine with parallel.cp={layout.cp} (the "
             "cp attention paths are causal over the whole sequence)")
+    require(not (m.latent_attention and layout.cp > 1), f"model.attention=mla does not "
+            f"combine with parallel.cp={layout.cp} yet (the cp attention paths pass whole keys "
+            "and values, not the latent); use tp, pp or dp")
     if layout.cp > 1:
         _check_context(cfg, layout)
 
@@ -230,8 +234,22 @@ def _check_fp8_blocks(cfg: Config) -> None:
     head_dim = m.head_size
     dims = {"model.hidden_size": m.hidden_size,
             "model.hidden_size / parallel.tp": m.hidden_size // tp,
-            "model.ffn_hidden_size / parallel.tp": m.ffn_hidden_size // tp,
-            "kv heads x head dim per tp rank": m.num_kv_heads * head_dim // min(tp, m.num_kv_heads)}
+            "model.ffn_hidden_size / parallel.tp": m.ffn_hidden_size // tp}
+    if m.latent_attention:  # the widths its projections reduce or produce on one tp rank
+        heads = m.num_heads // tp
+        dims.update({
+            "model.kv_lora_rank": m.kv_lora_rank,
+            "model.kv_lora_rank + model.qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
+            "heads per tp rank x (qk_nope_head_dim + v_head_dim)":
+                heads * (m.qk_nope_head_dim + m.v_head_dim),
+            "heads per tp rank x (qk_nope_head_dim + qk_rope_head_dim)":
+                heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+            "heads per tp rank x v_head_dim": heads * m.v_head_dim})
+        if m.q_lora_rank:
+            dims["model.q_lora_rank"] = m.q_lora_rank
+    else:
+        dims["kv heads x head dim per tp rank"] = (m.num_kv_heads * head_dim
+                                                   // min(tp, m.num_kv_heads))
     for name, value in dims.items():
         require(value % block == 0,
                 f"precision.fp8=blockwise needs {name} = {value} divisible by precision.fp8_block="

@@ -181,8 +181,8 @@ HF_BREAKAGES = {
     "unsupported": (lambda f: edit_config(f, model_type="qwen2_moe",
                                           architectures=["Qwen2MoeForCausalLM"]),
                     "unsupported architecture 'qwen2_moe' (its shared expert has a sigmoid gate, "
-                    "which meshtron does not compute); meshtron converts GPT-2, Llama, Mistral, "
-                    "Mixtral, Qwen2, Qwen3 and Qwen3-MoE"),
+                    "which meshtron does not compute); meshtron converts DeepSeek-V3, GPT-2, "
+                    "Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE"),
     "partial rotary": (lambda f: edit_config(f, partial_rotary_factor=0.5),
                        "partial_rotary_factor=0.5 is not supported"),
     "rope scaling": (lambda f: edit_config(f, rope_scaling={"rope_type": "dynamic",

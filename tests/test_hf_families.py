@@ -259,9 +259,6 @@ def test_window_mask_is_hf_sliding_window():
 def test_hf_refusals_are_one_line_each():
     base = dict(HF_SHAPE, model_type="qwen2")
     refused = {
-        "deepseek_v3": (dict(base, model_type="deepseek_v3"),
-                        "unsupported architecture 'deepseek_v3' (it needs multi-head latent "
-                        "attention"),
         "mixed windows": (dict(base, use_sliding_window=True, sliding_window=8,
                                max_window_layers=1), "sliding windows on some layers only"),
         "dynamic rope": (dict(base, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),

@@ -233,8 +233,9 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> Tensors:
     for name in sorted(stored):
         ignored = name.endswith(IGNORED_HF_TENSORS) or name == fmt.head
         if name not in expected and not ignored:
-            raise MeshtronError(f"{folder} has tensor '{name}', which a model of its config.json "
-                                "does not have")
+            why = fmt.unexpected(cfg, name)
+            raise MeshtronError(f"{folder} {why}" if why else f"{folder} has tensor '{name}', "
+                                "which a model of its config.json does not have")
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(stored[name][0], []).append(name)

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable
 
 from meshtron.config.sections import (
+    ATTENTIONS,
     AUX_LOSS_SCOPES,
     CP_COMMS,
     DTYPES,
@@ -131,8 +132,9 @@ def validate(cfg: Config) -> None:
 def check_model_shape(m: ModelConfig) -> None:
     """The model section on its own: heads, kv heads, the attention and rotary settings and
     the mixture of experts."""
+    _check_latent(m)  # latent attention has its own widths (and refuses a head_dim)
     if m.head_dim is None:
-        require(m.hidden_size % m.num_heads == 0, f"model.hidden_size={m.hidden_size} is not "
+        require(m.latent_attention or m.hidden_size % m.num_heads == 0, f"model.hidden_size={m.hidden_size} is not "
                 f"divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
     else:
         require(m.head_dim > 0, f"model.head_dim must be a positive integer, got {m.head_dim}")
@@ -158,6 +160,46 @@ def check_model_shape(m: ModelConfig) -> None:
         require(not m.mlp_bias, "model.mlp_bias is not supported with routed experts (experts "
                 "have no biases)")
         _check_moe(m)
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+
+
+def _check_latent(m: ModelConfig) -> None:
+    """Latent attention's widths are all given (q_lora_rank may be 0) and fit; grouped-query
+    attention's settings and mla's do not mix."""
+    choice(m.attention or "mha", ATTENTIONS, "model.attention")
+    mscale = m.rope.mscale_all_dim
+    require(math.isfinite(mscale) and mscale >= 0,
+            f"model.rope.mscale_all_dim must not be negative, got {mscale}")
+    if not m.latent_attention:
+        given = [name for name in MLA_FIELDS if getattr(m, name) is not None]
+        given += ["rope.mscale_all_dim"] if mscale else []
+        require(not given, f"model.{given[0] if given else ''} is a latent-attention setting: it "
+                "needs model.attention=mla")
+        return
+    for name in MLA_FIELDS:
+        value = getattr(m, name)
+        least = 0 if name == "q_lora_rank" else 1
+        require(value is not None, f"model.attention=mla needs model.{name}"
+                + (" (0: queries are not compressed)" if name == "q_lora_rank" else ""))
+        what = "must not be negative" if least == 0 else "must be a positive integer"
+        require(value >= least, f"model.{name} {what} with model.attention=mla, got {value}")
+    require(m.qk_rope_head_dim % 2 == 0,
+            f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for rotary embeddings")
+    require(m.arch == "llama", f"model.attention=mla needs model.arch=llama (RMSNorm and rotary "
+            f"positions), got model.arch={m.arch}")
+    require(m.num_kv_heads == m.num_heads, f"model.num_kv_heads={m.num_kv_heads} with "
+            f"model.attention=mla: every head has its own keys and values from the latent; set "
+            f"it to model.num_heads={m.num_heads} or leave it unset")
+    extras = [name for name, on in (
+        ("head_dim", m.head_dim is not None), ("qkv_bias", m.qkv_bias),
+        ("proj_bias", m.proj_bias), ("qk_norm", m.qk_norm),
+        ("sliding_window", m.sliding_window is not None)) if on]
+    require(not extras, f"model.{extras[0] if extras else ''} does not combine with "
+            "model.attention=mla (latent attention sets its own widths and has no biases, q/k "
+            "norms or window)")
 
 
 def _check_rope(m: ModelConfig) -> None:

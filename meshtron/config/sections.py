@@ -23,6 +23,7 @@ CP_COMMS = ("ring", "all_to_all", "all_gather")
 RECOMPUTE = ("none", "selective", "full")
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ATTENTIONS = ("mha", "mla")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence")
 EXPERT_COMPUTE = ("grouped", "loop")
 
@@ -107,6 +108,9 @@ class RopeConfig:
     0.1 * ln(factor) + 1, the YaRN paper's value."""
     truncate: bool = True
     """yarn: round the correction range to whole dimensions (transformers' default)."""
+    mscale_all_dim: float = 0.0
+    """Latent attention with rope scaling (DeepSeek): the softmax scale is multiplied by
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2; 0 keeps 1 / sqrt(query-key width)."""
 
 
 @dataclass
@@ -125,6 +129,21 @@ class ModelConfig:
     """Query heads of attention."""
     num_kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None: num_heads."""
+    attention: str | None = None
+    """Attention: mha (multi-head, grouped-query) or mla (DeepSeek's multi-head latent
+    attention: keys and values from one low-rank latent, one rotary key shared by the heads);
+    None: the preset's, else mha."""
+    q_lora_rank: int | None = None
+    """mla: width of the compressed query latent; 0 projects queries from the residual stream
+    directly (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int | None = None
+    """mla: width of the key/value latent, which the KV cache stores with the rotary key."""
+    qk_nope_head_dim: int | None = None
+    """mla: per-head width of queries and keys without rotary positions."""
+    qk_rope_head_dim: int | None = None
+    """mla: width of each head's rotary query part and of the rotary key all heads share."""
+    v_head_dim: int | None = None
+    """mla: per-head width of the values."""
     head_dim: int | None = None
     """Width of one attention head; None: hidden_size / num_heads (Qwen3 and some Mistral
     models set it explicitly, so heads x head_dim may differ from hidden_size)."""
@@ -167,6 +186,11 @@ class ModelConfig:
     def head_size(self) -> int:
         """The width of one attention head: ``head_dim``, or hidden_size / num_heads."""
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (``attention=mla``)."""
+        return self.attention == "mla"
 
     @property
     def is_moe(self) -> bool:

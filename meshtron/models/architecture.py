@@ -43,7 +43,8 @@ class HFConfig:
         "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "n_embd",
         "n_layer", "n_head", "n_inner", "n_positions", "num_local_experts",
         "num_experts_per_tok", "num_experts", "head_dim", "sliding_window",
-        "moe_intermediate_size", "decoder_sparse_step"))
+        "moe_intermediate_size", "decoder_sparse_step", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_group", "topk_group"))
 
     def __init__(self, raw: Mapping[str, Any], defaults: Mapping[str, Any], where: str):
         self.raw = raw
@@ -112,6 +113,10 @@ class HFFormat:
     accepts: Callable[[ModelConfig], bool] = lambda cfg: True
     """Whether a model of ``cfg`` exports as this family: an architecture's variants are
     tried in order before its main format (a llama with q/k norms is Qwen3)."""
+    unexpected: Callable[[ModelConfig, str], str | None] = lambda cfg, name: None
+    """Why an HF tensor that a model of ``cfg`` lacks is refused, when the family knows
+    better than "not in the model" (DeepSeek's multi-token-prediction layers); None: it
+    does not."""
 
 
 @dataclass(frozen=True)
@@ -131,14 +136,18 @@ class Architecture:
     """Biases on every linear layer of the blocks."""
     attention: type[nn.Module]
     """The attention module class, built as ``attention(cfg, layer, arch, region, mesh, mode,
-    selective_recompute)`` and called as ``(x, rotary, cache)``; its static
-    ``matmul_params(cfg)`` counts its projection weights (for sizes and FLOPs). Grouped-query
-    attention (:class:`meshtron.models.blocks.Attention`) today; latent attention plugs in
-    here."""
+    selective_recompute)`` and called as ``(x, rotary, cache, sequence)``; its static
+    ``matmul_params(cfg)``, ``other_params(cfg, bias)`` and ``score_width(cfg)`` size it (for
+    parameter counts and FLOPs), ``rotary(cfg)`` builds its positions and ``new_cache`` its KV
+    cache. Grouped-query attention (:class:`meshtron.models.blocks.Attention`) or multi-head
+    latent attention (:class:`meshtron.models.latent.LatentAttention`)."""
     hf: HFFormat | None = None
     hf_variants: tuple[HFFormat, ...] = ()
     """Further Hugging Face families built from the same blocks (Qwen2, Qwen3 for llama),
     each exporting the models its ``accepts`` claims; all of them import."""
+    latent: str | None = None
+    """The registry name of this architecture with multi-head latent attention
+    (``model.attention=mla``: a llama with it is the DeepSeek entry)."""
     experts: str | None = None
     """The registry name of this architecture with routed experts (a llama with experts is
     the Mixtral-style entry); None: experts change only the MLP."""

@@ -46,14 +46,25 @@ def make_norm(cfg: ModelConfig, arch: Architecture, region: TPRegion) -> nn.Modu
 
 
 class KVCache:
-    """Pre-allocated keys and values for incremental decoding."""
+    """Pre-allocated keys and values for incremental decoding: per layer, ``kv_heads`` keys of
+    ``head_dim`` and values of ``value_dim`` (default: ``head_dim``) per token. Latent attention
+    stores its latent as the one "key" and its rotary key as the "value"."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, value_dim: int | None = None):
+        key_shape = (batch, kv_heads, max_len, head_dim)
+        value_shape = (batch, kv_heads, max_len, value_dim or head_dim)
+        self.keys = [torch.empty(key_shape, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [torch.empty(value_shape, dtype=dtype, device=device)
+                       for _ in range(num_layers)]
         self.length = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one sequence takes, summed over the layers."""
+        return sum((k[0, :, 0].numel() * k.element_size() + v[0, :, 0].numel() * v.element_size())
+                   for k, v in zip(self.keys, self.values))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Store this layer's new keys/values at the current length; return all so far."""
@@ -81,7 +92,50 @@ def window_mask(q_index: torch.Tensor, k_index: torch.Tensor, window: int,
     return attention_mask(q_index, k_index, q_docs, k_docs) & near
 
 
-class Attention(nn.Module):
+class AttentionCore(nn.Module):
+    """What every attention module shares: the core over the whole sequence (spread over cp,
+    recomputed under selective recompute) and the masks of cached decoding and windows. A
+    subclass sets ``window``, ``dropout``, ``cp``, ``cp_comm`` and ``selective_recompute``."""
+
+    window: int | None
+    dropout: float
+    cp_comm: str
+    selective_recompute: bool
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None, sequence: Sequence | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v over the whole sequence: causal (within documents when
+        ``sequence`` has them) unless an explicit mask is given."""
+        return attend(q, k, v, self.cp, sequence, self.cp_comm, mask=mask,
+                      dropout=self.dropout if self.training else 0.0)
+
+    def run_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               sequence: Sequence | None) -> torch.Tensor:
+        """The core for queries start.. over keys 0.., checkpointed under selective
+        recompute."""
+        mask, sequence = self.mask(start, q.shape[-2], q.device, sequence)
+        if self.selective_recompute and self.training:
+            return checkpoint(self.core, q, k, v, mask, sequence, use_reentrant=False)
+        return self.core(q, k, v, mask, sequence)
+
+    def mask(self, start: int, s: int, device: torch.device,
+             sequence: Sequence | None) -> tuple[torch.Tensor | None, Sequence | None]:
+        """The explicit mask (None: plain causal) for queries start..start+s-1 over keys
+        0..start+s-1, and the sequence left for the core to mask by (a sliding window folds
+        documents into its own mask)."""
+        keys = torch.arange(start + s, device=device)
+        queries = keys[start:]
+        if self.window is not None and start + s > self.window:
+            docs = sequence.documents if sequence is not None else None
+            if sequence is not None:
+                queries = keys = sequence.global_index
+            return window_mask(queries, keys, self.window, docs, docs), None
+        if start > 0 and s > 1:  # a chunk after a cached prefix: causal within the chunk
+            return attention_mask(queries, keys, None, None)[0, 0], sequence
+        return None, sequence
+
+
+class Attention(AttentionCore):
     """Self-attention with heads split over tp; kv heads split or, when fewer than tp ranks,
     shared by groups of tp / num_kv_heads ranks. Under context parallelism the core spans the
     cp ranks (``mesh.layout.cp_comm``: ring or all_to_all). ``selective_recompute`` recomputes
@@ -121,28 +175,29 @@ class Attention(nn.Module):
         return cfg.hidden_size * (width + 2 * cfg.num_kv_heads * cfg.head_size) \
             + width * cfg.hidden_size
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             mask: torch.Tensor | None, sequence: Sequence | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v over the whole sequence: causal (within documents when
-        ``sequence`` has them) unless an explicit mask is given."""
-        return attend(q, k, v, self.cp, sequence, self.cp_comm, mask=mask,
-                      dropout=self.dropout if self.training else 0.0)
+    @staticmethod
+    def other_params(cfg: ModelConfig, bias: bool) -> int:
+        """Parameters of one block's attention outside its matrix products: q/k/v and output
+        biases (``bias``: the architecture's everywhere), the per-head q and k norm weights."""
+        d = cfg.head_size
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d if bias or cfg.qkv_bias else 0
+        return qkv + (cfg.hidden_size if bias or cfg.proj_bias else 0) \
+            + (2 * d if cfg.qk_norm else 0)
 
-    def mask(self, start: int, s: int, device: torch.device,
-             sequence: Sequence | None) -> tuple[torch.Tensor | None, Sequence | None]:
-        """The explicit mask (None: plain causal) for queries start..start+s-1 over keys
-        0..start+s-1, and the sequence left for the core to mask by (a sliding window folds
-        documents into its own mask)."""
-        keys = torch.arange(start + s, device=device)
-        queries = keys[start:]
-        if self.window is not None and start + s > self.window:
-            docs = sequence.documents if sequence is not None else None
-            if sequence is not None:
-                queries = keys = sequence.global_index
-            return window_mask(queries, keys, self.window, docs, docs), None
-        if start > 0 and s > 1:  # a chunk after a cached prefix: causal within the chunk
-            return attention_mask(queries, keys, None, None)[0, 0], sequence
-        return None, sequence
+    @staticmethod
+    def score_width(cfg: ModelConfig) -> int:
+        """Per token and key, the multiply-adds of the scores and their product with the
+        values, summed over heads: heads x (q.k width + value width)."""
+        return 2 * cfg.num_heads * cfg.head_size
+
+    @staticmethod
+    def rotary(cfg: ModelConfig) -> Rotary:
+        return Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope)
+
+    def new_cache(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype,
+                  device: torch.device) -> KVCache:
+        return KVCache(num_layers, batch, self.num_kv_heads, max_len, self.head_dim, dtype,
+                       device)
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
@@ -160,11 +215,7 @@ class Attention(nn.Module):
             q, k = rotary(q, start, positions), rotary(k, start, positions)
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
-        mask, sequence = self.mask(start, s, x.device, sequence)
-        if self.selective_recompute and self.training:
-            y = checkpoint(self.core, q, k, v, mask, sequence, use_reentrant=False)
-        else:
-            y = self.core(q, k, v, mask, sequence)
+        y = self.run_core(q, k, v, start, sequence)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
 

@@ -4,7 +4,8 @@ Used for MFU in the trainer's metrics, by the pipeline's layer balancing and by 
 for shapes too big to instantiate. FLOPs follow the Megatron/PaLM convention: 2 FLOPs per
 multiply-add, a backward pass costs twice the forward, and attention scores are counted for the
 full (not causally halved) s x s matrix, so training FLOPs per token = 6 * (matmul weights) +
-12 * layers * seq * heads * head_dim.
+6 * layers * seq * heads * (q.k width + value width), which is 12 * layers * seq * heads *
+head_dim for multi-head attention.
 """
 
 from __future__ import annotations
@@ -45,14 +46,11 @@ def mlp_matmul_params(cfg: ModelConfig, ffn: int) -> int:
 def model_size(cfg: ModelConfig) -> ModelSize:
     arch = architecture_of(cfg)
     h, ffn, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-    head_dim = cfg.head_size
     vocab = padded_vocab_size(cfg)
     norm = arch.norm_vectors * h
     attention = arch.attention.matmul_params(cfg)
     mlp = mlp_matmul_params(cfg, ffn)
-    qkv_bias = (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim if arch.bias or cfg.qkv_bias else 0
-    attention_bias = qkv_bias + (h if arch.bias or cfg.proj_bias else 0)
-    attention_bias += 2 * head_dim if cfg.qk_norm else 0  # the per-head q and k norm weights
+    attention_bias = arch.attention.other_params(cfg, arch.bias)  # biases, norms inside it
     mlp_bias = (2 * ffn if arch.gated_mlp else ffn) + h if arch.bias or cfg.mlp_bias else 0
     dense_layer = attention + mlp + attention_bias + mlp_bias + 2 * norm
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
@@ -79,14 +77,14 @@ def model_size(cfg: ModelConfig) -> ModelSize:
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """FLOPs of forward + backward per trained token (see the module docstring)."""
-    attention_width = cfg.num_heads * cfg.head_size
-    return 6.0 * model_size(cfg).matmul_params + 12.0 * cfg.num_layers * seq_len * attention_width
+    scores = architecture_of(cfg).attention.score_width(cfg)
+    return 6.0 * model_size(cfg).matmul_params + 6.0 * cfg.num_layers * seq_len * scores
 
 
 def layer_and_head_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """Forward FLOPs per token of one dense transformer layer (attention scores causally
     halved) and of the output layer: the costs the pipeline's layer balancing weighs."""
-    attention_width = cfg.num_heads * cfg.head_size
-    attention = architecture_of(cfg).attention.matmul_params(cfg)
-    layer = 2.0 * (attention + mlp_matmul_params(cfg, cfg.ffn_hidden_size))
-    return layer + 2 * seq_len * attention_width, 2.0 * cfg.hidden_size * padded_vocab_size(cfg)
+    attention = architecture_of(cfg).attention
+    layer = 2.0 * (attention.matmul_params(cfg) + mlp_matmul_params(cfg, cfg.ffn_hidden_size))
+    return (layer + seq_len * attention.score_width(cfg),
+            2.0 * cfg.hidden_size * padded_vocab_size(cfg))

@@ -73,10 +73,15 @@ def _yarn(head_dim: int, theta: float, rope: RopeConfig,
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (the half-split convention of HF Llama)."""
+    """Rotary position embedding: the half-split convention of HF Llama, or DeepSeek's
+    ``interleaved`` pairs (x0, x1), (x2, x3), ... each turned by one frequency, returned as
+    transformers returns them: the even results, then the odd ones (queries and keys are
+    permuted alike, so their products are those of the interleaved rotation)."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, rope: RopeConfig = PLAIN):
+    def __init__(self, head_dim: int, max_len: int, theta: float, rope: RopeConfig = PLAIN,
+                 interleaved: bool = False):
         super().__init__()
+        self.interleaved = interleaved
         inv_freq, attention_factor = inverse_frequencies(head_dim, theta, rope, max_len)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
@@ -93,5 +98,10 @@ class Rotary(nn.Module):
         else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if self.interleaved:
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half], sin[..., :half]
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -100,9 +100,9 @@ class Transformer(nn.Module):
         self.grad_store = WeightGradStore() if options.split_weight_grads else None
         if self.has_embedding:
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
-        self.rotary = None
+        self.rotary: Rotary | None = None
         if arch.rotary:
-            self.rotary = Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope)
+            self.rotary = arch.attention.rotary(cfg)
         elif self.has_embedding:
             self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
             replicated(self.pos_embed.weight, region)
@@ -137,9 +137,11 @@ class Transformer(nn.Module):
         return self.output.weight
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens, shaped by the
+        attention (keys and values, or latent attention's latent and rotary key)."""
         p = self.output_weight
-        return KVCache(self.cfg.num_layers, batch, self.blocks()[0].attn.num_kv_heads, max_len,
-                       self.cfg.head_size, p.dtype, p.device)
+        return self.blocks()[0].attn.new_cache(self.cfg.num_layers, batch, max_len, p.dtype,
+                                               p.device)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, chunk: int = 0,
                 sequence: Sequence | None = None) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The registry of architectures: each is described once, in its own module, and adding one is
 a new module plus an entry here.
 
-``model.arch`` names the block spec (llama, gpt2); a model with routed experts takes its
-architecture's ``experts`` entry where it has one (a llama with experts is Mixtral-style).
+``model.arch`` names the block spec (llama, gpt2); a model with latent attention
+(``model.attention=mla``) takes its architecture's ``latent`` entry (a llama with it is
+DeepSeek, with or without experts), else a model with routed experts its ``experts`` entry
+(a llama with experts is Mixtral-style).
 Hugging Face families built from the same blocks are attached here as variants: Qwen3, Qwen2
 and Mistral to llama, Qwen3-MoE to the Mixtral-style entry.
 """
@@ -14,6 +16,7 @@ from types import MappingProxyType
 
 from meshtron.config import ModelConfig
 from meshtron.config.checks import choice
+from meshtron.models.arch.deepseek import DEEPSEEK
 from meshtron.models.arch.gpt2 import GPT2
 from meshtron.models.arch.llama import LLAMA
 from meshtron.models.arch.mixtral import MIXTRAL
@@ -22,14 +25,15 @@ from meshtron.models.arch.qwen_moe import QWEN3_MOE_FORMAT
 from meshtron.models.architecture import Architecture, HFFormat, HFModelType
 
 ARCHITECTURES = MappingProxyType({a.name: a for a in (
-    dataclasses.replace(LLAMA, hf_variants=(QWEN3_FORMAT, QWEN2_FORMAT, *LLAMA.hf_variants)),
+    dataclasses.replace(LLAMA, hf_variants=(QWEN3_FORMAT, QWEN2_FORMAT, *LLAMA.hf_variants),
+                        latent=DEEPSEEK.name),
     dataclasses.replace(MIXTRAL, hf_variants=(QWEN3_MOE_FORMAT,)),
+    DEEPSEEK,
     GPT2,
 )})
 CONFIG_ARCHS = ("llama", "gpt2")
 """The values ``model.arch`` takes (an entry reached through ``experts`` is not one)."""
 REFUSED_HF_TYPES = MappingProxyType({
-    "deepseek_v3": "it needs multi-head latent attention, which meshtron does not have yet",
     "qwen2_moe": "its shared expert has a sigmoid gate, which meshtron does not compute",
 })
 """Hugging Face model types refused with a reason (every other unknown type is refused too)."""
@@ -39,6 +43,8 @@ def architecture_of(cfg: ModelConfig) -> Architecture:
     """The architecture a model of ``cfg`` is built and converted as."""
     choice(str(cfg.arch), CONFIG_ARCHS, "model.arch")
     arch = ARCHITECTURES[cfg.arch]
+    if cfg.latent_attention and arch.latent:  # experts or not: only the MLP changes
+        return ARCHITECTURES[arch.latent]
     return ARCHITECTURES[arch.experts] if cfg.is_moe and arch.experts else arch
 
 
