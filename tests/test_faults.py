@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from torch.distributed import HashStore
 
 from meshtron.cli import main
 from meshtron.training.faults import Fault, FaultPlan, parse_faults
+from meshtron.training.watchdog import Watchdog
 from tests.parity import test_overrides
 from tests.test_bad_input import one_error_line
 from tests.test_cli import _JOB_VARIABLES
@@ -137,3 +139,41 @@ def test_a_killed_launcher_takes_its_ranks_with_it(data_cache, tmp_path):
         assert alive == [], "ranks kept training without their launcher"
     finally:
         launcher.kill()
+
+
+@pytest.mark.parametrize(("beat", "cause"), [
+    (lambda now: {"time": now - 60, "phase": "step 3"},
+     "unresponsive: rank 1 (silent for 60 s, last in step 3)"),
+    (lambda now: {"time": now, "phase": "step 4"}, "a collective is stuck: rank 1 is in step 4"),
+    (lambda now: {"time": now, "phase": "step 3"}, "every rank answers and is in the same "
+     "phase, which outlasts run.timeout_s=0.3: raise run.timeout_s above it"),
+], ids=["silent", "elsewhere", "slow-step"])
+def test_the_watchdog_names_the_stalled_phase_and_the_silent_ranks(capsys, beat, cause):
+    store = HashStore()
+    store.set("heartbeat/1", json.dumps(beat(time.time())))
+    exits: list[int] = []
+    dog = Watchdog(0, 2, 0.3, store, exit_process=exits.append)
+    dog.phase("step 3")
+    dog.start()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert exits[:1] == [75]
+    line = capsys.readouterr().err.strip().splitlines()[0]
+    assert line.startswith("meshtron: error: rank 0 waited 0 s in step 3 (run.timeout_s=0.3); ")
+    assert line.endswith(cause), line
+    assert json.loads(store.get("heartbeat/0"))["phase"] == "step 3"
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_and_every_process_exits(data_cache, tmp_path):
+    started = time.monotonic()
+    proc = _train(data_cache, tmp_path / "run", "--run.timeout_s=6", faults="stall:rank=1:step=3")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert any(line.startswith("meshtron: error: rank 0 waited ") and " in step 3 " in line
+               and "unresponsive: rank 1 (silent for" in line for line in lines), proc.stderr
+    assert lines[-1] == ("meshtron: error: rank 0 gave up waiting for stalled ranks (named in "
+                         "its line above); the other ranks were stopped")
+    assert time.monotonic() - started < 6 + 30 + 60  # the timeout, the agent's grace, start-up

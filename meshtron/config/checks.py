@@ -134,8 +134,9 @@ def check_model_shape(m: ModelConfig) -> None:
     the mixture of experts."""
     _check_latent(m)  # latent attention has its own widths (and refuses a head_dim)
     if m.head_dim is None:
-        require(m.latent_attention or m.hidden_size % m.num_heads == 0, f"model.hidden_size={m.hidden_size} is not "
-                f"divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+        require(m.latent_attention or m.hidden_size % m.num_heads == 0,
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads="
+                f"{m.num_heads} (or set model.head_dim)")
     else:
         require(m.head_dim > 0, f"model.head_dim must be a positive integer, got {m.head_dim}")
         require(m.head_dim % 2 == 0 or m.arch == "gpt2",

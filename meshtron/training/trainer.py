@@ -49,6 +49,7 @@ from meshtron.training.run_dir import (
 )
 from meshtron.training.step import StepResult, evaluate, train_step
 from meshtron.training.stragglers import StragglerWatch
+from meshtron.training.watchdog import job_watchdog
 
 Log = Callable[[str], None]
 
@@ -353,9 +354,15 @@ class Trainer:
         progress = ProgressBar(t.steps, self.step, cfg.run.progress and self.is_rank0)
         self.mesh.stats.take()
         consecutive_skips, last_save = 0, time.monotonic()
+        watchdog = job_watchdog(self.mesh.global_rank, self.mesh.layout.world_size,
+                                cfg.run.timeout_s) if self.mesh.world.pg is not None else None
+        phase = watchdog.phase if watchdog else _quiet
+        if watchdog:
+            watchdog.start()
         try:
             while self.step < t.steps:
                 self.saver.check()
+                phase(f"step {self.step + 1}")
                 self.faults.before_step(self.step + 1)
                 started = time.perf_counter()
                 lr = learning_rate(self.step, t)
@@ -388,6 +395,7 @@ class Trainer:
                                                   tokens_per_step, update_bias=not out.skipped))
                 last = self.step == t.steps
                 if t.eval_every and (self.step % t.eval_every == 0 or last):
+                    phase(f"the validation at step {self.step}")
                     result.val_loss = self.validation_loss()
                     row.update(val_loss=result.val_loss, val_ppl=math.exp(result.val_loss))
                 if writer and (self.step % t.log_every == 0 or last or "val_loss" in row):
@@ -397,13 +405,17 @@ class Trainer:
                 progress.update(self.step, out.loss, row["tokens_per_s"])
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or last or self._time_to_save(last_save):
+                    phase(f"saving the checkpoint of step {self.step}")
                     result.checkpoint = self.save()
                     last_save = time.monotonic()
+            phase("waiting for the last save of every rank")
+            self.finish_saving()
         finally:
+            if watchdog:
+                watchdog.stop()
             progress.clear()
             if writer:
                 writer.close()
-        self.finish_saving()
         result.end_step = self.step
         if self.is_rank0 and cfg.run.plot:
             plot_runs([self.run_dir], self.run_dir / "loss.png")

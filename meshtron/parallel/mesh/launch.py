@@ -33,12 +33,18 @@ AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 """The signals torch's agent turns into its SignalException; SIGINT and SIGTERM are meshtron's."""
 AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api")
-SHUTDOWN_NOTES = ("death signal", "closing signal")
+SHUTDOWN_NOTES = ("death signal", "closing signal", "Unable to shutdown process")
 """The agent's log lines while it stops the ranks: the CLI's one line says it instead."""
+
+
+STALL_EXIT_CODE = 75
+"""How a rank's watchdog ends it when its peers stall (``training/watchdog.py``)."""
 
 
 def describe_exit(code: int) -> str:
     """``"was killed by SIGKILL"`` or ``"exited with code 1"``: how a rank ended."""
+    if code == STALL_EXIT_CODE:
+        return "gave up waiting for stalled ranks (named in its line above)"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"

@@ -50,6 +50,11 @@ def device_for(info: ProcessInfo) -> torch.device:
     return torch.device("cpu")
 
 
+GROUP_TIMEOUT_MARGIN_S = 30.0
+"""The process group waits this much beyond ``run.timeout_s``: the trainer's watchdog (see
+``training/watchdog.py``) speaks first, naming the stalled phase and the silent ranks."""
+
+
 def init_process_group(info: ProcessInfo, timeout_s: float) -> None:
     """Join the job's default process group (no-op for a single process)."""
     if not info.distributed or dist.is_initialized():
@@ -63,7 +68,7 @@ def init_process_group(info: ProcessInfo, timeout_s: float) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo" and torch.get_num_threads() > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # several processes share the cores
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s + GROUP_TIMEOUT_MARGIN_S)
     dist.init_process_group(backend, store=_attempt_store(info, timeout), rank=info.rank,
                             world_size=info.world_size, timeout=timeout)
 
