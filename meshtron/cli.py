@@ -71,6 +71,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         raise MeshtronError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise MeshtronError(f"--max-restarts must not be negative, got {args.max_restarts}")
+    if args.min_nproc is not None and not (1 <= args.min_nproc <= args.nproc
+                                           and args.max_restarts > 0):
+        raise MeshtronError(f"--min-nproc {args.min_nproc} needs 1 <= it <= --nproc "
+                            f"{args.nproc} and --max-restarts above 0 (restarts on fewer ranks)")
     cfg = load_config(args.config, _split_overrides(extra))  # before torch: errors are instant
     if args.max_restarts and not (cfg.checkpoint.resume and (cfg.checkpoint.every or
                                                              cfg.checkpoint.every_seconds)):
@@ -98,13 +102,25 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         return _launch_or_train(args, extra, cfg, info, launching)
 
 
+def _layout_fits(cfg: Config, world_size: int) -> bool:
+    """The plan accepts ``world_size`` ranks (a candidate for continuing on fewer)."""
+    from meshtron.plan import check_run
+
+    try:
+        check_run(cfg, world_size)
+    except MeshtronError:
+        return False
+    return True
+
+
 def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
                      info: ProcessInfo, launching: bool) -> int:
     if launching:
         from meshtron.parallel.mesh.launch import launch_local
 
         forwarded = (["--config", args.config] if args.config else []) + extra
-        return launch_local(args.nproc, forwarded, args.max_restarts)
+        return launch_local(args.nproc, forwarded, args.max_restarts, args.min_nproc,
+                            fits=lambda world: _layout_fits(cfg, world))
 
     from meshtron.parallel.mesh import MeshLayout, ParallelMesh
     from meshtron.parallel.mesh.process import device_for, die_with_launcher, init_process_group
@@ -288,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="when a rank fails, restart every rank from the newest checkpoint, up "
                    "to R times (default 0)")
+    p.add_argument("--min-nproc", type=int, default=None, metavar="M",
+                   help="with --max-restarts: continue each restart on fewer ranks (the "
+                   "largest count the layout accepts, down to M), resharding the checkpoint")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("preprocess", help="tokenise text into an indexed dataset (.bin/.idx)")

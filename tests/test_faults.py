@@ -35,11 +35,13 @@ def _env(faults: str = "") -> dict[str, str]:
 
 def _train(data_cache: str, run: Path, *extra: str, faults: str = "", steps: int = 6,
            nproc: int = 2) -> subprocess.CompletedProcess:
+    launcher = [o for o in extra if o.startswith(("--max-restarts", "--min-nproc"))]
     args = test_overrides(data_cache, str(run), steps) + [
-        "--checkpoint.resume=true", "--checkpoint.every=2", "--train.log_every=1", *extra]
+        "--checkpoint.resume=true", "--checkpoint.every=2", "--train.log_every=1",
+        *(o for o in extra if o not in launcher)]
     return subprocess.run([sys.executable, "-m", "meshtron", "train", "--nproc", str(nproc),
-                           *args], capture_output=True, text=True, timeout=240, env=_env(faults),
-                          cwd=run.parent)
+                           *launcher, *args], capture_output=True, text=True, timeout=300,
+                          env=_env(faults), cwd=run.parent)
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -177,3 +179,22 @@ def test_a_stalled_rank_is_named_and_every_process_exits(data_cache, tmp_path):
     assert lines[-1] == ("meshtron: error: rank 0 gave up waiting for stalled ranks (named in "
                          "its line above); the other ranks were stopped")
     assert time.monotonic() - started < 6 + 30 + 60  # the timeout, the agent's grace, start-up
+
+
+@pytest.mark.slow
+def test_a_lost_rank_continues_on_fewer_ranks_with_the_same_losses(data_cache, tmp_path):
+    """4 ranks, rank 3 killed at step 4: the run continues on 2 (3 cannot split the batch of
+    8), resharded from the step-2 checkpoint, and its losses are the 4-rank run's."""
+    whole = tmp_path / "whole"
+    assert _train(data_cache, whole, nproc=4).returncode == 0
+    shrunk = tmp_path / "shrunk"
+    proc = _train(data_cache, shrunk, "--max-restarts=1", "--min-nproc=2", nproc=4,
+                  faults="kill:rank=3:step=4")
+    assert proc.returncode == 0, proc.stderr
+    assert ("meshtron: rank 3 was killed by SIGKILL; continuing on 2 ranks (was 4) from the "
+            "newest checkpoint (restart 1 of 1)") in proc.stderr
+    assert "saved under tp=1 cp=1 dp=4 pp=1, resharded to tp=1 cp=1 dp=2 pp=1" in proc.stdout
+    expected, got = _losses(whole), _losses(shrunk)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4, 5, 6]
+    for step in expected:
+        assert abs(got[step] - expected[step]) <= 1e-4 * abs(expected[step]), step

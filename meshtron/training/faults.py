@@ -69,7 +69,8 @@ class FaultPlan:
         env = dict(os.environ if env is None else env)
         self.rank = rank
         self.faults = parse_faults(env.get(ENV, ""))
-        self.first_attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.first_attempt = (env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                              and env.get("MESHTRON_LAUNCH_ATTEMPT", "0") == "0")
 
     def __bool__(self) -> bool:
         return bool(self.faults)

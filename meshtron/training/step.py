@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtron.config import Config
+from meshtron.errors import MeshtronError
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.context.sequence import MicroBatch, SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
@@ -96,6 +98,25 @@ def train_step(
         optimizer.clip(grad_norm, grad_clip)
         optimizer.step(lr)
     return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped, compute_s)
+
+
+def too_many_skips(cfg: Config, scaling: bool, consecutive: int, step: int,
+                   what: str) -> MeshtronError:
+    """The error that ends a run after ``train.max_skipped`` non-finite steps in a row, with
+    advice for its precision (loss scaling helps fp16 only)."""
+    dtype = cfg.precision.dtype
+    if dtype == "fp16" and not scaling:
+        advice = "Enable precision.loss_scaling, lower train.lr, or use bf16/fp32"
+    elif dtype == "fp16":
+        advice = "Lower train.lr or train.grad_clip, use bf16/fp32, or check the data"
+    else:
+        advice = ("Lower train.lr or train.grad_clip, or check the data; loss scaling is for "
+                  "fp16 and would not help here")
+    unscaled = " without loss scaling" if dtype == "fp16" and not scaling else ""
+    return MeshtronError(
+        f"{consecutive} steps in a row up to step {step} were not finite ({what}) in "
+        f"{dtype}{unscaled} (train.max_skipped={cfg.train.max_skipped}); they were skipped and "
+        f"the weights are those of step {step - consecutive}. {advice}")
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from meshtron.training.run_dir import (
     set_aside_later_checkpoints,
     set_aside_later_metrics,
 )
-from meshtron.training.step import StepResult, evaluate, train_step
+from meshtron.training.step import StepResult, evaluate, too_many_skips, train_step
 from meshtron.training.stragglers import StragglerWatch
 from meshtron.training.watchdog import job_watchdog
 
@@ -296,7 +296,12 @@ class Trainer:
         train_state.restore(path, manifest, reader, self.model, self.optimizer, self.mesh,
                             self.precision.scaler, self.log)
         self.step = int(manifest["step"])
-        self.log(f"resumed from {path} at step {self.step}")
+        saved_layout = manifest.get("layout")
+        moved = (f"; saved under {_layout_text(saved_layout)}, resharded to "
+                 f"{_layout_text(self.mesh.layout.sizes())}"
+                 if isinstance(saved_layout, dict) and saved_layout != self.mesh.layout.sizes()
+                 else "")
+        self.log(f"resumed from {path} at step {self.step}{moved}")
         if self.mesh.world.pg is not None:
             torch.distributed.barrier()  # every rank has read it before anything is renamed
         if self.is_rank0:
@@ -431,22 +436,9 @@ class Trainer:
         if self.precision.scaler is None:
             self.warn(f"step {self.step} skipped on every rank: {what}; the weights and "
                       "optimizer state are unchanged")
-        if consecutive < cfg.train.max_skipped:
-            return
-        if cfg.precision.dtype == "fp16" and self.precision.scaler is None:
-            advice = "Enable precision.loss_scaling, lower train.lr, or use bf16/fp32"
-        elif cfg.precision.dtype == "fp16":
-            advice = "Lower train.lr or train.grad_clip, use bf16/fp32, or check the data"
-        else:
-            advice = ("Lower train.lr or train.grad_clip, or check the data; loss scaling is "
-                      "for fp16 and would not help here")
-        scaling = " without loss scaling" if self.precision.scaler is None and \
-            cfg.precision.dtype == "fp16" else ""
-        raise MeshtronError(
-            f"{consecutive} steps in a row up to step {self.step} were not finite ({what}) in "
-            f"{cfg.precision.dtype}{scaling} (train.max_skipped={cfg.train.max_skipped}); they "
-            f"were skipped and the weights are those of step {self.step - consecutive}. "
-            f"{advice}")
+        if consecutive >= cfg.train.max_skipped:
+            raise too_many_skips(cfg, self.precision.scaler is not None, consecutive, self.step,
+                                 what)
 
     def _time_to_save(self, last_save: float) -> bool:
         """``checkpoint.every_seconds`` has passed since the last save, by rank 0's clock
@@ -469,6 +461,10 @@ class Trainer:
             "skipped": out.skipped, "skipped_steps": self.skipped_steps,
             "compute_s": out.compute_s, "comm_bytes": self.mesh.stats.take(),
         }
+
+
+def _layout_text(sizes: dict) -> str:
+    return " ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
 def format_row(row: dict, total: int) -> str:

@@ -23,10 +23,10 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from meshtron.errors import MeshtronError
-from meshtron.parallel.mesh.process import LAUNCHER_ENV
+from meshtron.parallel.mesh.process import ATTEMPT_ENV, LAUNCHER_ENV
 from meshtron.signals import Stopped
 
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
@@ -90,7 +90,59 @@ def _agent_log(max_restarts: int) -> Iterator[None]:
             logger.removeFilter(log)
 
 
-def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0) -> int:
+CONSEQUENCES = (1, STALL_EXIT_CODE, -signal.SIGTERM)
+"""Exits that follow another rank's failure: a lost peer (1), a stalled one (the watchdog), the
+agent's SIGTERM to the survivors."""
+
+
+def _culprit_first(item: tuple[int, object]) -> tuple[int, float, int]:
+    """Order failures so the one that caused the others comes first: killed by a signal (not
+    the agent's SIGTERM), then any exit that is not a consequence, then by time and rank
+    (the agent notices several deaths in one poll, with equal timestamps)."""
+    rank, failure = item
+    code = failure.exitcode
+    kind = 0 if code < 0 and code != -signal.SIGTERM else 1 if code not in CONSEQUENCES else 2
+    return kind, failure.timestamp, rank
+
+
+class RankFailed(MeshtronError):
+    """A rank of the group failed (the first to fail, and how)."""
+
+    def __init__(self, rank: int, how: str, restarts: int):
+        used = f" (after {restarts} restarts)" if restarts else ""
+        super().__init__(f"rank {rank} {how}{used}; the other ranks were stopped")
+        self.rank, self.how = rank, how
+
+
+def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
+                 min_nproc: int | None = None, fits: Callable[[int], bool] | None = None) -> int:
+    """Run ``meshtron train`` on ``nproc`` local ranks. With ``min_nproc``, each restart (of
+    ``max_restarts``) continues on fewer ranks: the largest world size below the failed one,
+    down to ``min_nproc``, that ``fits`` (the plan accepts it); the checkpoint reshards on
+    resume and the global batch is kept by more accumulation."""
+    if min_nproc is None:
+        return _launch(nproc, train_args, max_restarts)
+    world = nproc
+    for attempt in range(max_restarts + 1):
+        os.environ[ATTEMPT_ENV] = str(attempt)
+        try:
+            return _launch(world, train_args, 0)
+        except RankFailed as failure:
+            if attempt == max_restarts:
+                raise RankFailed(failure.rank, failure.how, max_restarts) from None
+            smaller = next((n for n in range(world - 1, min_nproc - 1, -1)
+                            if fits is None or fits(n)), None)
+            if smaller is None:
+                raise MeshtronError(f"{failure}; no world size from {world - 1} down to "
+                                    f"--min-nproc {min_nproc} holds this layout") from None
+            print(f"meshtron: rank {failure.rank} {failure.how}; continuing on {smaller} ranks "
+                  f"(was {world}) from the newest checkpoint (restart {attempt + 1} of "
+                  f"{max_restarts})", file=sys.stderr, flush=True)
+            world = smaller
+    raise AssertionError("the loop returns or raises")
+
+
+def _launch(nproc: int, train_args: Sequence[str], max_restarts: int) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -110,8 +162,6 @@ def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0) -
     except SignalException as err:  # SIGHUP, SIGQUIT: the agent has stopped the ranks
         raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()  # the others were stopped after it
-        used = f" (after {max_restarts} restarts)" if max_restarts else ""
-        raise MeshtronError(f"rank {rank} {describe_exit(failure.exitcode)}{used}; the other "
-                            "ranks were stopped") from None
+        rank, failure = min(err.failures.items(), key=_culprit_first)
+        raise RankFailed(rank, describe_exit(failure.exitcode), max_restarts) from None
     return 0

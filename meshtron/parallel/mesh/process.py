@@ -88,6 +88,8 @@ def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dist.Store
 
 
 LAUNCHER_ENV = "MESHTRON_LAUNCHER_PID"
+ATTEMPT_ENV = "MESHTRON_LAUNCH_ATTEMPT"
+"""Which start of the group this is when the launcher itself restarts it (on fewer ranks)."""
 PR_SET_PDEATHSIG = 1
 
 
