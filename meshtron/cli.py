@@ -89,8 +89,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     info = process_info()
     launching = (args.nproc > 1 or args.max_restarts > 0) and not info.distributed
     try:  # before any process group
-        check_run(cfg, args.nproc if launching else info.world_size)
+        world_size = args.nproc if launching else info.world_size
+        check_run(cfg, world_size)
         check_run_dir(cfg)
+        _check_state_fits(cfg, world_size)
     except MeshtronError:
         if info.distributed and info.rank != 0:
             return 2  # every rank sees the same config and files: rank 0 says it once
@@ -100,6 +102,17 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     holder = not info.distributed or info.rank == 0  # the launcher, or rank 0 under torchrun
     with run_lock(Path(cfg.run.dir), cfg.checkpoint_dir) if holder else contextlib.nullcontext():
         return _launch_or_train(args, extra, cfg, info, launching)
+
+
+def _check_state_fits(cfg: Config, world_size: int) -> None:
+    """The model's training state fits this machine's memory (before any process starts)."""
+    import torch
+
+    from meshtron.parallel.mesh import MeshLayout
+    from meshtron.training.memory import check_state_fits
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    check_state_fits(cfg, MeshLayout.of(cfg.parallel, world_size), device)
 
 
 def _layout_fits(cfg: Config, world_size: int) -> bool:
@@ -154,6 +167,10 @@ def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    if not Path(args.output).name or args.output.endswith(("/", ".")):
+        raise MeshtronError(f"--output {args.output!r} names no file prefix (PREFIX.bin and "
+                            "PREFIX.idx are written)")
+    check_writable(Path(args.output).parent, "--output's folder")
     sources = [open_source(path) for path in args.inputs]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     if args.tokenizer:
@@ -176,8 +193,8 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.models.generation import generate
 
     checkpoint = resolve_checkpoint(Path(args.checkpoint))
-    print(f"checkpoint: {checkpoint}", file=sys.stderr)
     model, tokenizer = load_for_inference(checkpoint)
+    print(f"checkpoint: {checkpoint}", file=sys.stderr)  # once loaded: an error is one line
     prompt = tokenizer.encode(args.prompt)
     room = model.cfg.max_seq_len - min(len(prompt) or 1, model.cfg.max_seq_len - 1)
     if args.max_new_tokens > room:
@@ -206,6 +223,8 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise MeshtronError(f"--top-k must not be negative (0 disables it), got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise MeshtronError(f"--top-p must lie in (0, 1] (1 disables it), got {args.top_p}")
+    if not -(2**63) <= args.seed < 2**64:
+        raise MeshtronError(f"--seed must fit in 64 bits, got {args.seed}")
 
 
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
@@ -285,8 +304,16 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors in meshtron's one-line form (``meshtron: error: ...``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        sys.stderr.write(f"meshtron: error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshtron",
         description="Train transformer language models with tensor, sequence, pipeline, data, "
         "context and expert parallelism on one device mesh.",

@@ -86,6 +86,10 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     micro_batch, micro_batches = _batch_split(cfg, layout.dp)
     p = cfg.parallel
     schedule = None
+    require(p.schedule != "interleaved" or p.vpp >= 2, "parallel.schedule=interleaved needs "
+            f"parallel.vpp >= 2 chunks per stage, got {p.vpp}")
+    require(p.pp_layers is None or p.pp > 1 or p.vpp > 1, f"parallel.pp_layers={p.pp_layers} is "
+            "set but there is no pipeline (parallel.pp=1, parallel.vpp=1)")
     if p.pp > 1 or p.vpp > 1:
         check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers)
         if cfg.train.micro_batch is None:

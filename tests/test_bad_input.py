@@ -29,6 +29,15 @@ CONFIG_VALUES = [
     ("--train.min_lr=nan", "train.min_lr must be a finite number"),
     ("--train.grad_clip=inf", "train.grad_clip must be a finite number"),
     ("--data.path=", "data.path is empty"),
+    ("--model.rope_theta=inf", "model.rope_theta must be a positive number"),
+    ("--model.norm_eps=0", "model.norm_eps must be a positive number"),
+    ("--parallel.bucket_mb=inf", "parallel.bucket_mb must be a positive number"),
+    ("--train.peak_flops=nan", "train.peak_flops must be a positive number of FLOP/s"),
+    ("--train.peak_flops=0", "train.peak_flops must be a positive number of FLOP/s"),
+    ("--model.num_layers=1000000000", "model.num_layers=1000000000 is beyond any model"),
+    ("--model.hidden_size=1" + "0" * 30, "is beyond any model this runs"),
+    ("--train.global_batch=1000000000", "train.global_batch=1000000000 is beyond any model"),
+    ("--model.max_seq_len=1000000000000", "model.max_seq_len=1000000000000 is beyond"),
 ]
 
 
@@ -210,3 +219,45 @@ def test_plot_to_a_read_only_place_is_refused_up_front(read_only_dir):
                "--output", str(read_only / "curve.png"))
     assert_one_error(proc, f"--output {read_only / 'curve.png'}: the folder {read_only} is not "
                            "writable (permission denied)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--parallel.schedule=interleaved"], "parallel.schedule=interleaved needs parallel.vpp >= 2"),
+    (["--parallel.pp_layers=1,1"], "parallel.pp_layers=[1, 1] is set but there is no pipeline"),
+    (["--model.hidden_size=65536", "--model.num_heads=64", "--model.num_kv_heads=64",
+      "--model.ffn_hidden_size=262144"], "need at least"),
+])
+def test_settings_that_would_be_ignored_or_cannot_fit_are_refused_up_front(tmp_path, capsys,
+                                                                           args, message):
+    assert main(["train", f"--run.dir={tmp_path / 'run'}", *args]) == 2
+    assert message in one_error_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_argparse_errors_are_one_line(capsys):
+    for argv in (["train", "--nproc", "abc"], ["generate", "--max-new-tokens", "abc"],
+                 ["schedule", "--pp", "abc"], ["nosuchcommand"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        line = one_error_line(capsys)
+        assert "--help" in line, line
+
+
+def test_generate_seed_and_preprocess_output_are_checked(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path), "--seed", str(2**70)]) == 2
+    assert "--seed must fit in 64 bits" in one_error_line(capsys)
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    assert main(["preprocess", str(text), "--output", ""]) == 2
+    assert "names no file prefix" in one_error_line(capsys)
+    (tmp_path / "afile").write_text("x")
+    assert main(["preprocess", str(text), "--output", str(tmp_path / "afile" / "p")]) == 2
+    assert "afile is a file, not a directory" in one_error_line(capsys)
+
+
+def test_a_run_dir_whose_config_is_not_a_mapping_is_refused(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("[1, 2]\n")
+    assert main(["train", f"--run.dir={tmp_path / 'run'}"]) == 2
+    assert "config.yaml is not a run's config (a YAML mapping)" in one_error_line(capsys)

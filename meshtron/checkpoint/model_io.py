@@ -8,6 +8,7 @@ checked: the config builds a model whose parameters the checkpoint holds with th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from meshtron.config import Config, config_from_dict
 from meshtron.errors import MeshtronError
 from meshtron.models.transformer import Transformer
 
+LAYER_NAME = re.compile(r"^model/layers\.(\d+)\.")
+
 
 def model_config(path: Path, manifest: dict[str, Any]) -> Config:
     """The checkpoint's run config, refused unless the model it builds is the one stored."""
@@ -27,6 +30,11 @@ def model_config(path: Path, manifest: dict[str, Any]) -> Config:
         cfg = config_from_dict(saved_config(path, manifest))
     except MeshtronError as err:
         raise MeshtronError(f"checkpoint {path} holds an invalid config: {err}") from None
+    layers = {int(found.group(1)) for name in manifest["tensors"]
+              if (found := LAYER_NAME.match(name))}
+    if layers and len(layers) != cfg.model.num_layers:  # before building (and timing) them
+        raise MeshtronError(f"checkpoint {path} holds {len(layers)} layers, its config says "
+                            f"model.num_layers={cfg.model.num_layers}")
     with torch.device("meta"):
         expected = {f"model/{name}": tuple(t.shape)
                     for name, t in Transformer(cfg.model).state_dict().items()}

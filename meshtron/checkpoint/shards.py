@@ -235,7 +235,14 @@ class ShardReader:
     def read_rng(self, key: dict[str, str]) -> torch.Tensor:
         if key.get("file") not in self.files:
             raise MeshtronError(f"checkpoint {self.path}: RNG state points outside the index")
-        return self._handle(key["file"]).get_tensor(key["key"])
+        where = f"checkpoint file {self.path / key['file']}, key {key.get('key')!r}"
+        try:
+            state = self._handle(key["file"]).get_tensor(key["key"])
+        except (SafetensorError, KeyError):
+            raise MeshtronError(f"{where} (an RNG state) is missing") from None
+        if state.dtype != torch.uint8 or state.dim() != 1:
+            raise MeshtronError(f"{where} is not an RNG state (a 1-D uint8 tensor)")
+        return state
 
 
 class _SliceReader:

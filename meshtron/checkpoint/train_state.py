@@ -161,7 +161,11 @@ def _restore_rng(manifest: dict[str, Any], reader: ShardReader, mesh: ParallelMe
         seed = int(manifest.get("data", {}).get("seed", 0))
         torch.manual_seed(fresh_seed(seed, int(manifest.get("step", 0)), mesh.global_rank))
     else:
-        torch.set_rng_state(reader.read_rng(key))
+        try:
+            torch.set_rng_state(reader.read_rng(key))
+        except RuntimeError as err:  # a uint8 tensor of another length
+            raise MeshtronError(f"checkpoint {reader.path}: the RNG state of rank "
+                                f"{mesh.global_rank} is unusable ({str(err)[:120]})") from None
 
 
 def fresh_seed(seed: int, step: int, rank: int) -> int:

@@ -48,6 +48,15 @@ def choice(value: str, choices: Iterable[str], name: str) -> None:
             f"{name}='{value}' is not one of {', '.join(choices)}{suggest(value, choices)}")
 
 
+SANITY_LIMITS = {
+    "model.num_layers": 100_000, "model.hidden_size": 2**20, "model.ffn_hidden_size": 2**24,
+    "model.num_heads": 2**16, "model.max_seq_len": 2**27, "model.vocab_size": 2**32,
+    "train.global_batch": 2**24, "train.seq_len": 2**27, "train.steps": 10**12,
+}
+"""Sizes far beyond the largest models trained (10T parameters fit inside them): a value
+past one is a typo, refused before it allocates terabytes or loops for hours."""
+
+
 def validate(cfg: Config) -> None:
     """Reject impossible values with one sentence each."""
     m, p, t, d, pc = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.precision
@@ -75,6 +84,11 @@ def validate(cfg: Config) -> None:
     for name, value in positive.items():
         require(value is not None and value > 0,
                 f"{name} must be a positive integer, got {value}")
+    for name, limit in SANITY_LIMITS.items():
+        section, field = name.split(".")
+        value = getattr(getattr(cfg, section), field)
+        require(value is None or value <= limit, f"{name}={value} is beyond any model this "
+                f"runs (at most {limit:,}): a typo?")
     if m.vocab_size is not None:
         require(m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
     if t.micro_batch is not None:
@@ -116,7 +130,15 @@ def validate(cfg: Config) -> None:
             "checkpoint.resume_from needs checkpoint.resume=true and a step number or a "
             "checkpoint directory")
     require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
+    require(math.isfinite(p.bucket_mb) and p.bucket_mb > 0,
+            f"parallel.bucket_mb must be a positive number, got {p.bucket_mb}")
+    require(m.rope_theta is None or (math.isfinite(m.rope_theta) and m.rope_theta > 0),
+            f"model.rope_theta must be a positive number, got {m.rope_theta}")
+    require(m.norm_eps is None or (math.isfinite(m.norm_eps) and m.norm_eps > 0),
+            f"model.norm_eps must be a positive number, got {m.norm_eps}")
+    require(t.peak_flops is None or (math.isfinite(t.peak_flops) and t.peak_flops > 0),
+            f"train.peak_flops must be a positive number of FLOP/s (or unset), got "
+            f"{t.peak_flops}")
     require(not (pc.dtype == "fp64" and pc.fp8 != "none"),
             "precision.dtype=fp64 is for verification runs and does not combine with "
             f"precision.fp8={pc.fp8}")

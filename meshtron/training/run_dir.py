@@ -18,7 +18,7 @@ import yaml
 
 from meshtron.checkpoint.manifest import STEP_DIR, saved_config
 from meshtron.checkpoint.store import step_dir_name
-from meshtron.config import Config
+from meshtron.config import Config, config_from_dict
 from meshtron.errors import MeshtronError
 from meshtron.files import check_writable
 
@@ -66,7 +66,10 @@ def check_run_dir(cfg: Config) -> None:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise MeshtronError(f"{saved_path} is unreadable ({type(err).__name__}); use another "
                             "run.dir or remove it") from None
-    differences = model_differences(saved if isinstance(saved, dict) else {}, cfg)
+    if not isinstance(saved, dict):
+        raise MeshtronError(f"{saved_path} is not a run's config (a YAML mapping); use another "
+                            "run.dir or remove it")
+    differences = model_differences(saved, cfg)
     if differences:
         raise MeshtronError(
             f"{run_dir} holds a run of another model ({'; '.join(differences[:3])}); pass "
@@ -74,8 +77,13 @@ def check_run_dir(cfg: Config) -> None:
 
 
 def check_resumable(cfg: Config, manifest: dict[str, Any], path: Path) -> None:
-    """The checkpoint's model has this run's shape."""
-    differences = model_differences(saved_config(path, manifest), cfg)
+    """The checkpoint's config is a valid one, of a model with this run's shape."""
+    saved = saved_config(path, manifest)
+    try:
+        config_from_dict(saved)
+    except MeshtronError as err:
+        raise MeshtronError(f"checkpoint {path} holds an invalid config: {err}") from None
+    differences = model_differences(saved, cfg)
     if differences:
         raise MeshtronError(f"checkpoint {path} holds another model ({'; '.join(differences[:3])})"
                             "; use a new checkpoint.dir or the same model")

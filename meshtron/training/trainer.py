@@ -36,7 +36,11 @@ from meshtron.precision.fp8 import make_recipe, scaled_mm_supported
 from meshtron.precision.policy import Precision, cpu_low_precision_note
 from meshtron.training.faults import FaultPlan
 from meshtron.training.hardware import peak_source
-from meshtron.training.memory import activation_bytes_per_layer, formula_covers
+from meshtron.training.memory import (
+    activation_bytes_per_layer,
+    check_state_fits,
+    formula_covers,
+)
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
@@ -124,6 +128,7 @@ class Trainer:
             self.mesh.pp.rank,
             fp8=(lambda: fp8_options(pc, self.mesh)) if pc.fp8 != "none" else None,
             aux_loss_weight=lambda: self.precision.loss_scale / plan.tokens_per_step)
+        check_state_fits(cfg, self.mesh.layout, self.device)
         self.model = Transformer(cfg.model, self.mesh, options)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
