@@ -136,6 +136,8 @@ def import_hf(src: Path, dst: Path) -> Conversion:
         hf = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MeshtronError(f"{config_path} cannot be read as JSON ({err})") from None
+    except RecursionError:
+        raise MeshtronError(f"{config_path} is nested too deeply to be a config") from None
     if not isinstance(hf, dict):
         raise MeshtronError(f"{config_path} does not hold a JSON object")
     model_cfg = hf_model_config(hf, str(config_path))
@@ -193,6 +195,8 @@ def _weight_files(folder: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
+    except RecursionError:
+        raise MeshtronError(f"{index} is nested too deeply to be a safetensors index") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
             AttributeError):
         raise MeshtronError(f"{index} is not a valid safetensors index (no weight_map)") from None
@@ -245,9 +249,17 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> Tensors:
             with safe_open(str(file), framework="pt") as f:
                 for name in names:
                     out[name] = f.get_tensor(stored[name][1])
+                    _check_finite(folder, name, out[name])
     except (SafetensorError, OSError) as err:
         raise MeshtronError(f"cannot read the safetensors weights in {folder}: {err}") from None
     return out
+
+
+def _check_finite(folder: Path, name: str, tensor: torch.Tensor) -> None:
+    """Weights that are NaN or infinite are refused: a model from them computes nothing."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise MeshtronError(f"tensor '{name}' in {folder} holds NaN or infinite values; "
+                            "refusing to import it")
 
 
 # ----------------------------------------------------------------------------- meshtron -> hf

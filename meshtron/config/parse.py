@@ -140,6 +140,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError:
+        raise MeshtronError(f"override --{name} is nested too deeply") from None
     return section, key, value
 
 
@@ -154,6 +156,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError:
             raise MeshtronError(f"{p}: not a text file (a config is UTF-8 YAML)") from None
+        except RecursionError:
+            raise MeshtronError(f"{p} is nested too deeply") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -63,7 +63,8 @@ def _scalars(row: dict[str, Any], prefix: str = ""):
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """All rows of a run's ``metrics.jsonl``; a torn last line (crash mid-write) is skipped."""
+    """All JSON-object rows of a run's ``metrics.jsonl``; a line that is not one (a torn last
+    line from a crash mid-write, garbage, JSON nested too deeply to parse) is skipped."""
     rows = []
     path = run_dir / "metrics.jsonl"
     try:
@@ -71,7 +72,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             for line in f:
                 try:
                     rows.append(json.loads(line))
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     continue
     except UnicodeDecodeError:
         raise MeshtronError(f"{path} is not a metrics file (not UTF-8 text)") from None

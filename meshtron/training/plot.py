@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshtron.errors import MeshtronError
 from meshtron.training.metrics import read_metrics
@@ -15,21 +16,49 @@ MARKED_POINTS = 50
 """Series with at most this many points get a marker at every point: a line through one point
 draws nothing, and a few points read better as points."""
 
+MAX_STEP = 2**63
+"""Steps at or past this are not a training step (and overflow the plotting arrays)."""
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a real number (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and abs(value) >= MAX_STEP:
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """The (steps, values) of ``key`` over the rows that have an integer step and a finite
+    number under ``key``; other rows (events, torn or hand-edited ones) are left out."""
+    steps, values = [], []
+    for row in rows:
+        step, value = row.get("step"), _number(row.get(key))
+        if type(step) is int and 0 <= step < MAX_STEP and value is not None:
+            steps.append(step)
+            values.append(value)
+    return steps, values
+
 
 def draw_runs(ax: Axes, run_dirs: list[Path]) -> None:
     """Each run's training loss (and validation loss, where it has any) on ``ax``."""
     for run_dir in run_dirs:
-        if not (run_dir / "metrics.jsonl").is_file():
+        path = run_dir / "metrics.jsonl"
+        if not path.is_file():
             raise MeshtronError(f"{run_dir} is not a run directory (no metrics.jsonl)")
         rows = read_metrics(run_dir)
-        train = [r for r in rows if "loss" in r]
-        marker = "o" if len(train) <= MARKED_POINTS else None
-        line = ax.plot([r["step"] for r in train], [r["loss"] for r in train], marker=marker,
-                       markersize=4, label=f"{run_dir.name} train")[0]
-        evals = [r for r in rows if "val_loss" in r]
-        if evals:
-            ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o--",
-                    color=line.get_color(), label=f"{run_dir.name} valid")
+        train, evals = series(rows, "loss"), series(rows, "val_loss")
+        if not train[0] and not evals[0]:
+            raise MeshtronError(f"{path} holds no rows with an integer step and a finite loss, "
+                                "so there is nothing to plot")
+        color = None
+        if train[0]:
+            marker = "o" if len(train[0]) <= MARKED_POINTS else None
+            color = ax.plot(*train, marker=marker, markersize=4,
+                            label=f"{run_dir.name} train")[0].get_color()
+        if evals[0]:
+            ax.plot(*evals, "o--", color=color, label=f"{run_dir.name} valid")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
