@@ -198,3 +198,31 @@ def test_a_lost_rank_continues_on_fewer_ranks_with_the_same_losses(data_cache, t
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4, 5, 6]
     for step in expected:
         assert abs(got[step] - expected[step]) <= 1e-4 * abs(expected[step]), step
+
+
+def test_shrinking_stops_with_one_line_when_no_smaller_world_holds_the_layout(monkeypatch):
+    """A restart on fewer ranks picks the largest world size the plan accepts; when none down
+    to --min-nproc does, the run stops naming the failure and why it cannot continue."""
+    from meshtron.errors import MeshtronError
+    from meshtron.parallel.mesh import launch
+
+    worlds: list[int] = []
+
+    def failing_launch(nproc: int, train_args, max_restarts: int) -> int:
+        worlds.append(nproc)
+        if nproc == 2:
+            return 0
+        raise launch.RankFailed(nproc - 1, "was killed by SIGKILL", max_restarts)
+
+    monkeypatch.setattr(launch, "_launch", failing_launch)
+    assert launch.launch_local(8, [], max_restarts=3, min_nproc=2,
+                               fits=lambda n: n % 2 == 0) == 0
+    assert worlds == [8, 6, 4, 2]
+    worlds.clear()
+    with pytest.raises(MeshtronError, match=r"^rank 3 was killed by SIGKILL; the other ranks "
+                       r"were stopped; no world size from 3 down to --min-nproc 3 holds this "
+                       r"layout$"):
+        launch.launch_local(4, [], max_restarts=3, min_nproc=3, fits=lambda n: n % 2 == 0)
+    with pytest.raises(MeshtronError, match=r"^rank 6 was killed by SIGKILL \(after 1 "
+                       r"restarts\); the other ranks were stopped$"):
+        launch.launch_local(8, [], max_restarts=1, min_nproc=2, fits=lambda n: True)
