@@ -261,3 +261,12 @@ def test_a_run_dir_whose_config_is_not_a_mapping_is_refused(tmp_path, capsys):
     (tmp_path / "run" / "config.yaml").write_text("[1, 2]\n")
     assert main(["train", f"--run.dir={tmp_path / 'run'}"]) == 2
     assert "config.yaml is not a run's config (a YAML mapping)" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("--model.moe.route_scale=nan", "model.moe.route_scale must be a positive number"),
+    ("--model.moe.aux_loss=inf", "model.moe.aux_loss must be a finite number"),
+])
+def test_moe_numbers_must_be_finite(override, message):
+    with pytest.raises(MeshtronError, match=message):
+        load_config(overrides=["--model.preset=tiny-moe", override])

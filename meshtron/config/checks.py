@@ -256,6 +256,9 @@ def _check_moe(m: ModelConfig) -> None:
                  "capacity_factor"):
         value = getattr(moe, name)
         require(value >= 0, f"model.moe.{name} must not be negative, got {value}")
+        require(math.isfinite(value), f"model.moe.{name} must be a finite number, got {value}")
+    require(math.isfinite(moe.route_scale) and moe.route_scale > 0,
+            f"model.moe.route_scale must be a positive number, got {moe.route_scale}")
     choice(moe.score, ROUTER_SCORES, "model.moe.score")
     choice(moe.aux_loss_scope, AUX_LOSS_SCOPES, "model.moe.aux_loss_scope")
     choice(moe.compute, EXPERT_COMPUTE, "model.moe.compute")
