@@ -46,8 +46,10 @@ class StragglerWatch:
     def add(self, step: int, compute_s: float) -> list[Straggler]:
         """Record this step's compute time; on a window boundary (every rank reaches it at the
         same step), gather and return the stragglers (empty on one process)."""
+        if self.every <= 0 or self.mesh.world.pg is None:
+            return []
         self.window.append(compute_s)
-        if self.every <= 0 or step % self.every or self.mesh.world.pg is None:
+        if step % self.every:
             return []
         mine = torch.tensor([sum(self.window) / len(self.window)], dtype=torch.float64)
         self.window.clear()
