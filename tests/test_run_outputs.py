@@ -4,7 +4,9 @@ leftover temporary checkpoint directories, and no bias update on a skipped step.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from meshtron.models.flops import training_flops_per_token
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.training.metrics import read_metrics
 from meshtron.training.trainer import Trainer
+from tests.parity import test_overrides
 from tests.test_trainer import PNG_MAGIC, config, quiet
 
 
@@ -143,3 +146,29 @@ def test_a_run_with_one_logged_point_is_drawn_as_a_marker(tmp_path):
     ax = Figure().add_subplot()
     draw_runs(ax, [long])
     assert ax.get_lines()[0].get_marker() in ("None", None)  # long curves stay plain lines
+
+
+@pytest.mark.slow
+def test_weights_and_biases_offline_gets_the_rows(data_cache, tmp_path):
+    """run.wandb=offline: a Weights & Biases run under <run.dir>/wandb, written without any
+    network, holding the metrics' names and values (wandb-core writes them as protobuf, whose
+    keys and JSON values read as bytes)."""
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    assert main(["train", *test_overrides(data_cache, str(run), 2), "--train.log_every=1",
+                 "--run.wandb=offline"]) == 0
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    data = files[0].read_bytes()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("grad_norm", "skipped_steps", "tokens_per_s", f"{rows[-1]['loss']:.4f}"[:5]):
+        assert key.encode() in data, key
+
+
+def test_weights_and_biases_without_the_package_is_one_line(monkeypatch, tmp_path):
+    from meshtron.training import metrics
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    with pytest.raises(MeshtronError, match=r"run.wandb=offline needs the wandb package: pip "
+                       r"install 'meshtron\[wandb\]'"):
+        metrics._wandb_run(tmp_path, "offline", "meshtron", {})

@@ -82,9 +82,11 @@ def test_a_cut_link_is_detected_by_the_other_node_within_the_timeout(data_cache,
         cut = time.monotonic()
         procs[0].wait(timeout=TIMEOUT_S + 90)
         detected = time.monotonic() - cut
-    finally:
+    finally:  # the agents start their ranks in sessions of their own: find them by run.dir
         for proc in procs:
             subprocess.run(["pkill", "-9", "-s", str(proc.pid)], capture_output=True)
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "run")], capture_output=True)
+        for proc in procs:
             proc.wait()
     text = logs[0].read_text()
     lines = [line for line in text.splitlines() if line.startswith("meshtron: error: rank ")]

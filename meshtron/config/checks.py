@@ -69,6 +69,7 @@ def validate(cfg: Config) -> None:
     choice(p.cp_comm, CP_COMMS, "parallel.cp_comm")
     choice(t.recompute, RECOMPUTE, "train.recompute")
     choice(cfg.checkpoint.on_corrupt, ("error", "previous"), "checkpoint.on_corrupt")
+    choice(cfg.run.wandb, ("off", "offline", "online"), "run.wandb")
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,

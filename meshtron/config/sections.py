@@ -376,6 +376,12 @@ class RunConfig:
     straggler_factor x the median (a log line and a metrics.jsonl event); 0 turns it off."""
     straggler_factor: float = 1.5
     """How many times the median compute time makes a rank a straggler."""
+    wandb: str = "off"
+    """Weights & Biases logging beside TensorBoard: off, offline (written under
+    <run.dir>/wandb, no network; `wandb sync` uploads later) or online. Needs the wandb
+    package (pip install 'meshtron[wandb]')."""
+    wandb_project: str = "meshtron"
+    """The Weights & Biases project of the run (named after run.dir)."""
 
 
 @dataclass

@@ -19,13 +19,17 @@ REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path):
+    """Rows to ``metrics.jsonl``, their numbers to TensorBoard and, with ``wandb`` (the
+    ``run.wandb`` mode, project and the run's config), to Weights & Biases."""
+
+    def __init__(self, run_dir: Path, wandb: tuple[str, str, dict] | None = None):
         from torch.utils.tensorboard import SummaryWriter  # heavy import: only on rank 0
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self._wandb = _wandb_run(run_dir, *wandb) if wandb else None
 
     def write(self, row: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in row]
@@ -33,8 +37,11 @@ class MetricsWriter:
         try:
             self._jsonl.write(json.dumps(row) + "\n")
             step = int(row["step"])
-            for key, value in _scalars(row):
+            scalars = dict(_scalars(row))
+            for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
+            if self._wandb is not None:
+                self._wandb.log(scalars, step=step)
         except OSError as err:
             raise MeshtronError(f"cannot write the metrics of step {row['step']} to "
                                 f"{self.path.parent} ({os_reason(err)})") from None
@@ -46,11 +53,28 @@ class MetricsWriter:
         except OSError as err:
             raise MeshtronError(f"cannot write an event to {self.path} ({os_reason(err)})") \
                 from None
+        if self._wandb is not None:
+            name = row["event"]
+            self._wandb.log({f"{name}/{key}": value for key, value in _scalars(row)
+                             if key != "event"}, step=row.get("step"))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a refused write was reported by write()
             self._jsonl.close()
         self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_run(run_dir: Path, mode: str, project: str, config: dict):
+    """A Weights & Biases run in ``run_dir`` (offline: files only, no network)."""
+    try:
+        import wandb
+    except ImportError:
+        raise MeshtronError(f"run.wandb={mode} needs the wandb package: pip install "
+                            "'meshtron[wandb]' (or set run.wandb=off)") from None
+    return wandb.init(project=project, name=run_dir.name, dir=str(run_dir), mode=mode,
+                      config=config, settings=wandb.Settings(silent=True))
 
 
 def _scalars(row: dict[str, Any], prefix: str = ""):

@@ -360,7 +360,9 @@ class Trainer:
         flops_per_step = training_flops_per_token(cfg.model, t.seq_len) * tokens_per_step
         peak, source = peak_source(self.device, t.peak_flops)
         self.log(f"mfu: against {peak / 1e12:.3g} TFLOP/s per rank, from {source}")
-        writer = MetricsWriter(self.run_dir) if self.is_rank0 else None
+        wandb = (cfg.run.wandb, cfg.run.wandb_project, cfg.to_dict()) \
+            if cfg.run.wandb != "off" else None
+        writer = MetricsWriter(self.run_dir, wandb) if self.is_rank0 else None
         progress = ProgressBar(t.steps, self.step, cfg.run.progress and self.is_rank0)
         self.mesh.stats.take()
         consecutive_skips, last_save = 0, time.monotonic()
