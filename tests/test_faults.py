@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 from torch.distributed import HashStore
 
 from meshtron.cli import main
+from meshtron.config import load_config
 from meshtron.training.faults import Fault, FaultPlan, parse_faults
+from meshtron.training.trainer import train
 from meshtron.training.watchdog import Watchdog
 from tests.parity import test_overrides
 from tests.test_bad_input import one_error_line
@@ -226,3 +228,25 @@ def test_shrinking_stops_with_one_line_when_no_smaller_world_holds_the_layout(mo
     with pytest.raises(MeshtronError, match=r"^rank 6 was killed by SIGKILL \(after 1 "
                        r"restarts\); the other ranks were stopped$"):
         launch.launch_local(8, [], max_restarts=1, min_nproc=2, fits=lambda n: True)
+
+
+@pytest.mark.slow
+def test_a_crash_inside_a_save_resumes_from_the_checkpoint_before(data_cache, tmp_path):
+    run = tmp_path / "run"
+    proc = _train(data_cache, run, faults="save:step=4", nproc=1, steps=6)
+    assert proc.returncode == -signal.SIGKILL  # killed with its shard written, not completed
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002"]
+    assert [p.name.split("-")[1] for p in root.glob(".tmp-step_*")] == ["step_00000004"]
+    proc = _train(data_cache, run, nproc=1, steps=6)
+    assert proc.returncode == 0, proc.stderr
+    assert "ignoring" in proc.stderr and "a save that did not complete" in proc.stderr
+    assert "step_00000002 at step 2" in proc.stdout
+
+
+def test_checkpoints_by_time(data_cache, tmp_path):
+    cfg = load_config(overrides=test_overrides(data_cache, str(tmp_path / "run"), 3) + [
+        "--checkpoint.every=0", "--checkpoint.every_seconds=1e-9", "--checkpoint.keep_last=5"])
+    train(cfg, log=lambda m: None)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == [
+        "step_00000001", "step_00000002", "step_00000003"]

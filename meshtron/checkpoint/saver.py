@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,16 @@ from meshtron.files import os_reason
 
 class CheckpointSaver:
     def __init__(self, root: Path, rank: int, world_size: int, token: str, *,
-                 keep_last: int, asynchronous: bool, timeout_s: float = 600.0):
+                 keep_last: int, asynchronous: bool, timeout_s: float = 600.0,
+                 after_shard: Callable[[int], None] | None = None):
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.token = token
         self.keep_last = keep_last
         self.timeout_s = timeout_s
+        self.after_shard = after_shard
+        """Called with the step once this rank's shard is written (fault injection)."""
         self.executor = ThreadPoolExecutor(1, "checkpoint") if asynchronous else None
         self.pending: tuple[int, Future] | None = None
         self.buffers: dict[tuple, torch.Tensor] = {}
@@ -61,6 +65,8 @@ class CheckpointSaver:
     def _write(self, tmp: Path, step: int, pieces: list[Piece], rng: torch.Tensor,
                meta: dict[str, Any], copy_files: dict[str, Path]) -> None:
         write_shard(tmp, self.rank, pieces, rng)
+        if self.after_shard is not None:
+            self.after_shard(step)
         if self.rank == 0:
             finalize_checkpoint(tmp, self.root, step, self.world_size, meta, copy_files,
                                 self.keep_last, self.timeout_s)

@@ -6,9 +6,11 @@ Set ``MESHTRON_FAULTS`` to ``;``-separated faults, each ``kind[:key=value...]``:
     stall:rank=1:step=5        rank 1 SIGSTOPs itself (a hung process) as step 5 begins
     nan:step=3                 step 3's loss is NaN on every rank (or only on rank=R)
     slow:rank=1:seconds=0.2    rank 1 computes 0.2 s longer every step (or only at step=S)
+    save:rank=0:step=4         rank 0 SIGKILLs itself inside the save of step 4, its shard
+                               written, the checkpoint not yet complete
 
 A fault without ``rank`` applies to every rank; without ``step`` (slow only), to every step.
-``kill`` and ``stall`` fire only in the first attempt of an elastic run (a restarted group
+``kill``, ``stall`` and ``save`` fire only in the first attempt of an elastic run (a restarted group
 would otherwise meet them again at the same step). Faults are read once, when the trainer
 starts; an unknown kind or key is refused with one line.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from meshtron.errors import MeshtronError
 
 ENV = "MESHTRON_FAULTS"
-KINDS = ("kill", "stall", "nan", "slow")
+KINDS = ("kill", "stall", "nan", "slow", "save")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,12 @@ class FaultPlan:
             if fault.kind in ("kill", "stall") and fault.applies(self.rank, step) \
                     and self.first_attempt:
                 os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def in_save(self, step: int) -> None:
+        """Called by the saver between this rank's shard and the checkpoint's completion."""
+        if self.first_attempt and any(f.kind == "save" and f.applies(self.rank, step)
+                                      for f in self.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def poison_loss(self, step: int) -> bool:
         return any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults)

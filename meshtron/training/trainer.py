@@ -185,7 +185,8 @@ class Trainer:
         self.saver = CheckpointSaver(
             cfg.checkpoint_dir, self.mesh.global_rank, self.mesh.layout.world_size,
             self._shared_token(), keep_last=cfg.checkpoint.keep_last,
-            asynchronous=cfg.checkpoint.async_, timeout_s=cfg.run.timeout_s)
+            asynchronous=cfg.checkpoint.async_, timeout_s=cfg.run.timeout_s,
+            after_shard=self.faults.in_save if self.faults else None)
         self._maybe_resume()
         if self.is_rank0:  # written once the run is known to start (a refused resume keeps it)
             self.run_dir.mkdir(parents=True, exist_ok=True)
