@@ -431,7 +431,10 @@ class Trainer:
                 writer.close()
         result.end_step = self.step
         if self.is_rank0 and cfg.run.plot:
-            plot_runs([self.run_dir], self.run_dir / "loss.png")
+            try:
+                plot_runs([self.run_dir], self.run_dir / "loss.png")
+            except MeshtronError as err:  # e.g. every logged loss was skipped as NaN
+                self.warn(f"no loss.png: {err}")
         return result
 
     def _check_skips(self, out: StepResult, consecutive: int) -> None:
