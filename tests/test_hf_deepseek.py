@@ -24,7 +24,12 @@ from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from tests.test_hf_families import hf_tensors, meshtron_model, randomize, tokens
+from tests.test_hf_families import (
+    assert_round_trip,
+    meshtron_model,
+    randomize,
+    tokens,
+)
 
 TOLERANCE = 1e-5
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -73,14 +78,7 @@ def test_deepseek_v3_imports_with_parity_and_round_trips(tmp_path, transformers,
         diff = float((meshtron_model(checkpoint)(x) - theirs).abs().max())
     assert diff <= TOLERANCE, diff
 
-    convert(tmp_path / "ckpt", tmp_path / "back", "hf")
-    original, back = hf_tensors(tmp_path / "src"), hf_tensors(tmp_path / "back")
-    assert back.keys() == original.keys()
-    assert all(torch.equal(back[k], original[k]) for k in original)
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(again) is type(hf)
-    with torch.no_grad():
-        assert float((again(x).logits - theirs).abs().max()) <= TOLERANCE
+    assert_round_trip(transformers, tmp_path, hf, x, theirs)
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek", "tiny-mla"])

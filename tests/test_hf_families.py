@@ -127,6 +127,13 @@ def test_hf_family_imports_with_parity_and_round_trips(tmp_path, transformers, c
         theirs = hf(x).logits
         assert max_diff(meshtron_model(checkpoint)(x), theirs) <= TOLERANCE
 
+    assert_round_trip(transformers, tmp_path, hf, x, theirs)
+
+
+def assert_round_trip(transformers, tmp_path: Path, hf, x: torch.Tensor,
+                      theirs: torch.Tensor) -> None:
+    """``tmp_path/ckpt`` (imported from ``tmp_path/src``) exports back bit for bit, and
+    transformers loads the export as the same class with the same logits."""
     convert(tmp_path / "ckpt", tmp_path / "back", "hf")
     original, back = hf_tensors(tmp_path / "src"), hf_tensors(tmp_path / "back")
     assert back.keys() == original.keys()
