@@ -32,14 +32,12 @@ from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
-from meshtron.precision.fp8 import make_recipe, scaled_mm_supported
+from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision, cpu_low_precision_note
 from meshtron.training.faults import FaultPlan
 from meshtron.training.hardware import peak_source
 from meshtron.training.memory import (
-    activation_bytes_per_layer,
     check_state_fits,
-    formula_covers,
 )
 from meshtron.training.metrics import MetricsWriter
 from meshtron.training.plot import plot_runs
@@ -51,6 +49,7 @@ from meshtron.training.run_dir import (
     set_aside_later_checkpoints,
     set_aside_later_metrics,
 )
+from meshtron.training.startup_report import activation_line, fp8_line, state_line
 from meshtron.training.step import StepResult, evaluate, too_many_skips, train_step
 from meshtron.training.stragglers import StragglerWatch
 from meshtron.training.watchdog import job_watchdog
@@ -176,9 +175,14 @@ class Trainer:
             self.log(f"pipeline: {p.schedule} over {p.pp} stages with layers "
                      f"{plan.partition.describe()}, {schedule.microbatches} micro-batches; "
                      f"bubble {100 * schedule.theoretical_bubble():.1f}% in theory")
-        self._log_activation_memory()
-        self._log_state_memory()
-        self._log_fp8()
+        self.optimizer.init_state()  # torch's AdamW would create it at the first step
+        schedule = self.pipeline.schedule if self.pipeline is not None else None
+        for line in (activation_line(cfg, len(self.model.blocks()), schedule, self.mesh.pp.rank,
+                                     self.micro_batch),
+                     state_line(cfg, self.optimizer, self.local_params),
+                     fp8_line(cfg.precision, self.device)):
+            if line:
+                self.log(line)
         slow = cpu_low_precision_note(pc.dtype, self.device)
         if slow:
             self.warn(slow)
@@ -196,64 +200,6 @@ class Trainer:
     def _warn_on_stderr(message: str) -> None:
         """Warnings of a run that logs to the console go where errors go, not into the log."""
         print(f"warning: {message}", file=sys.stderr)
-
-    def _log_activation_memory(self) -> None:
-        """The formula's activation bytes on this rank (dense llama blocks): one micro-batch
-        through its layers, or under a pipeline the peak number of micro-batches its schedule
-        keeps in flight through one chunk each; under context parallelism this rank's
-        seq_len / cp tokens of each sequence. MoE layers keep routing-dependent amounts, so
-        there is no formula for them; nor for what zb-h1's deferred weight gradients keep
-        after B (measured in tests/test_pipeline.py: its peak exceeds 1F1B's)."""
-        cfg, p = self.cfg, self.cfg.parallel
-        if not formula_covers(cfg.model):
-            return
-        layers, held = len(self.model.blocks()), 1
-        if self.pipeline is not None:
-            layers //= p.vpp
-            held = self.pipeline.schedule.peak_in_flight()[self.mesh.pp.rank]
-        per_mode = {
-            mode: held * layers * activation_bytes_per_layer(
-                cfg.model, self.micro_batch, cfg.train.seq_len // p.cp, p.tp, p.sp and p.tp > 1,
-                mode)
-            for mode in ("none", "selective", "full")
-        }
-        others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
-                           if m != cfg.train.recompute)
-        in_flight = f" x {held} micro-batches in flight" if self.pipeline is not None else ""
-        if self.pipeline is not None and self.pipeline.schedule.split_backward:
-            in_flight += ", more for the inputs and output gradients deferred W steps keep"
-        context = f"; {cfg.train.seq_len // p.cp} tokens a sequence (cp={p.cp})" if p.cp > 1 else ""
-        self.log(f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per rank in the "
-                 f"blocks ({layers} layers{in_flight}{context}; recompute="
-                 f"{cfg.train.recompute}; {others} MiB)")
-
-    def _log_state_memory(self) -> None:
-        """Bytes per parameter this rank keeps between steps, per kind (see precision.md)."""
-        self.optimizer.init_state()  # torch's AdamW would create it at the first step
-        held = self.optimizer.memory_bytes()
-        params = max(1, self.local_params)
-        parts = ", ".join(f"{kind} {b / 2**20:.1f} MiB ({b / params:.2f} B/param)"
-                          for kind, b in held.items())
-        self.log(f"state per rank ({self.cfg.precision.dtype}, zero {self.optimizer.stage}): "
-                 f"{parts}")
-
-    def _log_fp8(self) -> None:
-        """Say that FP8 is on, and whether its products are native FP8 GEMMs here."""
-        pc = self.cfg.precision
-        if pc.fp8 == "none":
-            return
-        e4m3 = torch.float8_e4m3fn
-        native = (pc.fp8 != "blockwise" and self.device.type == "cuda"
-                  and scaled_mm_supported(self.device, e4m3, e4m3, 16, 16, 16))
-        if native:
-            how = "native FP8 GEMMs (torch._scaled_mm)"
-        elif self.device.type == "cpu":
-            how = ("emulated on CPU: the numerics of FP8 (quantised operands, fp32 "
-                   "accumulation), not its speed")
-        else:
-            how = "emulated (dequantised operands multiplied in fp32): no FP8 GEMM for these"
-        self.log(f"fp8: {pc.fp8} scaling in every block linear layer (gradients "
-                 f"{pc.fp8_grad}); {how}")
 
     def _build_data(self, cfg: Config) -> TrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""

@@ -1,0 +1,71 @@
+"""What the trainer says about a run before its first step: activation memory by formula,
+the training state's bytes per parameter, and how FP8 runs here. Each is one line (or none)
+computed from the plan and the built model, so it can be read and tested apart from the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtron.config import Config, PrecisionConfig
+from meshtron.optim.data_parallel import DataParallelOptimizer
+from meshtron.parallel.pipeline.schedules import Schedule
+from meshtron.precision.fp8 import scaled_mm_supported
+from meshtron.training.memory import activation_bytes_per_layer, formula_covers
+
+
+def activation_line(cfg: Config, blocks: int, schedule: Schedule | None, pp_rank: int,
+                    micro_batch: int) -> str | None:
+    """The formula's activation bytes on this rank (dense llama blocks): one micro-batch
+    through its ``blocks`` layers, or under a pipeline the peak number of micro-batches its
+    schedule keeps in flight through one chunk each; under context parallelism this rank's
+    seq_len / cp tokens of each sequence. MoE layers keep routing-dependent amounts, so there
+    is no formula for them; nor for what zb-h1's deferred weight gradients keep after B
+    (measured in tests/test_pipeline.py: its peak exceeds 1F1B's)."""
+    p = cfg.parallel
+    if not formula_covers(cfg.model):
+        return None
+    layers, held = blocks, 1
+    if schedule is not None:
+        layers //= p.vpp
+        held = schedule.peak_in_flight()[pp_rank]
+    per_mode = {
+        mode: held * layers * activation_bytes_per_layer(
+            cfg.model, micro_batch, cfg.train.seq_len // p.cp, p.tp, p.sp and p.tp > 1, mode)
+        for mode in ("none", "selective", "full")
+    }
+    others = ", ".join(f"{m} {b / 2**20:.1f}" for m, b in per_mode.items()
+                       if m != cfg.train.recompute)
+    in_flight = f" x {held} micro-batches in flight" if schedule is not None else ""
+    if schedule is not None and schedule.split_backward:
+        in_flight += ", more for the inputs and output gradients deferred W steps keep"
+    context = f"; {cfg.train.seq_len // p.cp} tokens a sequence (cp={p.cp})" if p.cp > 1 else ""
+    return (f"activations: {per_mode[cfg.train.recompute] / 2**20:.1f} MiB per rank in the "
+            f"blocks ({layers} layers{in_flight}{context}; recompute={cfg.train.recompute}; "
+            f"{others} MiB)")
+
+
+def state_line(cfg: Config, optimizer: DataParallelOptimizer, local_params: int) -> str:
+    """Bytes per parameter this rank keeps between steps, per kind (see precision.md); the
+    optimizer's state must exist (``init_state``)."""
+    params = max(1, local_params)
+    parts = ", ".join(f"{kind} {b / 2**20:.1f} MiB ({b / params:.2f} B/param)"
+                      for kind, b in optimizer.memory_bytes().items())
+    return f"state per rank ({cfg.precision.dtype}, zero {optimizer.stage}): {parts}"
+
+
+def fp8_line(pc: PrecisionConfig, device: torch.device) -> str | None:
+    """That FP8 is on, and whether its products are native FP8 GEMMs here."""
+    if pc.fp8 == "none":
+        return None
+    e4m3 = torch.float8_e4m3fn
+    native = (pc.fp8 != "blockwise" and device.type == "cuda"
+              and scaled_mm_supported(device, e4m3, e4m3, 16, 16, 16))
+    if native:
+        how = "native FP8 GEMMs (torch._scaled_mm)"
+    elif device.type == "cpu":
+        how = ("emulated on CPU: the numerics of FP8 (quantised operands, fp32 accumulation), "
+               "not its speed")
+    else:
+        how = "emulated (dequantised operands multiplied in fp32): no FP8 GEMM for these"
+    return f"fp8: {pc.fp8} scaling in every block linear layer (gradients {pc.fp8_grad}); {how}"
