@@ -156,7 +156,7 @@ def test_bucket_reductions_start_while_backward_runs(data_cache):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["--parallel.bucket_mb=0"], "parallel.bucket_mb must be positive, got 0.0"),
+    (["--parallel.bucket_mb=0"], "parallel.bucket_mb must be a positive number, got 0.0"),
     (["--parallel.zero=4"], "parallel.zero must be 0, 1, 2 or 3, got 4"),
 ])
 def test_bad_data_parallel_settings(overrides, message):
