@@ -22,6 +22,7 @@ import signal
 from dataclasses import dataclass
 
 from meshtron.errors import MeshtronError
+from meshtron.parallel.mesh.process import ATTEMPT_ENV, restart_count
 
 ENV = "MESHTRON_FAULTS"
 KINDS = ("kill", "stall", "nan", "slow", "save")
@@ -71,8 +72,7 @@ class FaultPlan:
         env = dict(os.environ if env is None else env)
         self.rank = rank
         self.faults = parse_faults(env.get(ENV, ""))
-        self.first_attempt = (env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-                              and env.get("MESHTRON_LAUNCH_ATTEMPT", "0") == "0")
+        self.first_attempt = restart_count(env) == "0" and env.get(ATTEMPT_ENV, "0") == "0"
 
     def __bool__(self) -> bool:
         return bool(self.faults)

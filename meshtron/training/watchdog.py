@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from meshtron.parallel.mesh.launch import STALL_EXIT_CODE
+from meshtron.parallel.mesh.process import restart_count
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -109,6 +110,5 @@ def job_watchdog(rank: int, world_size: int, timeout_s: float) -> Watchdog | Non
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=datetime.timedelta(seconds=2 * interval),
                           wait_for_workers=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return Watchdog(rank, world_size, timeout_s,
-                    dist.PrefixStore(f"meshtron/watchdog/attempt_{attempt}", store))
+                    dist.PrefixStore(f"meshtron/watchdog/attempt_{restart_count()}", store))

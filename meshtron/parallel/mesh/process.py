@@ -83,8 +83,12 @@ def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dist.Store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           info.world_size, is_master=not agent_store and info.rank == 0,
                           timeout=timeout, multi_tenant=not agent_store)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"meshtron/attempt_{attempt}", store)
+    return dist.PrefixStore(f"meshtron/attempt_{restart_count()}", store)
+
+
+def restart_count(env: dict[str, str] | None = None) -> str:
+    """Which restart of the elastic agent this process belongs to ("0" for the first start)."""
+    return (os.environ if env is None else env).get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 LAUNCHER_ENV = "MESHTRON_LAUNCHER_PID"
