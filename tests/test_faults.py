@@ -212,11 +212,11 @@ def test_shrinking_stops_with_one_line_when_no_smaller_world_holds_the_layout(mo
 
     worlds: list[int] = []
 
-    def failing_launch(nproc: int, train_args, max_restarts: int) -> int:
+    def failing_launch(nproc: int, train_args) -> int:
         worlds.append(nproc)
         if nproc == 2:
             return 0
-        raise launch.RankFailed(nproc - 1, "was killed by SIGKILL", max_restarts)
+        raise launch.RankFailed(nproc - 1, "was killed by SIGKILL", 0)
 
     monkeypatch.setattr(launch, "_launch", failing_launch)
     assert launch.launch_local(8, [], max_restarts=3, min_nproc=2,

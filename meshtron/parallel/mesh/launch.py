@@ -3,10 +3,10 @@
 The same agent as ``torchrun --standalone --nproc-per-node N -m meshtron train ...``: it sets
 the rendezvous variables, watches the ranks, and stops the others when one fails. A failure is
 reported as one line naming the rank that failed first and how (its exit code or signal; the
-others' SIGTERM from the agent does not count). With ``--max-restarts R`` the agent starts the
-whole group again up to R times, each start resuming from the newest complete checkpoint
-(the restarted ranks meet under a store prefix of their own: see ``process.py``), and each
-restart is one line saying which rank failed.
+others' SIGTERM from the agent does not count). With ``--max-restarts R`` the launcher starts the
+whole group again (a fresh agent and rendezvous) up to R times, each start resuming from the
+newest complete checkpoint (the restarted ranks meet under a store prefix of their own: see
+``process.py``), and each restart is one line saying which rank failed.
 
 Ctrl-C and SIGTERM are left to meshtron's own handler (the agent handles only SIGHUP and
 SIGQUIT): it raises :class:`~meshtron.signals.Stopped` inside the agent, whose cleanup sends
@@ -52,34 +52,20 @@ def describe_exit(code: int) -> str:
 
 
 class _AgentLog(logging.Filter):
-    """Drops the agent's shutdown notes (the CLI's one line says it instead) and turns its
-    "failed (exitcode ...) local_rank ..." error into one line per failure: which rank failed
-    and how, and whether the group restarts from the newest checkpoint."""
-
-    def __init__(self, max_restarts: int):
-        super().__init__()
-        self.max_restarts = max_restarts
-        self.failures = 0
+    """Drops the agent's shutdown notes and its "failed (exitcode ...) local_rank ..." error:
+    that names the first rank its poll found dead, often a survivor that lost contact, so the
+    launcher names the culprit itself from every rank's failure."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if any(note in message for note in SHUTDOWN_NOTES):
-            return False
-        if message.startswith("failed (exitcode: ") and record.args:
-            code, rank = int(record.args[0]), record.args[1]
-            self.failures += 1
-            if self.failures <= self.max_restarts:
-                print(f"meshtron: rank {rank} {describe_exit(code)}; restarting every rank from "
-                      f"the newest checkpoint (restart {self.failures} of {self.max_restarts})",
-                      file=sys.stderr, flush=True)
-            return False
-        return True
+        return not (any(note in message for note in SHUTDOWN_NOTES)
+                    or message.startswith("failed (exitcode: "))
 
 
 @contextlib.contextmanager
-def _agent_log(max_restarts: int) -> Iterator[None]:
+def _agent_log() -> Iterator[None]:
     """Filter the agent's log for the duration of the launch (and only then)."""
-    log = _AgentLog(max_restarts)
+    log = _AgentLog()
     loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
     for logger in loggers:
         logger.addFilter(log)
@@ -116,33 +102,38 @@ class RankFailed(MeshtronError):
 
 def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
                  min_nproc: int | None = None, fits: Callable[[int], bool] | None = None) -> int:
-    """Run ``meshtron train`` on ``nproc`` local ranks. With ``min_nproc``, each restart (of
-    ``max_restarts``) continues on fewer ranks: the largest world size below the failed one,
-    down to ``min_nproc``, that ``fits`` (the plan accepts it); the checkpoint reshards on
-    resume and the global batch is kept by more accumulation."""
-    if min_nproc is None:
-        return _launch(nproc, train_args, max_restarts)
+    """Run ``meshtron train`` on ``nproc`` local ranks, starting the whole group again after a
+    failure up to ``max_restarts`` times (each start resumes from the newest checkpoint and
+    meets under a store prefix of its own). With ``min_nproc``, each restart continues on the
+    largest world size below the failed one, down to ``min_nproc``, that ``fits`` (the plan
+    accepts it); the checkpoint reshards on resume and the global batch is kept by more
+    accumulation."""
     world = nproc
     for attempt in range(max_restarts + 1):
         os.environ[ATTEMPT_ENV] = str(attempt)
         try:
-            return _launch(world, train_args, 0)
+            return _launch(world, train_args)
         except RankFailed as failure:
             if attempt == max_restarts:
                 raise RankFailed(failure.rank, failure.how, max_restarts) from None
+            count = f"restart {attempt + 1} of {max_restarts}"
+            if min_nproc is None:
+                print(f"meshtron: rank {failure.rank} {failure.how}; restarting every rank from "
+                      f"the newest checkpoint ({count})", file=sys.stderr, flush=True)
+                continue
             smaller = next((n for n in range(world - 1, min_nproc - 1, -1)
                             if fits is None or fits(n)), None)
             if smaller is None:
                 raise MeshtronError(f"{failure}; no world size from {world - 1} down to "
                                     f"--min-nproc {min_nproc} holds this layout") from None
             print(f"meshtron: rank {failure.rank} {failure.how}; continuing on {smaller} ranks "
-                  f"(was {world}) from the newest checkpoint (restart {attempt + 1} of "
-                  f"{max_restarts})", file=sys.stderr, flush=True)
+                  f"(was {world}) from the newest checkpoint ({count})",
+                  file=sys.stderr, flush=True)
             world = smaller
     raise AssertionError("the loop returns or raises")
 
 
-def _launch(nproc: int, train_args: Sequence[str], max_restarts: int) -> int:
+def _launch(nproc: int, train_args: Sequence[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -150,18 +141,18 @@ def _launch(nproc: int, train_args: Sequence[str], max_restarts: int) -> int:
 
     args = torchrun.parse_args([  # what torchrun's --standalone means: a private rendezvous
         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}",
-        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        f"--nproc-per-node={nproc}", "--max-restarts=0",
         f"--signals-to-handle={AGENT_SIGNALS}",
         "--module", "meshtron", "train", *train_args,
     ])
     config, entrypoint, entry_args = torchrun.config_from_args(args)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process
     try:
-        with _agent_log(max_restarts):
+        with _agent_log():
             elastic_launch(config, entrypoint)(*entry_args)
     except SignalException as err:  # SIGHUP, SIGQUIT: the agent has stopped the ranks
         raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = min(err.failures.items(), key=_culprit_first)
-        raise RankFailed(rank, describe_exit(failure.exitcode), max_restarts) from None
+        raise RankFailed(rank, describe_exit(failure.exitcode), 0) from None
     return 0

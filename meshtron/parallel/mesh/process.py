@@ -93,7 +93,7 @@ def restart_count(env: dict[str, str] | None = None) -> str:
 
 LAUNCHER_ENV = "MESHTRON_LAUNCHER_PID"
 ATTEMPT_ENV = "MESHTRON_LAUNCH_ATTEMPT"
-"""Which start of the group this is when the launcher itself restarts it (on fewer ranks)."""
+"""Which start of the group this is when `meshtron train --nproc` restarts it itself."""
 PR_SET_PDEATHSIG = 1
 
 
