@@ -169,9 +169,6 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     require(window is None or window >= m.max_seq_len or layout.cp == 1,
             f"model.sliding_window={window} does not combine with parallel.cp={layout.cp} (the "
             "cp attention paths are causal over the whole sequence)")
-    require(not (m.latent_attention and layout.cp > 1), f"model.attention=mla does not "
-            f"combine with parallel.cp={layout.cp} yet (the cp attention paths pass whole keys "
-            "and values, not the latent); use tp, pp or dp")
     if layout.cp > 1:
         _check_context(cfg, layout)
 

@@ -1,7 +1,8 @@
 """Multi-head latent attention (``model.attention=mla``): the layer against a direct
 implementation of DeepSeek's equations and against transformers' ``DeepseekV3Attention``, the
 latent KV cache (decode equals recompute, its bytes per token), parameter and FLOP counts, the
-presets, bad input, and parity with one process at tp=2 (with sp) and pp=2."""
+presets, bad input, and parity with one process at tp=2 (with sp), pp=2 and cp=2 (ring and
+all-to-all, with their bytes)."""
 
 from __future__ import annotations
 
@@ -215,7 +216,7 @@ def test_bad_latent_settings_are_one_line_each():
         load_config(overrides=mha)
     layouts = {
         ("--parallel.tp=3",): "parallel.tp=3 does not divide model.num_heads=4",
-        ("--parallel.cp=2",): "model.attention=mla does not combine with parallel.cp=2",
+        ("--parallel.cp=2", "--train.seq_len=62"): "2*cp = 4 equal chunks: train.seq_len=62",
         ("--precision.fp8=blockwise", "--precision.fp8_block=16"):
             "model.kv_lora_rank + model.qk_rope_head_dim = 24 divisible by",
     }
@@ -235,14 +236,54 @@ LATENT = ["--model.attention=mla", "--model.q_lora_rank=24", "--model.kv_lora_ra
 """On tests/parity.py's 2-layer, 64-wide, 4-head model."""
 
 
-@pytest.mark.slow
-def test_latent_attention_keeps_parity_at_tp2_sp_and_pp2(data_cache, tmp_path):
-    """Heads split over tp with the down projections and latent norms whole on both ranks
-    (their gradients summed over tp), the stream sequence-parallel; and two pipeline stages."""
-    from tests.distributed import run_distributed
-    from tests.parity import assert_layouts_match, run_layouts
+CP_LAYERS, CP_SEQS, CP_LEN = 2, 8, 32
+"""tests/parity.py's layers, sequences per step and sequence length."""
 
+
+def assert_cp_bytes(run_dir, cfg, comm: str) -> None:
+    """The step's cp bytes (step 5 of the run) against the closed form: the ring sends the
+    latent and rotated key, (kv_lora_rank + qk_rope_head_dim) values per token, (cp − 1)
+    times forward (twice: selective recompute runs it again in backward) and 2(cp − 1) + 1
+    times backward with their gradients; all-to-all sends (cp − 1)/cp of the expanded q, k, v
+    and the output forward and of their gradients backward."""
+    import json
+    from pathlib import Path
+
+    row = json.loads(Path(run_dir, "metrics.jsonl").read_text().splitlines()[0])
+    m, cp, fp32 = cfg.model, 2, 4
+    tokens = CP_SEQS * CP_LEN // cp  # this rank's, over the step's micro-batches
+    qk, heads = m.qk_nope_head_dim + m.qk_rope_head_dim, m.num_heads
+    if comm == "ring":
+        block = tokens * (m.kv_lora_rank + m.qk_rope_head_dim) * fp32
+        sent = row["comm_bytes"]["cp/send"]
+        assert sent == CP_LAYERS * (2 * (cp - 1) * block + (cp - 1) * 2 * block + block), sent
+        # 24 values per token, where the heads' k and v would be 4 x (8 + 8 + 12) = 112
+        assert (m.kv_lora_rank + m.qk_rope_head_dim, heads * (qk + m.v_head_dim)) == (24, 112)
+    else:
+        tensors = tokens * heads * (2 * qk + 2 * m.v_head_dim) * fp32  # q, k, v, output
+        sent = row["comm_bytes"]["cp/all_to_all"]
+        assert sent == CP_LAYERS * 2 * tensors * (cp - 1) // cp, sent
+
+
+@pytest.mark.slow
+def test_latent_attention_keeps_parity_at_tp2_sp_pp2_and_cp2(data_cache, tmp_path):
+    """Heads split over tp with the down projections and latent norms whole on both ranks
+    (their gradients summed over tp), the stream sequence-parallel; two pipeline stages; and
+    cp=2, the latent travelling the ring (each rank expanding every block it meets; under
+    selective recompute) or the expanded heads all-to-all, with the bytes of both.
+    (tiny-mla's own widths on this 64-wide model train so unstably that its one-process fp32
+    run leaves its fp64 twin by 7e-4 at step 13: no layout could be held to 1e-4 there.)"""
+    from tests.distributed import run_distributed
+    from tests.parity import assert_layouts_match, run_layouts, test_overrides
+
+    cp = ["--parallel.cp=2", *LATENT]
     layouts = [["--parallel.tp=2", "--parallel.sp=true", *LATENT],
-               ["--parallel.pp=2", "--train.micro_batch=2", *LATENT]]
+               ["--parallel.pp=2", "--train.micro_batch=2", *LATENT],
+               [*cp, "--train.recompute=selective"], ["--parallel.cp_comm=all_to_all", *cp]]
     results = run_distributed(run_layouts, 2, data_cache, str(tmp_path), layouts)
     assert_layouts_match(layouts, results, data_cache, tmp_path)
+    cfg = load_config(overrides=test_overrides(data_cache, "unused") + cp)
+    assert (cfg.model.num_layers, cfg.train.global_batch, cfg.train.seq_len) == (
+        CP_LAYERS, CP_SEQS, CP_LEN)
+    assert_cp_bytes(tmp_path / "layout2", cfg, "ring")
+    assert_cp_bytes(tmp_path / "layout3", cfg, "all_to_all")

@@ -19,7 +19,14 @@ parallelism gathers the block input as for grouped-query attention.
 The KV cache keeps what the keys and values are made from: the normalised latent and the
 rotated key, (kv_lora_rank + qk_rope_head_dim) values per token and layer, and expands them
 with ``kv_b`` at each step (the weight-absorbed decode that skips the expansion is not built).
-Context parallelism is refused by the plan.
+
+Under context parallelism with ``parallel.cp_comm=ring`` the same two travel the ring instead
+of per-head keys and values: every rank expands each block it meets with its ``kv_b`` weight
+(passed to the ring, which differentiates the expansion again in backward), so one hop carries
+(kv_lora_rank + qk_rope_head_dim) values per token rather than heads x (nope + rope + v).
+When ``kv_b`` runs in FP8 or defers its weight gradient (zero-bubble schedules) the ring cannot
+redo it, and the expanded keys and values travel as with ``all_to_all`` and ``all_gather``,
+whose cores take values narrower or wider than the keys.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.models.architecture import Architecture
 from meshtron.models.blocks import AttentionCore, KVCache
 from meshtron.models.norms import RMSNorm
 from meshtron.models.rotary import Rotary
+from meshtron.parallel.context.ring import ring_attention_of
 from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.tensor.layers import (
@@ -107,6 +116,9 @@ class LatentAttention(AttentionCore):
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
         self.cp, self.cp_comm = mesh.cp, mesh.layout.cp_comm
+        # the latent travels the ring when kv_b is a plain product the ring can redo itself
+        self.latent_ring = (self.cp.size > 1 and self.cp_comm == "ring"
+                            and self.kv_b.fp8 is None and self.kv_b.grad_store is None)
 
     @staticmethod
     def matmul_params(cfg: ModelConfig) -> int:
@@ -140,6 +152,32 @@ class LatentAttention(AttentionCore):
         return KVCache(num_layers, batch, 1, max_len, self.kv_rank, dtype, device,
                        value_dim=self.rope_dim)
 
+    def keys_values(self, latent: torch.Tensor, k_rope: torch.Tensor,
+                    weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [b, heads, L, nope + rope] and values [b, heads, L, v] of this rank's heads from
+        the normalised latent [b, L, kv_rank] and rotated shared key [b, L, rope]: through
+        ``kv_b`` itself, or (the ring) a plain product with its ``weight``."""
+        kv = self.kv_b(latent) if weight is None else F.linear(latent, weight)
+        b, length, _ = latent.shape
+        kv = kv.view(b, length, self.num_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = k_rope.unsqueeze(1).expand(-1, self.num_heads, -1, -1)
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+    def expand(self, held: torch.Tensor, weight: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's expansion of a travelling block [b, L, kv_rank + rope] (latent | key)."""
+        return self.keys_values(*held.split([self.kv_rank, self.rope_dim], dim=-1), weight)
+
+    def ring_core(self, q: torch.Tensor, held: torch.Tensor,
+                  sequence: Sequence) -> torch.Tensor:
+        """Ring attention over the cp ranks with the latent travelling (see the module
+        docstring), checkpointed under selective recompute."""
+        args = (q, held, self.expand, (self.kv_b.weight,), self.cp, sequence)
+        if self.selective_recompute and self.training:
+            return checkpoint(ring_attention_of, *args, use_reentrant=False)
+        return ring_attention_of(*args)
+
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
         assert rotary is not None, "latent attention needs rotary positions"
@@ -156,14 +194,15 @@ class LatentAttention(AttentionCore):
         k_rope = rotary(k_rope.unsqueeze(1), start, positions)  # [b, 1, s, rope]
         if cache is not None:
             latent, k_rope = cache.append(self.layer, latent, k_rope)
-        length = latent.shape[-2]
-        kv = self.kv_b(latent.squeeze(1)).view(b, length, self.num_heads, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent, k_rope = latent.squeeze(1), k_rope.squeeze(1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        y = self.run_core(q, k, v, start, sequence)
+        if self.latent_ring and cache is None and sequence is not None:
+            y = self.ring_core(q, torch.cat([latent, k_rope], dim=-1), sequence)
+        else:
+            k, v = self.keys_values(latent, k_rope)
+            y = self.run_core(q, k, v, start, sequence)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.v_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
 

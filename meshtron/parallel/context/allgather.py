@@ -23,12 +23,13 @@ from meshtron.parallel.tensor.collectives import gather_from_sp
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                          sequence: Sequence) -> torch.Tensor:
-    """Causal attention of this rank's q [b, heads, L, d] over the whole sequence, whose k, v
-    [b, kv_heads, L, d] are spread over ``group`` (cp) in chunks."""
+    """Causal attention of this rank's q [b, heads, L, d] over the whole sequence, whose k
+    [b, kv_heads, L, d] and v [b, kv_heads, L, dv] are spread over ``group`` (cp) in chunks."""
     b, kv_heads, length, d = k.shape
-    local = torch.stack([k, v], dim=1).permute(0, 3, 1, 2, 4).reshape(b, length, -1)
-    gathered = gather_from_sp(local, group)  # [b, cp * L, 2 * kv * d], ranks in order
-    keys, values = gathered.view(b, -1, 2, kv_heads, d).permute(2, 0, 3, 1, 4)
+    local = torch.cat([k, v], dim=-1).transpose(1, 2).reshape(b, length, -1)
+    gathered = gather_from_sp(local, group)  # [b, cp * L, kv * (d + dv)], ranks in order
+    keys, values = gathered.view(b, -1, kv_heads, d + v.shape[-1]).transpose(1, 2).split(
+        [d, v.shape[-1]], dim=-1)
     seq = length * group.size
     k_index = torch.cat([split_sequence(torch.arange(seq, device=q.device), r, group.size, 0)
                          for r in range(group.size)])

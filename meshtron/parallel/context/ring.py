@@ -9,16 +9,28 @@ online softmax of flash attention), so the attention scores of the whole sequenc
 A block whose keys all come after its queries is skipped; the diagonal block uses the causal
 mask, and document masks apply per block from the document numbers of the whole sequence.
 
-Backward keeps only this rank's q, k, v, output and log-sum-exp: the key/value blocks go around
-the ring again, each with the gradient of its keys and values accumulated by every rank it
-visits, and one last hop brings those gradients home. With GQA only the kv heads travel. The
-math runs in fp32 (fp64 in fp64 runs): under bf16 the blocks travel in fp32 too.
+Backward keeps only this rank's q, its k and v (or latent), output and log-sum-exp: the
+key/value blocks go around the ring again, each with the gradient of its keys and values
+accumulated by every rank it visits, and one last hop brings those gradients home. With GQA
+only the kv heads travel. The math runs in fp32 (fp64 in fp64 runs): under bf16 the blocks
+travel in fp32 too.
 
-Bytes per call, for a kv block of B bytes (k and v of this rank's two chunks): forward
-(cp − 1)·B, backward (cp − 1)·2B + B, counted as ``cp/send``.
+What travels need not be the keys and values themselves: :func:`ring_attention_of` passes any
+block from which each rank makes them (``expand``, differentiated again in backward, so its
+gradient travels home as the keys' would). Latent attention sends its normalised latent and
+rotated key, (kv_lora_rank + qk_rope_head_dim) values per token instead of heads × (q.k width +
+value width), and expands them with its ``kv_b`` weight at every hop: bytes for compute. Keys
+and values may differ in width (latent attention's do).
+
+Bytes per call, for a travelling block of B bytes (k and v of this rank's two chunks, side by
+side, or what ``expand`` takes): forward (cp − 1)·B, backward (cp − 1)·2B + B, counted as
+``cp/send``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -84,10 +96,11 @@ class _Blocks:
         return out
 
 
-def _fused_kernel(q: torch.Tensor, sequence: Sequence) -> bool:
+def _fused_kernel(q: torch.Tensor, sequence: Sequence, same_width: bool) -> bool:
     """torch's CPU flash-attention kernel returns the log-sum-exp the merge needs; it runs the
-    blocks without document masks (a block fully masked by documents needs the math below)."""
-    return (q.device.type == "cpu" and sequence.documents is None
+    blocks without document masks (a block fully masked by documents needs the math below)
+    and only when keys and values are equally wide (latent attention's are not)."""
+    return (q.device.type == "cpu" and sequence.documents is None and same_width
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
@@ -139,63 +152,104 @@ def _merge(out, lse, out_b, lse_b):
     return out * weight + out_b * weight_b, new
 
 
+Expand = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``expand(held, *params)``: the keys [b, kv_heads, L, dk] and values [b, kv_heads, L, dv]
+of one rank's travelling block ``held`` (any shape: it is what goes around the ring)."""
+
+
+def split_keys_values(held: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The :data:`Expand` of a block that is keys and values side by side: [..., k | v]."""
+    k, v = held.split([width, held.shape[-1] - width], dim=-1)
+    return k, v
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, sequence: Sequence):
+    def forward(ctx, q, held, group: Group, sequence: Sequence, expand: Expand, *params):
         b, heads, length, d = q.shape
-        scale, fused = d ** -0.5, _fused_kernel(q, sequence)
+        scale = d ** -0.5
         blocks = _Blocks(group, sequence, length * group.size)
-        out = torch.zeros_like(q)
-        lse = q.new_full((b, heads, length), float("-inf"))
-        held = torch.stack([k, v])
+        own = held
         for step in range(group.size):
             source = (group.rank - step) % group.size
             hop = _Hop(held, group, KV_TAG) if step < group.size - 1 else None
+            keys, values = expand(held, *params)
+            if step == 0:
+                fused = _fused_kernel(q, sequence, keys.shape[-1] == values.shape[-1])
+                out = q.new_zeros(b, heads, length, values.shape[-1])
+                lse = q.new_full((b, heads, length), float("-inf"))
             for qs, ks, mask, causal in blocks.pairs(source):
-                kb, vb = (_expand(t[..., ks, :], heads) for t in held)
+                kb, vb = (_expand(t[..., ks, :], heads) for t in (keys, values))
                 out_b, lse_b = _block_forward(q[..., qs, :], kb, vb, mask, causal, scale, fused)
                 out[..., qs, :], lse[..., qs] = _merge(out[..., qs, :], lse[..., qs], out_b,
                                                        lse_b)
             if hop is not None:
                 held = hop.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, own, out, lse, *params)
         ctx.group, ctx.sequence, ctx.scale, ctx.fused = group, sequence, scale, fused
+        ctx.expand = expand
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale, fused = ctx.group, ctx.scale, ctx.fused
-        heads, kv_heads, length = q.shape[1], k.shape[1], q.shape[2]
+        q, held, out, lse, *params = ctx.saved_tensors
+        group, scale, fused, expand = ctx.group, ctx.scale, ctx.fused, ctx.expand
+        heads, length = q.shape[1], q.shape[2]
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1, keepdim=True)
         blocks = _Blocks(group, ctx.sequence, length * group.size)
         dq = torch.zeros_like(q)
-        held = torch.stack([k, v])
-        grads = torch.zeros_like(held)  # dk, dv of the block held
+        grads = torch.zeros_like(held)  # the gradient of the block held
+        param_grads = [torch.zeros_like(p) for p in params]
         for step in range(group.size):
             source = (group.rank - step) % group.size
             hop = _Hop(held, group, KV_TAG) if step < group.size - 1 else None
+            with torch.enable_grad():  # the expansion again, to carry its gradient back
+                leaves = [t.detach().requires_grad_() for t in (held, *params)]
+                keys, values = expand(*leaves)
+            dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+            kv_heads = keys.shape[1]
             for qs, ks, mask, causal in blocks.pairs(source):
-                kb, vb = (_expand(t[..., ks, :], heads).contiguous() for t in held)
+                kb, vb = (_expand(t.detach()[..., ks, :], heads).contiguous()
+                          for t in (keys, values))
                 dq_b, dk_b, dv_b = _block_backward(
                     grad_out[..., qs, :].contiguous(), q[..., qs, :].contiguous(), kb, vb,
                     out[..., qs, :].contiguous(), lse[..., qs].contiguous(),
                     delta[..., qs, :], mask, causal, scale, fused)
                 dq[..., qs, :] += dq_b
-                grads[0][..., ks, :] += _fold(dk_b, kv_heads)
-                grads[1][..., ks, :] += _fold(dv_b, kv_heads)
+                dk[..., ks, :] += _fold(dk_b, kv_heads)
+                dv[..., ks, :] += _fold(dv_b, kv_heads)
+            d_held, *d_params = torch.autograd.grad((keys, values), leaves, (dk, dv))
+            grads += d_held
+            for total, part in zip(param_grads, d_params):
+                total += part
             # the gradients follow their block; after the last step they arrive home
             grads = _Hop(grads, group, GRAD_TAG).wait()
             if hop is not None:
                 held = hop.wait()
-        return dq, grads[0], grads[1], None, None
+        return (dq, grads, None, None, None, *param_grads)
+
+
+def ring_attention_of(q: torch.Tensor, held: torch.Tensor, expand: Expand,
+                      params: tuple[torch.Tensor, ...], group: Group,
+                      sequence: Sequence) -> torch.Tensor:
+    """Causal attention of this rank's queries q [b, heads, L, d] over the whole sequence,
+    whose keys and values are ``expand(held, *params)`` of the blocks ``held`` spread over
+    ``group`` (cp) in chunks: the blocks travel, each rank expands every block it meets (and
+    ``params`` get this rank's share of their gradient, summed over cp by the caller's
+    gradient reduction). The output is [b, heads, L, dv]."""
+    dtype = at_least_fp32(q.dtype)
+    params = tuple(p.to(dtype) for p in params)
+    out = _RingAttention.apply(q.to(dtype), held.to(dtype), group, sequence, expand, *params)
+    return out.to(q.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                    sequence: Sequence) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, heads, L, d] over the whole sequence, whose
-    keys and values k, v [b, kv_heads, L, d] are spread over ``group`` (cp) in chunks."""
+    keys k [b, kv_heads, L, d] and values v [b, kv_heads, L, dv] are spread over ``group``
+    (cp) in chunks; they travel side by side."""
     dtype = at_least_fp32(q.dtype)
-    out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), group, sequence)
-    return out.to(q.dtype)
+    held = torch.cat([k.to(dtype), v.to(dtype)], dim=-1)
+    return ring_attention_of(q, held, partial(split_keys_values, width=k.shape[-1]), (), group,
+                             sequence)
