@@ -327,6 +327,14 @@ PARITY_4 = [
      "--model.moe.pad_to_capacity=true", "--model.moe.bias_update=0.01"],
     ["--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--train.micro_batch=4",
      "--model.moe.aux_loss_scope=sequence"],
+    # DeepSeek-V3 in small (tiny-deepseek's parts): latent attention, sigmoid group-limited
+    # routing with the aux-free bias, a shared expert, a dense first layer, and one
+    # multi-token-prediction module (itself an MoE layer)
+    ["--parallel.ep=2", "--parallel.tp=2", "--train.micro_batch=2", "--model.attention=mla",
+     "--model.q_lora_rank=24", "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8",
+     "--model.qk_rope_head_dim=8", "--model.v_head_dim=12", "--model.moe.score=sigmoid",
+     "--model.moe.groups=2", "--model.moe.topk_groups=1", "--model.moe.shared_experts=1",
+     "--model.moe.dense_layers=1", "--model.moe.bias_update=0.01", "--model.mtp_depth=1"],
 ]
 
 

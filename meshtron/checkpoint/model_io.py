@@ -32,9 +32,11 @@ def model_config(path: Path, manifest: dict[str, Any]) -> Config:
         raise MeshtronError(f"checkpoint {path} holds an invalid config: {err}") from None
     layers = {int(found.group(1)) for name in manifest["tensors"]
               if (found := LAYER_NAME.match(name))}
-    if layers and len(layers) != cfg.model.num_layers:  # before building (and timing) them
+    m = cfg.model  # multi-token-prediction modules are layers after the decoder's
+    if layers and len(layers) != m.num_layers + m.mtp_depth:  # before building (and timing)
+        mtp = f" and model.mtp_depth={m.mtp_depth}" if m.mtp_depth else ""
         raise MeshtronError(f"checkpoint {path} holds {len(layers)} layers, its config says "
-                            f"model.num_layers={cfg.model.num_layers}")
+                            f"model.num_layers={m.num_layers}{mtp}")
     with torch.device("meta"):
         expected = {f"model/{name}": tuple(t.shape)
                     for name, t in Transformer(cfg.model).state_dict().items()}

@@ -97,21 +97,23 @@ def validate(cfg: Config) -> None:
         require(t.global_batch % t.micro_batch == 0,
                 f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch="
                 f"{t.micro_batch}")
+    finite = {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.eps": t.eps,
+              "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
+              "model.init_std": m.init_std, "model.dropout": m.dropout,
+              "checkpoint.every_seconds": cfg.checkpoint.every_seconds,
+              "model.mtp_loss_weight": m.mtp_loss_weight}
+    for name, value in finite.items():
+        require(math.isfinite(value), f"{name} must be a finite number, got {value}")
     nonneg = {
         "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every,
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "checkpoint.every": cfg.checkpoint.every, "model.dropout": m.dropout,
         "checkpoint.every_seconds": cfg.checkpoint.every_seconds,
-        "run.straggler_every": cfg.run.straggler_every,
+        "run.straggler_every": cfg.run.straggler_every, "model.mtp_depth": m.mtp_depth,
+        "model.mtp_loss_weight": m.mtp_loss_weight,
     }
     for name, value in nonneg.items():
         require(value >= 0, f"{name} must not be negative, got {value}")
-    finite = {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.eps": t.eps,
-              "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
-              "model.init_std": m.init_std, "model.dropout": m.dropout,
-              "checkpoint.every_seconds": cfg.checkpoint.every_seconds}
-    for name, value in finite.items():
-        require(math.isfinite(value), f"{name} must be a finite number, got {value}")
     require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     require(t.max_skipped >= 1, f"train.max_skipped must be at least 1, got {t.max_skipped}")
     require(math.isfinite(cfg.run.straggler_factor) and cfg.run.straggler_factor > 1,
@@ -122,6 +124,9 @@ def validate(cfg: Config) -> None:
     require(m.init_std >= 0, f"model.init_std must not be negative, got {m.init_std}")
     require(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     require(m.dropout < 1, f"model.dropout must be below 1, got {m.dropout}")
+    require(m.mtp_depth < t.seq_len, f"model.mtp_depth={m.mtp_depth} predicts tokens up to "
+            f"{m.mtp_depth + 1} ahead: train.seq_len={t.seq_len} leaves none of them a target "
+            "inside the window; lower model.mtp_depth")
     require(0 < d.valid_fraction < 1,
             f"data.valid_fraction must lie in (0, 1), got {d.valid_fraction}")
     require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")

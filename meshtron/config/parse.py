@@ -223,6 +223,8 @@ def resolve(cfg: Config) -> None:
         m.norm_eps = 1e-5
     if m.tie_embeddings is None:
         m.tie_embeddings = False
+    if m.mtp_depth is None:
+        m.mtp_depth = 0
     if cfg.data.path is not None:
         paths = [p for p in cfg.data.path if p]
         if not paths:

@@ -2,7 +2,7 @@
 
 ``tiny`` (its mixture-of-experts twin ``tiny-moe``, ``tiny-long`` with 16K positions for
 context parallelism, ``tiny-mla`` with latent attention and ``tiny-deepseek`` with latent
-attention and DeepSeek-V3's routing) trains in seconds on a CPU; ``small``
+attention, DeepSeek-V3's routing and multi-token prediction) trains in seconds on a CPU; ``small``
 is a ~125M model; the rest are the published shapes of large models (dense and MoE), used for
 planning (parameter counts, FLOPs, the tuner) and never built on a CPU. A preset leaves
 ``vocab_size`` unset when the model should take its tokenizer's size.
@@ -29,10 +29,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, ffn_hidden_size=768, max_seq_len=1024, tie_embeddings=False,
     ),
-    "tiny-deepseek": dict(  # latent attention and DeepSeek-V3's routing, scaled down
+    "tiny-deepseek": dict(  # DeepSeek-V3 scaled down: latent attention, its routing, MTP
         arch="llama", num_layers=4, hidden_size=256, num_heads=8, attention="mla",
         q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, ffn_hidden_size=768, max_seq_len=1024, tie_embeddings=False,
+        mtp_depth=1,
         moe=dict(num_experts=8, top_k=2, expert_ffn_size=128, shared_experts=1, dense_layers=1,
                  score="sigmoid", normalize_topk=True, route_scale=2.5, groups=4,
                  topk_groups=2, aux_loss=0.0001, aux_loss_scope="sequence",
@@ -72,12 +73,12 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         tie_embeddings=False,
         moe=dict(num_experts=8, top_k=2, score="softmax", normalize_topk=True, aux_loss=0.02),
     ),
-    # the published shape with multi-head latent attention: 671B parameters, 37B active per
-    # token (multi-token prediction, +14B in the release, is not part of it)
+    # the published shape with multi-head latent attention and one multi-token-prediction
+    # module: 671B parameters, 37B active per token, and the module's 14B
     "deepseek-v3": dict(
         arch="llama", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
         attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, norm_eps=1e-6,
+        qk_rope_head_dim=64, v_head_dim=128, norm_eps=1e-6, mtp_depth=1,
         ffn_hidden_size=18432, vocab_size=129280, max_seq_len=163840, tie_embeddings=False,
         moe=dict(num_experts=256, top_k=8, expert_ffn_size=2048, shared_experts=1,
                  dense_layers=3, score="sigmoid", normalize_topk=True, route_scale=2.5,

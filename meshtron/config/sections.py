@@ -179,6 +179,13 @@ class ModelConfig:
     """Standard deviation of the initial weights (residual outputs scaled by 1/sqrt(2 layers))."""
     dropout: float = 0.0
     """Dropout probability (0, as in modern LLMs, keeps runs layout-independent)."""
+    mtp_depth: int | None = None
+    """Multi-token prediction (DeepSeek-V3): modules after the decoder predicting the tokens
+    2 .. 1 + mtp_depth positions ahead, trained with the model and unused at inference;
+    None: the preset's, else 0 (none)."""
+    mtp_loss_weight: float = 0.1
+    """The weight of the multi-token-prediction loss (the mean over its modules) in the
+    objective."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings (model.moe.*)."""
 

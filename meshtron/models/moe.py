@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.autograd import in_backward
+from meshtron.autograd import attach_loss, in_backward
 from meshtron.config import ModelConfig, MoEConfig
 from meshtron.parallel.experts.dispatch import Dispatch
 from meshtron.parallel.experts.grouped import grouped_matmul
@@ -68,21 +68,6 @@ class RoutingStats:
         self.aux = self.z = 0.0
         self.dropped = self.routed = 0
         self.load.zero_()
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, ``loss`` receives the gradient ``weight``, as if
-    ``weight * loss`` had been added to the objective."""
-
-    @staticmethod
-    def forward(ctx, out, loss, weight):
-        ctx.weight = weight
-        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_full(ctx.loss_shape, ctx.weight, dtype=ctx.loss_dtype), None
 
 
 class Router(nn.Module):
@@ -374,7 +359,7 @@ class MoE(nn.Module):
         loss = moe.aux_loss * aux + moe.z_loss * z
         weight = self.loss_weight()
         if loss.requires_grad and weight:
-            out = _AttachLoss.apply(out, loss, weight)
+            out = attach_loss(out, loss, weight)
         return out
 
 
@@ -388,7 +373,8 @@ def step_routing_stats(layers: dict[int, MoE], cfg: ModelConfig, mesh: ParallelM
     ``layers``: this rank's MoE layers by global index; stages of a pipeline hold different
     layers, so the per-layer rows are summed over pp after the data-parallel sum.
     """
-    table = torch.zeros(cfg.num_layers, 4 + cfg.moe.num_experts, dtype=torch.float64)
+    table = torch.zeros(cfg.num_layers + cfg.mtp_depth, 4 + cfg.moe.num_experts,
+                        dtype=torch.float64)
     for index, layer in layers.items():
         table[index] = layer.stats.as_tensor()
         layer.stats.reset()

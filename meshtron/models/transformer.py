@@ -21,11 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from meshtron.autograd import attach_loss
 from meshtron.config import ModelConfig
 from meshtron.models.arch import architecture_of
 from meshtron.models.blocks import Block, KVCache, make_norm
 from meshtron.models.flops import padded_vocab_size
 from meshtron.models.moe import MoE
+from meshtron.models.mtp import MTPLayer, MTPLosses
 from meshtron.models.rotary import Rotary
 from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
@@ -98,7 +100,10 @@ class Transformer(nn.Module):
         self.has_embedding, self.has_head = stage.embedding, stage.head
         self.recompute = options.recompute
         self.grad_store = WeightGradStore() if options.split_weight_grads else None
-        if self.has_embedding:
+        self.mtp_depth = cfg.mtp_depth if self.has_head else 0
+        self.mtp_losses = MTPLosses(cfg.mtp_depth)
+        self.aux_loss_weight = options.aux_loss_weight
+        if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         self.rotary: Rotary | None = None
         if arch.rotary:
@@ -111,13 +116,18 @@ class Transformer(nn.Module):
             str(i): Block(cfg, i, arch, region, mesh, mode, options.recompute == "selective",
                           options.aux_loss_weight)
             for chunk in self.chunks for i in chunk})
+        for i in range(cfg.num_layers, cfg.num_layers + self.mtp_depth):
+            self.layers[str(i)] = MTPLayer(cfg, i, arch, region, mesh, mode,
+                                           options.recompute == "selective",
+                                           options.aux_loss_weight)
         if self.has_head:
             self.final_norm = make_norm(cfg, arch, region)
-            if not cfg.tie_embeddings or not self.has_embedding:
+            if not cfg.tie_embeddings or not hasattr(self, "embed"):
                 self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, False,
                                                    region)
-        if cfg.tie_embeddings and mesh.pp.size > 1 and (self.has_embedding or self.has_head):
-            tied = self.embed.weight if self.has_embedding else self.output.weight
+        two_ends = mesh.pp.size > 1 and (self.has_embedding or self.has_head)
+        if two_ends and (cfg.tie_embeddings or cfg.mtp_depth):  # the embedding at both ends
+            tied = self.embed.weight if hasattr(self, "embed") else self.output.weight
             tie_across_pipeline(tied, mesh.pipeline_ends,
                                 None if self.has_embedding else "embed.weight")
 
@@ -130,9 +140,13 @@ class Transformer(nn.Module):
         return {int(i): block.mlp for i, block in self.layers.items()
                 if isinstance(block.mlp, MoE)}
 
+    def mtp_layers(self) -> list[MTPLayer]:
+        """The multi-token-prediction modules this rank runs (on the last stage), in order."""
+        return [self.layers[str(self.cfg.num_layers + k)] for k in range(self.mtp_depth)]
+
     @property
     def output_weight(self) -> torch.Tensor:
-        if self.cfg.tie_embeddings and self.has_embedding:
+        if self.cfg.tie_embeddings and hasattr(self, "embed"):
             return self.embed.weight
         return self.output.weight
 
@@ -144,11 +158,14 @@ class Transformer(nn.Module):
                                                p.device)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, chunk: int = 0,
-                sequence: Sequence | None = None) -> torch.Tensor:
+                sequence: Sequence | None = None,
+                ahead: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of token ids ``x``; in a pipeline, chunk ``chunk`` of this stage: token ids
         or hidden states in, hidden states or (from the model's last chunk) logits out.
         ``sequence`` says where the tokens sit when the sequence is split over cp or holds
-        masked documents (None: positions 0.. of a plain causal sequence)."""
+        masked documents (None: positions 0.. of a plain causal sequence). ``ahead``
+        [mtp_depth + 1, b, s], the targets and the tokens after them (-1 past the window's
+        end), runs the multi-token-prediction modules, whose loss rides on the logits."""
         new_tokens = x.shape[1]
         if self.has_embedding and chunk == 0:
             x = self.embed_tokens(x, cache.length if cache is not None else 0, sequence)
@@ -162,8 +179,34 @@ class Transformer(nn.Module):
             return x
         if cache is not None:  # generation: one process, one chunk
             cache.length += new_tokens
-        x = self.region.enter(self.final_norm(x))
-        return linear(x, self.output_weight, None, self.grad_store)
+        logits = linear(self.region.enter(self.final_norm(x)), self.output_weight, None,
+                        self.grad_store)
+        if ahead is not None and self.mtp_depth:
+            logits = self._predict_ahead(x, logits, ahead, sequence)
+        return logits
+
+    def _predict_ahead(self, hidden: torch.Tensor, logits: torch.Tensor, ahead: torch.Tensor,
+                       sequence: Sequence | None) -> torch.Tensor:
+        """Run the multi-token-prediction modules from the decoder's last hidden state and
+        attach their weighted loss to the main logits (see :mod:`meshtron.models.mtp`)."""
+        losses = []
+        for k, layer in enumerate(self.mtp_layers(), start=1):
+            embedded = self.embed(ahead[k - 1].clamp(min=0))  # -1 past the end: masked below
+            if self.recompute == "full" and self.training:
+                hidden = checkpoint(layer.predict, hidden, embedded, self.rotary, sequence,
+                                    use_reentrant=False)
+            else:
+                hidden = layer.predict(hidden, embedded, self.rotary, sequence)
+            keep = ahead[k] >= 0
+            normed = self.region.enter(layer.head_norm(hidden))[keep]
+            out = linear(normed, self.output_weight, None, self.grad_store)
+            losses.append(self.loss_sum(out, ahead[k][keep]))
+        total = torch.stack(losses)
+        self.mtp_losses.add(total)
+        weight = self.aux_loss_weight() * self.cfg.mtp_loss_weight / self.mtp_depth
+        if total.requires_grad and weight:
+            logits = attach_loss(logits, total.sum(), weight)
+        return logits
 
     def embed_tokens(self, tokens: torch.Tensor, start: int,
                      sequence: Sequence | None = None) -> torch.Tensor:

@@ -34,6 +34,11 @@ class StepResult:
     straggler's is longer; what other ranks wait for is not in it, except inside tp/pp)."""
 
 
+def default_split(model: nn.Module, mesh: ParallelMesh) -> SequenceSplit:
+    """The mesh's cp split, no document mask, the model's multi-token-prediction depth."""
+    return SequenceSplit(mesh.cp, mtp_depth=model.cfg.mtp_depth)
+
+
 def micro_batches(batch: torch.Tensor, micro_batch: int,
                   split: SequenceSplit) -> list[MicroBatch]:
     """Windows [rows, S + 1] in micro-batches of ``micro_batch`` rows, as this rank's model
@@ -69,7 +74,7 @@ def train_step(
     """
     started = time.perf_counter()
     optimizer.zero_grad()
-    chunks = micro_batches(local_batch, micro_batch, split or SequenceSplit(mesh.cp))
+    chunks = micro_batches(local_batch, micro_batch, split or default_split(model, mesh))
     scale = precision.loss_scale  # the model's MoE losses read the same weight at forward
     if pipeline is not None:
         loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
@@ -77,7 +82,7 @@ def train_step(
         loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
         for i, mb in enumerate(chunks):
             optimizer.begin_micro_batch(last=i == len(chunks) - 1)
-            logits = model(mb.tokens, sequence=mb.sequence)
+            logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead)
             loss = model.loss_sum(logits, mb.targets)
             if poison and i == 0:
                 loss = loss * float("nan")
@@ -128,7 +133,7 @@ def evaluate(model: nn.Module, local_batches: list[torch.Tensor], micro_batch: i
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=local_batches[0].device)
-    split = split or SequenceSplit(mesh.cp)
+    split = split or default_split(model, mesh)
     for batch in local_batches:
         chunks = micro_batches(batch, micro_batch, split)
         if pipeline is not None:

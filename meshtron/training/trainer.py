@@ -143,7 +143,8 @@ class Trainer:
         self.micro_batch = plan.micro_batch
         self.dp_share = plan.dp_share
         self.split = SequenceSplit(self.mesh.cp, cfg.data.document_mask,
-                                   cfg.data.reset_positions, self.data.tokenizer.eos_id)
+                                   cfg.data.reset_positions, self.data.tokenizer.eos_id,
+                                   cfg.model.mtp_depth)
         self.pipeline = None
         if plan.schedule is not None:
             self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
@@ -352,6 +353,9 @@ class Trainer:
                 if cfg.model.is_moe:
                     row.update(step_routing_stats(self.model.moe_layers(), cfg.model, self.mesh,
                                                   tokens_per_step, update_bias=not out.skipped))
+                if cfg.model.mtp_depth:
+                    row.update(self.model.mtp_losses.step_metrics(self.mesh, tokens_per_step,
+                                                                  self.device))
                 last = self.step == t.steps
                 if t.eval_every and (self.step % t.eval_every == 0 or last):
                     phase(f"the validation at step {self.step}")

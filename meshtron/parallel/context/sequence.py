@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from meshtron.parallel.mesh.groups import Group
 
@@ -102,6 +103,10 @@ class MicroBatch:
     tokens: torch.Tensor
     targets: torch.Tensor
     sequence: Sequence | None = None
+    ahead: torch.Tensor | None = None
+    """Multi-token prediction's inputs and targets, [depth + 1, b, L]: ``ahead[j]`` holds the
+    token 1 + j positions after each local one (``ahead[0]`` the targets), -1 past the end of
+    the window; None without multi-token prediction."""
 
 
 class SequenceSplit:
@@ -109,10 +114,11 @@ class SequenceSplit:
     document mask it only shifts (``sequence`` None: the model's plain causal path)."""
 
     def __init__(self, cp: Group, document_mask: bool = False, reset_positions: bool = False,
-                 eos_id: int | None = None):
+                 eos_id: int | None = None, mtp_depth: int = 0):
         if (document_mask or reset_positions) and eos_id is None:
             raise ValueError("document masks need the tokenizer's EOS id")
         self.cp = cp
+        self.mtp_depth = mtp_depth
         self.document_mask = document_mask
         self.reset_positions = reset_positions
         self.eos_id = eos_id
@@ -123,9 +129,15 @@ class SequenceSplit:
 
     def __call__(self, window: torch.Tensor) -> MicroBatch:
         tokens, targets = window[:, :-1], window[:, 1:]
-        if self.plain:
-            return MicroBatch(tokens, targets)
         rank, cp, seq = self.cp.rank, self.cp.size, tokens.shape[1]
+        ahead = None
+        if self.mtp_depth:
+            padded = F.pad(window, (0, self.mtp_depth), value=-1)
+            ahead = split_sequence(torch.stack([padded[:, 1 + j:1 + j + seq]
+                                                for j in range(self.mtp_depth + 1)]),
+                                   rank, cp, dim=2)
+        if self.plain:
+            return MicroBatch(tokens, targets, ahead=ahead)
         index = split_sequence(torch.arange(seq, device=tokens.device), rank, cp, dim=0)
         documents = None
         positions = index.expand(tokens.shape[0], -1)
@@ -135,4 +147,4 @@ class SequenceSplit:
             if self.reset_positions:
                 positions = positions_in_documents(docs)[:, index]
         return MicroBatch(split_sequence(tokens, rank, cp), split_sequence(targets, rank, cp),
-                          Sequence(positions, index, documents))
+                          Sequence(positions, index, documents), ahead)

@@ -137,7 +137,8 @@ class PipelineExecutor:
                     work.wait()
                     x.requires_grad_(True)
                 started = time.perf_counter()
-                out = model(x, chunk=c, sequence=micro_batches[m].sequence)
+                out = model(x, chunk=c, sequence=micro_batches[m].sequence,
+                            ahead=micro_batches[m].ahead)
                 if vstage == last_virtual:
                     loss = model.loss_sum(out, micro_batches[m].targets)
                     loss_sum += loss.detach().double()
