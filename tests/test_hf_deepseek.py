@@ -5,7 +5,7 @@ with shared experts and the selection bias (``e_score_correction_bias``).
 Models are built locally from a tiny config and every weight is randomised (the selection bias
 too, so routing depends on it). Import: logits within 1e-5 of transformers; export back: tensors
 bit-identical, transformers reloads the same logits; a meshtron model exports the other way.
-Multi-token-prediction tensors are refused by name.
+Multi-token-prediction layers import, export back bit for bit, and a broken one is named.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_meshtron_model_exports_as_deepseek_v3(tmp_path, transformers, preset):
     convert(tmp_path / "ckpt", tmp_path / "hf", "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
-    assert config["num_nextn_predict_layers"] == 0
+    assert config["num_nextn_predict_layers"] == cfg.model.mtp_depth == ("deepseek" in preset)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = tokens(300, 37)
     with torch.no_grad():
@@ -111,17 +111,54 @@ def test_meshtron_model_exports_as_deepseek_v3(tmp_path, transformers, preset):
     assert all(torch.equal(back_state[k], state[k]) for k in state)
 
 
-def test_multi_token_prediction_tensors_are_refused_by_name(tmp_path, transformers):
-    """The release keeps its MTP module as ``model.layers.{num_hidden_layers}``; transformers'
-    model has no such module and ignores it; meshtron names it rather than dropping it."""
-    hf_model(transformers).save_pretrained(tmp_path / "src")
-    weights = load_file(tmp_path / "src" / "model.safetensors")
-    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file(weights, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(MeshtronError) as err:
-        convert(tmp_path / "src", tmp_path / "ckpt")
-    assert "multi-token-prediction layer model.layers.3" in str(err.value)
-    assert "\n" not in str(err.value)
+def test_multi_token_prediction_layers_import_and_round_trip(tmp_path, transformers):
+    """The release keeps its MTP module as ``model.layers.{num_hidden_layers}`` (a decoder layer
+    with its norms, merge projection and copies of the embedding and head); transformers'
+    model has none and ignores it. meshtron imports it as its module, exports it back bit for
+    bit, and names a partial or inconsistent one."""
+    hf = hf_model(transformers)
+    hf.save_pretrained(tmp_path / "plain")
+    converted = convert(tmp_path / "plain", tmp_path / "plain-ckpt")
+    assert any("holds none (as transformers saves them)" in note for note in converted.notes)
+    assert read_model_tensors(converted.output)[0].model.mtp_depth == 0
+
+    weights = load_file(tmp_path / "plain" / "model.safetensors")
+    gen = torch.Generator().manual_seed(4)
+    mtp = {name.replace("layers.2.", "layers.3."): value.clone()
+           for name, value in weights.items() if name.startswith("model.layers.2.")}
+    mtp.update({f"model.layers.3.{name}": torch.rand(64, generator=gen) + 0.5
+                for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(64, 128, generator=gen) * 0.05
+    mtp["model.layers.3.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    mtp["model.layers.3.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+    save_file({**weights, **mtp}, tmp_path / "src" / "model.safetensors",
+              metadata={"format": "pt"})
+    checkpoint = convert(tmp_path / "src", tmp_path / "ckpt").output
+    cfg, state = read_model_tensors(checkpoint)
+    assert cfg.model.mtp_depth == 1
+    assert torch.equal(state["layers.3.merge.weight"], mtp["model.layers.3.eh_proj.weight"])
+    assert torch.equal(state["layers.3.attn.kv_b.weight"],
+                       mtp["model.layers.3.self_attn.kv_b_proj.weight"])
+    x = tokens(256)
+    with torch.no_grad():
+        theirs = hf(x).logits
+        assert float((meshtron_model(checkpoint)(x) - theirs).abs().max()) <= TOLERANCE
+    assert_round_trip(transformers, tmp_path, hf, x, theirs)
+
+    broken = {"partial": ({**weights, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
+                          "lacks tensor 'model.layers.3."),
+              "copy": ({**weights, **mtp, "model.layers.3.embed_tokens.weight":
+                        torch.zeros(256, 64)}, "differs from the model's embedding"),
+              "beyond": ({**weights, **mtp, "model.layers.4.eh_proj.weight":
+                          torch.zeros(64, 128)}, "holds layer model.layers.4, beyond the 3 "
+                                                 "decoder and 1 multi-token-prediction layers")}
+    for case, (tensors, fragment) in broken.items():
+        save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(MeshtronError) as err:
+            convert(tmp_path / "src", tmp_path / f"ckpt-{case}")
+        assert fragment in str(err.value) and "\n" not in str(err.value), case
 
 
 def test_deepseek_refusals_are_one_line_each():

@@ -162,3 +162,11 @@ def test_multi_token_prediction_keeps_parity_under_pp_tp_sp_and_cp(data_cache, t
     for key in ("mtp/loss", "mtp/loss_1", "mtp/loss_2"):
         assert abs(got[key] - expected[key]) <= 1e-4 * expected[key], key
     assert got["mtp/loss"] == (got["mtp/loss_1"] + got["mtp/loss_2"]) / 2
+
+
+def test_an_export_to_a_family_without_prediction_layers_is_refused_by_name():
+    from meshtron.checkpoint.hf_mapping import hf_format
+
+    with pytest.raises(MeshtronError, match=r"^model.mtp_depth=1: this model exports as Llama, "
+                       r"which has no multi-token-prediction layers \(DeepSeek-V3 has"):
+        hf_format(mtp_model(1).cfg)

@@ -141,6 +141,12 @@ def import_hf(src: Path, dst: Path) -> Conversion:
     if not isinstance(hf, dict):
         raise MeshtronError(f"{config_path} does not hold a JSON object")
     model_cfg = hf_model_config(hf, str(config_path))
+    notes = []
+    if model_cfg.mtp_depth and not _holds_layer(src, model_cfg.num_layers):
+        notes.append(f"config.json counts {model_cfg.mtp_depth} multi-token-prediction layers but "
+                     f"{src} holds none (as transformers saves them): imported without them "
+                     "(model.mtp_depth=0)")
+        model_cfg.mtp_depth = 0
     cfg = Config(model=model_cfg)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     try:
@@ -149,7 +155,8 @@ def import_hf(src: Path, dst: Path) -> Conversion:
     except MeshtronError as err:
         raise MeshtronError(f"{config_path}: {err}") from None
     tensors = from_hf(read_hf_tensors(src, cfg.model), cfg.model)
-    tokenizer, notes = _hf_tokenizer(src, padded_vocab_size(cfg.model))
+    tokenizer, tokenizer_notes = _hf_tokenizer(src, padded_vocab_size(cfg.model))
+    notes += tokenizer_notes
     jitter = hf.get("router_jitter_noise")
     if model_cfg.is_moe and jitter:
         notes.append(f"router_jitter_noise={jitter} was dropped: meshtron's router has no "
@@ -181,6 +188,19 @@ def _hf_tokenizer(src: Path, vocab: int) -> tuple[Path | None, list[str]]:
         return None, [f"tokenizer.json not copied: its {tokenizer.vocab_size} tokens exceed the "
                       f"model's vocabulary of {vocab}"]
     return path, []
+
+
+def _holds_layer(folder: Path, layer: int) -> bool:
+    """Whether the folder's safetensors hold any tensor of layer ``layer`` (headers only)."""
+    marker = f"layers.{layer}."
+    try:
+        for file in _weight_files(folder):
+            with safe_open(str(file), framework="pt") as f:
+                if any(marker in key for key in f.keys()):  # noqa: SIM118 (not a mapping)
+                    return True
+    except (SafetensorError, OSError) as err:
+        raise MeshtronError(f"cannot read the safetensors weights in {folder}: {err}") from None
+    return False
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -32,6 +32,10 @@ def hf_format(cfg: ModelConfig) -> HFFormat:
         raise MeshtronError(f"architecture '{arch.name}' has no Hugging Face format")
     if (reason := fmt.refusals(cfg)) is not None:
         raise MeshtronError(reason)
+    if cfg.mtp_depth and not fmt.mtp_rules:
+        raise MeshtronError(f"model.mtp_depth={cfg.mtp_depth}: this model exports as "
+                            f"{fmt.model_types[0].display}, which has no multi-token-prediction "
+                            "layers (DeepSeek-V3 has; set model.mtp_depth=0 to export without)")
     return fmt
 
 
@@ -58,8 +62,9 @@ def tensor_rules(cfg: ModelConfig) -> list[TensorRule]:
                 for j in copies]
 
     rules = []
-    for i in range(cfg.num_layers):
-        for rule in fmt.layer_rules:
+    for i in range(cfg.num_layers + cfg.mtp_depth):  # multi-token prediction's layers last
+        extra = fmt.mtp_rules if i >= cfg.num_layers else ()
+        for rule in fmt.layer_rules + extra:
             rules += expand(rule, f"layers.{i}.", fmt.layer_prefix.format(i=i))
     for rule in fmt.global_rules:
         rules += expand(rule, "", "")
@@ -86,7 +91,23 @@ def to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
         for name, piece in zip(rule.theirs, full.chunk(len(rule.theirs))):
             out[name] = piece.t() if rule.transpose else piece
     out[fmt.head] = state["embed.weight" if cfg.tie_embeddings else "output.weight"]
+    for name, shared in mtp_copies(cfg).items():
+        out[name] = (out[fmt.head] if shared == fmt.head else state[shared]).clone()
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """HF name -> what it copies (``embed.weight``, or the HF head's name) of the embedding
+    and head copies the family keeps in each multi-token-prediction layer."""
+    fmt = hf_format(cfg)
+    if not cfg.mtp_depth or fmt.mtp_copies is None:
+        return {}
+    embedding, head = fmt.mtp_copies
+    out = {}
+    for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth):
+        prefix = fmt.layer_prefix.format(i=i)
+        out[prefix + embedding], out[prefix + head] = "embed.weight", fmt.head
+    return out
 
 
 def from_hf(hf: Tensors, cfg: ModelConfig) -> Tensors:
@@ -105,4 +126,11 @@ def from_hf(hf: Tensors, cfg: ModelConfig) -> Tensors:
         out.update(zip(rule.ours, full.split(rows)))
     if not cfg.tie_embeddings:
         out["output.weight"] = hf[fmt.head]
+    head = out["embed.weight"] if cfg.tie_embeddings else out["output.weight"]
+    for name, shared in mtp_copies(cfg).items():
+        original = head if shared == fmt.head else out[shared]
+        if not torch.equal(hf[name], original):
+            raise MeshtronError(f"tensor '{name}' differs from the model's "
+                                f"{'LM head' if shared == fmt.head else 'embedding'}: meshtron's "
+                                "multi-token prediction shares them, so it cannot be imported")
     return {k: v.contiguous() for k, v in out.items()}

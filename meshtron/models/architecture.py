@@ -113,6 +113,12 @@ class HFFormat:
     accepts: Callable[[ModelConfig], bool] = lambda cfg: True
     """Whether a model of ``cfg`` exports as this family: an architecture's variants are
     tried in order before its main format (a llama with q/k norms is Qwen3)."""
+    mtp_rules: tuple[TensorRule, ...] = ()
+    """A multi-token-prediction layer's tensors beyond a block's (its layer prefix holds the
+    layer index after the decoder's); empty: the family has no such layers."""
+    mtp_copies: tuple[str, str] | None = None
+    """The HF names, under an MTP layer's prefix, of its copies of the embedding and of the
+    LM head (written on export, checked equal to the shared ones on import)."""
     unexpected: Callable[[ModelConfig, str], str | None] = lambda cfg, name: None
     """Why an HF tensor that a model of ``cfg`` lacks is refused, when the family knows
     better than "not in the model" (DeepSeek's multi-token-prediction layers); None: it

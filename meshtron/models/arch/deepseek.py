@@ -5,9 +5,12 @@ selection bias (``e_score_correction_bias``); Hugging Face ``DeepseekV3ForCausal
 
 A llama model with ``model.attention=mla`` is this entry, with or without experts (a dense one
 exports with every layer below ``first_k_dense_replace``). Multi-token-prediction layers
-(``num_nextn_predict_layers``) are not built: ``transformers`` ignores their weights too (its
-model has no such module), so a config saying so imports, while a folder holding their tensors
-is refused by name rather than dropping them silently.
+(``num_nextn_predict_layers``) follow the decoder's as ``model.layers.{num_hidden_layers + k}``,
+a decoder layer with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the
+embedding and head (``embed_tokens``, ``shared_head.head``); they import as meshtron's
+``model.mtp_depth`` modules and export the same way. ``transformers`` has no such module: it
+ignores those tensors, and a folder it saved has none, so a config that counts MTP layers
+without them imports with ``mtp_depth`` 0 (said in a note).
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ EXPERT_RULES = (
                                                 "mlp.shared_experts.up_proj.weight")),
     TensorRule(("mlp.shared.down.weight",), ("mlp.shared_experts.down_proj.weight",)),
 )
+MTP_RULES = (
+    TensorRule(("embed_norm.weight",), ("enorm.weight",)),
+    TensorRule(("hidden_norm.weight",), ("hnorm.weight",)),
+    TensorRule(("merge.weight",), ("eh_proj.weight",)),
+    TensorRule(("head_norm.weight",), ("shared_head.norm.weight",)),
+)
+"""A multi-token-prediction layer's own tensors beyond its decoder layer's."""
 DEEPSEEK_DEFAULTS = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
     num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
@@ -90,8 +100,12 @@ def read_deepseek_config(hf: HFConfig, values: dict[str, Any]) -> None:
         hf.require(isinstance(mscale_all, (int, float)) and mscale_all > 0,
                    f"rope parameter 'mscale_all_dim' must be a positive number, got {mscale_all!r}")
         rope = dataclasses.replace(rope, mscale_all_dim=float(mscale_all))
+    mtp = hf.get("num_nextn_predict_layers")
+    hf.require(isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0,
+               f"'num_nextn_predict_layers' must be a non-negative integer, got {mtp!r}")
     values.update(arch="llama", attention="mla", num_kv_heads=heads, q_lora_rank=q_rank or 0,
-                  rope_theta=theta, rope=rope, tie_embeddings=bool(values["tie_embeddings"]))
+                  rope_theta=theta, rope=rope, tie_embeddings=bool(values["tie_embeddings"]),
+                  mtp_depth=mtp)
     dense = hf.get("first_k_dense_replace")
     hf.require(isinstance(dense, int) and dense >= 0,
                f"'first_k_dense_replace' must be a non-negative integer, got {dense!r}")
@@ -125,14 +139,15 @@ def _read_experts(hf: HFConfig, dense: int) -> MoEConfig:
 
 
 def deepseek_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json fields beyond the table: queries, rotary layout and scaling, experts; no
-    multi-token-prediction layers."""
+    """config.json fields beyond the table: queries, rotary layout and scaling,
+    multi-token-prediction layers, experts."""
     rope = rope_fields(cfg)
     if cfg.rope.mscale_all_dim and rope:
         rope["rope_parameters"]["mscale_all_dim"] = cfg.rope.mscale_all_dim
     out: dict[str, Any] = dict(
         hidden_act="silu", num_key_value_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank or None,
-        rope_interleave=True, attention_bias=False, num_nextn_predict_layers=0, **rope)
+        rope_interleave=True, attention_bias=False, num_nextn_predict_layers=cfg.mtp_depth,
+        **rope)
     moe = cfg.moe
     if not cfg.is_moe:
         return dict(out, first_k_dense_replace=cfg.num_layers)
@@ -163,13 +178,13 @@ def refusals(cfg: ModelConfig) -> str | None:
 
 
 def unexpected(cfg: ModelConfig, name: str) -> str | None:
-    """Multi-token-prediction layers follow the decoder's layers (``model.layers.61`` of
-    DeepSeek-V3): named, not dropped."""
+    """A layer beyond the decoder's and the multi-token-prediction layers config.json counts
+    (``model.layers.61`` of DeepSeek-V3 is its MTP layer): named, not dropped."""
     found = re.match(r"model\.layers\.(\d+)\.", name)
-    if found and int(found.group(1)) >= cfg.num_layers:
-        return (f"holds multi-token-prediction layer model.layers.{found.group(1)} "
-                "(num_nextn_predict_layers), which meshtron does not import (transformers' "
-                "DeepseekV3ForCausalLM ignores it too)")
+    if found and int(found.group(1)) >= cfg.num_layers + cfg.mtp_depth:
+        return (f"holds layer model.layers.{found.group(1)}, beyond the {cfg.num_layers} "
+                f"decoder and {cfg.mtp_depth} multi-token-prediction layers its config.json "
+                "counts (num_hidden_layers, num_nextn_predict_layers)")
     return None
 
 
@@ -179,11 +194,12 @@ DEEPSEEK_FORMAT = HFFormat(
     fields=FIELDS, to_config=deepseek_config, from_config=read_deepseek_config,
     layer_prefix="model.layers.{i}.", layer_rules=ATTENTION_RULES + MLP_RULES + EXPERT_RULES,
     global_rules=GLOBAL_RULES, head="lm_head.weight", base_prefix="model.",
-    refusals=refusals, unexpected=unexpected,
+    refusals=refusals, unexpected=unexpected, mtp_rules=MTP_RULES,
+    mtp_copies=("embed_tokens.weight", "shared_head.head.weight"),
     saved=lambda cfg: ({"moe": {key: getattr(cfg.moe, key) for key in TRAINING_FIELDS}}
                        if cfg.is_moe else {}),
 )
 DEEPSEEK = dataclasses.replace(
     LLAMA, name="deepseek", attention=LatentAttention, latent=None, experts=None,
-    hf=DEEPSEEK_FORMAT, hf_variants=(), notes=("DeepSeek-V2/V3 (without MTP)",),
+    hf=DEEPSEEK_FORMAT, hf_variants=(), notes=("DeepSeek-V2/V3 (with MTP)",),
 )
