@@ -163,7 +163,10 @@ class Trainer:
                     if self.pipeline is not None and cfg.train.micro_batch is None else ""))
         self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
                  f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
-                 f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}")
+                 f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}"
+                 + (f"; {cfg.model.mtp_depth} multi-token-prediction modules "
+                    f"({size.mtp_params / 1e6:.2f}M, weight {cfg.model.mtp_loss_weight})"
+                    if cfg.model.mtp_depth else ""))
         if cfg.model.is_moe:
             moe = cfg.model.moe
             layers = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
