@@ -148,6 +148,30 @@ def test_latent_cache_decode_equals_full_recompute_and_its_size():
     assert per_token == 2 * (16 + 8) * 4  # against 2 layers x 4 heads x (k 24 + v 12) x 4 bytes
 
 
+@torch.no_grad()
+def test_weight_absorbed_decode_equals_the_expanded_one():
+    """A decode step folds kv_b into the query and output (never expanding the cache): the
+    same attention as expanding every cached latent, to fp64 rounding."""
+    model = mla_model(*YARN).double()
+    x = tokens(20, batch=2)
+    logits = {}
+    for absorb in (True, False):
+        for block in model.blocks():
+            block.attn.absorb = absorb
+        cache = model.new_cache(2, 20)
+        model(x[:, :12], cache)
+        logits[absorb] = torch.cat([model(x[:, i:i + 1], cache) for i in range(12, 20)], dim=1)
+    assert (logits[True] - logits[False]).abs().max() <= 1e-12
+    calls = []
+    attn = model.blocks()[0].attn
+    attn.absorb = True
+    attn.absorbed_core = lambda *args: calls.append(1) or type(attn).absorbed_core(attn, *args)
+    cache = model.new_cache(2, 20)
+    model(x[:, :12], cache)
+    model(x[:, 12:13], cache)
+    assert calls == [1]  # the prefill expands, the one-token step absorbs
+
+
 @pytest.mark.parametrize("extra", [(), ("--model.q_lora_rank=0",),
                                    ("--model.moe.num_experts=4", "--model.moe.score=sigmoid",
                                     "--model.moe.shared_experts=1", "--model.moe.dense_layers=1",

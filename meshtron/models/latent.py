@@ -18,7 +18,8 @@ parallelism gathers the block input as for grouped-query attention.
 
 The KV cache keeps what the keys and values are made from: the normalised latent and the
 rotated key, (kv_lora_rank + qk_rope_head_dim) values per token and layer, and expands them
-with ``kv_b`` at each step (the weight-absorbed decode that skips the expansion is not built).
+with ``kv_b`` for a prefill; a decode step (one new token) folds ``kv_b`` into the query and
+the output instead (the weight-absorbed decode), never expanding the cache.
 
 Under context parallelism with ``parallel.cp_comm=ring`` the same two travel the ring instead
 of per-head keys and values: every rank expands each block it meets with its ``kv_b`` weight
@@ -116,6 +117,8 @@ class LatentAttention(AttentionCore):
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
         self.cp, self.cp_comm = mesh.cp, mesh.layout.cp_comm
+        self.absorb = True
+        """Decode steps take the weight-absorbed path (:meth:`absorbed_core`)."""
         # the latent travels the ring when kv_b is a plain product the ring can redo itself
         self.latent_ring = (self.cp.size > 1 and self.cp_comm == "ring"
                             and self.kv_b.fp8 is None and self.kv_b.grad_store is None)
@@ -178,6 +181,23 @@ class LatentAttention(AttentionCore):
             return checkpoint(ring_attention_of, *args, use_reentrant=False)
         return ring_attention_of(*args)
 
+    def absorbed_core(self, q: torch.Tensor, latent: torch.Tensor,
+                      k_rope: torch.Tensor) -> torch.Tensor:
+        """One decode step without expanding the cache: ``kv_b``'s key half is folded into
+        the query and its value half applied after the weighted sum of latents, so a step
+        costs O(L · heads · kv_rank) rather than expanding all L cached latents to every
+        head's keys and values. ``q`` [b, heads, 1, nope + rope] (already scaled), ``latent``
+        [b, L, kv_rank], ``k_rope`` [b, L, rope] -> [b, heads, 1, v]."""
+        weight = self.kv_b.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        key_up, value_up = weight.split([self.nope, self.v_dim], dim=1)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        scores = (torch.einsum("bhsn,hnr,blr->bhsl", q_nope, key_up, latent)
+                  + torch.einsum("bhsp,blp->bhsl", q_rope, k_rope))
+        scores = scores / math.sqrt(self.nope + self.rope_dim)  # as SDPA scales the expansion
+        wide = torch.promote_types(scores.dtype, torch.float32)  # fp32 at least, as SDPA
+        probs = torch.softmax(scores.to(wide), dim=-1).to(q.dtype)
+        return torch.einsum("bhsl,blr,hvr->bhsv", probs, latent, value_up)
+
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
         assert rotary is not None, "latent attention needs rotary positions"
@@ -200,6 +220,8 @@ class LatentAttention(AttentionCore):
             q = q * self.query_scale
         if self.latent_ring and cache is None and sequence is not None:
             y = self.ring_core(q, torch.cat([latent, k_rope], dim=-1), sequence)
+        elif cache is not None and s == 1 and self.absorb and self.kv_b.fp8 is None:
+            y = self.absorbed_core(q, latent, k_rope)
         else:
             k, v = self.keys_values(latent, k_rope)
             y = self.run_core(q, k, v, start, sequence)
