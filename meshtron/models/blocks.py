@@ -59,6 +59,9 @@ class KVCache:
         self.values = [torch.empty(value_shape, dtype=dtype, device=device)
                        for _ in range(num_layers)]
         self.length = 0
+        self.keep: torch.Tensor | None = None
+        """[batch, max_len] booleans, False at left padding (batched prompts of different
+        lengths): no real token attends to those keys. None: no padding."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -92,6 +95,19 @@ def window_mask(q_index: torch.Tensor, k_index: torch.Tensor, window: int,
     return attention_mask(q_index, k_index, q_docs, k_docs) & near
 
 
+def padding_mask(mask: torch.Tensor | None, start: int, s: int,
+                 keep: torch.Tensor) -> torch.Tensor:
+    """``mask`` (None: causal) for queries start..start+s-1, with the keys ``keep`` [b, L]
+    marks False (left padding) hidden from every real query; a padding query still sees the
+    padding before it, so no row is empty (an empty row would be NaN)."""
+    total = start + s
+    if mask is None:
+        keys = torch.arange(total, device=keep.device)
+        mask = attention_mask(keys[start:], keys, None, None)
+    visible = keep[:, None, None, :total] | ~keep[:, None, start:total, None]
+    return mask & visible
+
+
 class AttentionCore(nn.Module):
     """What every attention module shares: the core over the whole sequence (spread over cp,
     recomputed under selective recompute) and the masks of cached decoding and windows. A
@@ -110,10 +126,12 @@ class AttentionCore(nn.Module):
                       dropout=self.dropout if self.training else 0.0)
 
     def run_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               sequence: Sequence | None) -> torch.Tensor:
+               sequence: Sequence | None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The core for queries start.. over keys 0.., checkpointed under selective
-        recompute."""
+        recompute; ``keep`` (a cache's, see :class:`KVCache`) masks left padding."""
         mask, sequence = self.mask(start, q.shape[-2], q.device, sequence)
+        if keep is not None:
+            mask = padding_mask(mask, start, q.shape[-2], keep)
         if self.selective_recompute and self.training:
             return checkpoint(self.core, q, k, v, mask, sequence, use_reentrant=False)
         return self.core(q, k, v, mask, sequence)
@@ -127,8 +145,9 @@ class AttentionCore(nn.Module):
         queries = keys[start:]
         if self.window is not None and start + s > self.window:
             docs = sequence.documents if sequence is not None else None
-            if sequence is not None:
-                queries = keys = sequence.global_index
+            if sequence is not None:  # after a cached prefix the keys are all before
+                queries = sequence.global_index
+                keys = queries if start == 0 else keys
             return window_mask(queries, keys, self.window, docs, docs), None
         if start > 0 and s > 1:  # a chunk after a cached prefix: causal within the chunk
             return attention_mask(queries, keys, None, None)[0, 0], sequence
@@ -213,9 +232,11 @@ class Attention(AttentionCore):
         if rotary is not None:
             positions = sequence.positions if sequence is not None else None
             q, k = rotary(q, start, positions), rotary(k, start, positions)
+        keep = None
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
-        y = self.run_core(q, k, v, start, sequence)
+            keep = cache.keep
+        y = self.run_core(q, k, v, start, sequence, keep)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
 

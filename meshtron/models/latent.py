@@ -181,19 +181,22 @@ class LatentAttention(AttentionCore):
             return checkpoint(ring_attention_of, *args, use_reentrant=False)
         return ring_attention_of(*args)
 
-    def absorbed_core(self, q: torch.Tensor, latent: torch.Tensor,
-                      k_rope: torch.Tensor) -> torch.Tensor:
+    def absorbed_core(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                      keep: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step without expanding the cache: ``kv_b``'s key half is folded into
         the query and its value half applied after the weighted sum of latents, so a step
         costs O(L · heads · kv_rank) rather than expanding all L cached latents to every
         head's keys and values. ``q`` [b, heads, 1, nope + rope] (already scaled), ``latent``
-        [b, L, kv_rank], ``k_rope`` [b, L, rope] -> [b, heads, 1, v]."""
+        [b, L, kv_rank], ``k_rope`` [b, L, rope] -> [b, heads, 1, v]; ``keep`` [b, >= L] hides
+        left padding."""
         weight = self.kv_b.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
         key_up, value_up = weight.split([self.nope, self.v_dim], dim=1)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         scores = (torch.einsum("bhsn,hnr,blr->bhsl", q_nope, key_up, latent)
                   + torch.einsum("bhsp,blp->bhsl", q_rope, k_rope))
         scores = scores / math.sqrt(self.nope + self.rope_dim)  # as SDPA scales the expansion
+        if keep is not None:  # left padding (see KVCache.keep): the query is a real token
+            scores = scores.masked_fill(~keep[:, None, None, : scores.shape[-1]], float("-inf"))
         wide = torch.promote_types(scores.dtype, torch.float32)  # fp32 at least, as SDPA
         probs = torch.softmax(scores.to(wide), dim=-1).to(q.dtype)
         return torch.einsum("bhsl,blr,hvr->bhsv", probs, latent, value_up)
@@ -221,10 +224,10 @@ class LatentAttention(AttentionCore):
         if self.latent_ring and cache is None and sequence is not None:
             y = self.ring_core(q, torch.cat([latent, k_rope], dim=-1), sequence)
         elif cache is not None and s == 1 and self.absorb and self.kv_b.fp8 is None:
-            y = self.absorbed_core(q, latent, k_rope)
+            y = self.absorbed_core(q, latent, k_rope, cache.keep)
         else:
             k, v = self.keys_values(latent, k_rope)
-            y = self.run_core(q, k, v, start, sequence)
+            y = self.run_core(q, k, v, start, sequence, cache.keep if cache is not None else None)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.v_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
