@@ -186,28 +186,11 @@ def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
-    if extra:
-        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    overrides = _split_overrides(extra)
     _check_sampling(args)
-    from meshtron.checkpoint.loading import load_for_inference, resolve_checkpoint
-    from meshtron.models.generation import generate
+    from meshtron.inference.generate_command import run_generate
 
-    checkpoint = resolve_checkpoint(Path(args.checkpoint))
-    model, tokenizer = load_for_inference(checkpoint)
-    print(f"checkpoint: {checkpoint}", file=sys.stderr)  # once loaded: an error is one line
-    prompt = tokenizer.encode(args.prompt)
-    room = model.cfg.max_seq_len - min(len(prompt) or 1, model.cfg.max_seq_len - 1)
-    if args.max_new_tokens > room:
-        print(f"note: the model has {model.cfg.max_seq_len} positions and the prompt takes "
-              f"{model.cfg.max_seq_len - room}, so at most {room} new tokens are generated "
-              f"(--max-new-tokens {args.max_new_tokens})", file=sys.stderr)
-    ids = generate(
-        model, prompt, args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        eos_id=tokenizer.eos_id, seed=args.seed,
-    )
-    print(args.prompt + tokenizer.decode(ids))
-    return 0
+    return run_generate(args, overrides)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -304,6 +287,15 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+GENERATE_EPILOG = """\
+config fields (as --section.field=value; the model comes from the checkpoint):
+  --parallel.tp (default 1): tensor-parallel ranks (heads, kv heads, FFN, vocabulary)
+  --parallel.pp (default 1): pipeline stages, each keeping the KV cache of its layers
+  --parallel.pp_layers (default None): layers per stage, as in training
+  --precision.dtype (default: as the checkpoint was saved): fp32, bf16, fp16 or fp64
+tokens/s and the time to the first token are printed on stderr."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, its errors in meshtron's one-line form (``meshtron: error: ...``)."""
 
@@ -344,11 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default="~/.cache/meshtron", help="where tokenizers are cached")
     p.set_defaults(func=cmd_preprocess)
 
-    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p = sub.add_parser(
+        "generate", help="sample text from a checkpoint (batched, on tp x pp ranks)",
+        description="Continue prompts with a checkpoint's model, all prompts in one batch. "
+        "The checkpoint may have been saved under any layout: each rank reads only its part.",
+        epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
                    help="a run directory, a checkpoint directory, or one step_* inside it")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--prompt", action="append",
+                   help="text to continue; repeat for several prompts (default: one empty one)")
+    p.add_argument("--prompt-file", help="more prompts, one per line")
+    p.add_argument("--stop", action="append",
+                   help="end a sequence at this text (repeatable; the text is cut before it)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (prompt, text, tokens, finish_reason)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local processes, tp x pp of them (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="per prompt (default 100)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 disables top-k filtering")
     p.add_argument("--top-p", type=float, default=0.95, help="1 disables nucleus filtering")

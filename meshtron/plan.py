@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshtron.config import Config, ModelConfig
+from meshtron.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
 from meshtron.config.checks import require
 from meshtron.errors import MeshtronError
 from meshtron.models.arch import architecture_of
@@ -114,6 +114,23 @@ def check_run(cfg: Config, world_size: int) -> None:
     the model's vocabulary covering the tokenizer's): before any process starts. No check
     depends on the vocabulary's size, only on ``model.vocab_multiple``."""
     plan_run(cfg, world_size, tokenizer_vocab=cfg.model.vocab_size or cfg.model.vocab_multiple)
+
+
+def plan_generation(cfg: Config, world_size: int) -> RunPlan:
+    """The plan of generating from ``cfg``'s model on ``world_size`` ranks: one model replica
+    (dp = cp = 1, no sequence parallelism, experts split over tp like the MLP), its layers over
+    ``parallel.pp`` stages as training splits them. Of ``parallel`` only tp, pp and pp_layers
+    are read, of ``precision`` only the dtype; the train section only prices the layer split."""
+    p = cfg.parallel
+    parallel = ParallelConfig(tp=p.tp, pp=p.pp, pp_layers=p.pp_layers, schedule="gpipe")
+    train = dataclasses.replace(cfg.train, global_batch=p.pp, micro_batch=1, recompute="none")
+    plan = plan_run(dataclasses.replace(cfg, parallel=parallel, train=train,
+                                        precision=PrecisionConfig(dtype=cfg.precision.dtype)),
+                    p.tp * p.pp)  # the model splits so (the layout's own message otherwise)
+    require(world_size == p.tp * p.pp, f"generation runs one model replica on parallel.tp x "
+            f"parallel.pp = {p.tp} x {p.pp} = {p.tp * p.pp} ranks, not {world_size} (set "
+            "--nproc to tp x pp)")
+    return plan
 
 
 def check_model(cfg: Config) -> None:

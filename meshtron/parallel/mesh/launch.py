@@ -101,18 +101,19 @@ class RankFailed(MeshtronError):
 
 
 def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
-                 min_nproc: int | None = None, fits: Callable[[int], bool] | None = None) -> int:
+                 min_nproc: int | None = None, fits: Callable[[int], bool] | None = None,
+                 command: str = "train") -> int:
     """Run ``meshtron train`` on ``nproc`` local ranks, starting the whole group again after a
     failure up to ``max_restarts`` times (each start resumes from the newest checkpoint and
     meets under a store prefix of its own). With ``min_nproc``, each restart continues on the
     largest world size below the failed one, down to ``min_nproc``, that ``fits`` (the plan
     accepts it); the checkpoint reshards on resume and the global batch is kept by more
-    accumulation."""
+    accumulation. ``command`` names another subcommand for the ranks (``generate``)."""
     world = nproc
     for attempt in range(max_restarts + 1):
         os.environ[ATTEMPT_ENV] = str(attempt)
         try:
-            return _launch(world, train_args)
+            return _launch(world, train_args, command)
         except RankFailed as failure:
             if attempt == max_restarts:
                 raise RankFailed(failure.rank, failure.how, max_restarts) from None
@@ -133,7 +134,7 @@ def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
     raise AssertionError("the loop returns or raises")
 
 
-def _launch(nproc: int, train_args: Sequence[str]) -> int:
+def _launch(nproc: int, train_args: Sequence[str], command: str = "train") -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -143,7 +144,7 @@ def _launch(nproc: int, train_args: Sequence[str]) -> int:
         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}",
         f"--nproc-per-node={nproc}", "--max-restarts=0",
         f"--signals-to-handle={AGENT_SIGNALS}",
-        "--module", "meshtron", "train", *train_args,
+        "--module", "meshtron", command, *train_args,
     ])
     config, entrypoint, entry_args = torchrun.config_from_args(args)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process

@@ -1,0 +1,1 @@
+"""Running trained checkpoints: ``meshtron generate`` on one process or a tp x pp replica."""
