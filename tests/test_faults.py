@@ -20,6 +20,7 @@ from torch.distributed import HashStore
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.parallel.mesh.process import round_key
 from meshtron.training.faults import Fault, FaultPlan, parse_faults
 from meshtron.training.trainer import train
 from meshtron.training.watchdog import Watchdog
@@ -73,6 +74,18 @@ def test_max_restarts_needs_checkpoints_to_restart_from(data_cache, tmp_path, ca
     assert "--max-restarts needs checkpoints to restart from" in one_error_line(capsys)
     assert main(["train", "--max-restarts", "-1", *args]) == 2
     assert "--max-restarts must not be negative" in one_error_line(capsys)
+
+
+def test_each_rendezvous_round_meets_under_keys_of_its_own():
+    """In the agent's store a failure bumps the restart count and a node that joins grows the
+    world at the same count; in a store of their own the nodes' counts may differ."""
+    def key(count: str, world: int, agent_store: bool = True) -> str:
+        return round_key(world, {"TORCHELASTIC_RESTART_COUNT": count,
+                                 "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)})
+
+    assert len({key("0", 2), key("0", 4), key("1", 2), key("1", 4)}) == 4
+    assert key("1", 4, agent_store=False) == key("0", 4, agent_store=False) == "world_4"
+    assert round_key(2, {}) == "world_2"  # SLURM or a plain MASTER_ADDR: one store per job
 
 
 @pytest.mark.slow
@@ -212,7 +225,7 @@ def test_shrinking_stops_with_one_line_when_no_smaller_world_holds_the_layout(mo
 
     worlds: list[int] = []
 
-    def failing_launch(nproc: int, train_args) -> int:
+    def failing_launch(nproc: int, train_args, command: str = "train") -> int:
         worlds.append(nproc)
         if nproc == 2:
             return 0

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from meshtron.parallel.mesh.launch import STALL_EXIT_CODE
-from meshtron.parallel.mesh.process import restart_count
+from meshtron.parallel.mesh.process import round_key
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -111,4 +111,4 @@ def job_watchdog(rank: int, world_size: int, timeout_s: float) -> Watchdog | Non
                           is_master=False, timeout=datetime.timedelta(seconds=2 * interval),
                           wait_for_workers=False)
     return Watchdog(rank, world_size, timeout_s,
-                    dist.PrefixStore(f"meshtron/watchdog/attempt_{restart_count()}", store))
+                    dist.PrefixStore(f"meshtron/watchdog/{round_key(world_size)}", store))

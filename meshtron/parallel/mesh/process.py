@@ -12,6 +12,7 @@ import datetime
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -74,21 +75,44 @@ def init_process_group(info: ProcessInfo, timeout_s: float) -> None:
 
 
 def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, its keys prefixed by the elastic agent's restart count.
-
-    A restarted group meets in the same agent store as the attempt before it; without a
-    prefix of its own, the new ranks read the dead ranks' addresses and fail to connect
-    ("connectFullMesh ... Connection refused")."""
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    """The job's store (the agent's, or one rank 0 hosts), its keys prefixed by the rendezvous
+    round (:func:`round_key`)."""
+    agent_store = _shares_agent_store(os.environ)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           info.world_size, is_master=not agent_store and info.rank == 0,
                           timeout=timeout, multi_tenant=not agent_store)
-    return dist.PrefixStore(f"meshtron/attempt_{restart_count()}", store)
+    return dist.PrefixStore(f"meshtron/{round_key(info.world_size)}", store)
 
 
 def restart_count(env: dict[str, str] | None = None) -> str:
     """Which restart of the elastic agent this process belongs to ("0" for the first start)."""
     return (os.environ if env is None else env).get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def round_key(world_size: int, env: Mapping[str, str] | None = None) -> str:
+    """The name of this group's rendezvous round: the prefix of its keys in the job's store,
+    for the process group and the watchdog's heartbeats alike.
+
+    In torch's shared agent store (``TORCHELASTIC_USE_AGENT_STORE=True``, the default) every
+    round of an elastic job meets in the same store, so each needs keys of its own, or the new
+    ranks read the dead ranks' addresses ("connectFullMesh ... Connection refused", or a
+    hang). A failure bumps TORCHELASTIC_RESTART_COUNT, but a node joining under ``--nnodes
+    MIN:MAX`` restarts the group on a larger world without bumping it. Within one restart
+    count membership only grows (a node that leaves is a failure, which bumps the count), so
+    the count and the world size together name one round: ``attempt_1_world_4``.
+
+    Without the agent store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which growing needs in
+    torch 2.13: see docs/reliability.md) rank 0 hosts a new store each round, so there is
+    nothing to tell apart, and the count is left out (``world_4``): each agent counts its own
+    restarts, so a node that joins after the others restarted has count 0 where they have 1,
+    and the two halves would wait for each other under different prefixes."""
+    env = os.environ if env is None else env
+    world = f"world_{world_size}"
+    return f"attempt_{restart_count(env)}_{world}" if _shares_agent_store(env) else world
+
+
+def _shares_agent_store(env: Mapping[str, str]) -> bool:
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 LAUNCHER_ENV = "MESHTRON_LAUNCHER_PID"
