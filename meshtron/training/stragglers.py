@@ -1,11 +1,12 @@
 """Straggler detection: every rank's compute time, gathered every few steps, set against the
-median.
+median of the other ranks.
 
 In a synchronous job the slowest rank sets everyone's step time, so step times alone do not
 say who is slow: each rank measures its own compute (forward and backward up to the wait for
 the gradient reduction, see :class:`~meshtron.training.step.StepResult`), and every
 ``run.straggler_every`` steps the window's means are gathered (one small all-gather). A rank
-above ``run.straggler_factor`` times the median is named. Inside tensor- or pipeline-parallel
+above ``run.straggler_factor`` times the median of the others is named (the others', so that
+on two ranks a slow one is not half of its own yardstick). Inside tensor- or pipeline-parallel
 groups a rank's compute includes waits for its peers, which blurs who is slow among them.
 """
 
@@ -29,7 +30,7 @@ class Straggler:
     def line(self, step: int) -> str:
         return (f"straggler: rank {self.rank} computed {self.compute_s:.3f} s per step over the "
                 f"last steps up to step {step}, {self.compute_s / self.median_s:.2f}x the "
-                f"median rank's {self.median_s:.3f} s")
+                f"other ranks' median of {self.median_s:.3f} s")
 
     def row(self, step: int) -> dict:
         return {"event": "straggler", "step": step, "rank": self.rank,
@@ -37,8 +38,10 @@ class Straggler:
 
 
 class StragglerWatch:
-    def __init__(self, mesh: ParallelMesh, every: int, factor: float):
+    def __init__(self, mesh: ParallelMesh, every: int, factor: float,
+                 device: torch.device | None = None):
         self.mesh = mesh
+        self.device = device
         self.every = every
         self.factor = factor
         self.window: list[float] = []
@@ -51,11 +54,16 @@ class StragglerWatch:
         self.window.append(compute_s)
         if step % self.every:
             return []
-        mine = torch.tensor([sum(self.window) / len(self.window)], dtype=torch.float64)
+        mine = torch.tensor([sum(self.window) / len(self.window)], dtype=torch.float64,
+                            device=self.device)
         self.window.clear()
-        gathered = torch.zeros(self.mesh.layout.world_size, dtype=torch.float64)
+        gathered = torch.zeros(self.mesh.layout.world_size, dtype=torch.float64,
+                               device=self.device)
         dist.all_gather_into_tensor(gathered, mine, group=self.mesh.world.pg)
         times = gathered.tolist()
-        median = statistics.median(times)
-        return [Straggler(rank, t, median) for rank, t in enumerate(times)
-                if median > 0 and t > self.factor * median]
+        stragglers = []
+        for rank, t in enumerate(times):
+            others = statistics.median(times[:rank] + times[rank + 1:])
+            if others > 0 and t > self.factor * others:
+                stragglers.append(Straggler(rank, t, others))
+        return stragglers

@@ -153,7 +153,7 @@ class Trainer:
         self.skipped_steps = 0
         self.faults = FaultPlan(self.mesh.global_rank)
         self.stragglers = StragglerWatch(self.mesh, cfg.run.straggler_every,
-                                         cfg.run.straggler_factor)
+                                         cfg.run.straggler_factor, self.device)
         size = model_size(cfg.model)
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
                  f"cp={cfg.parallel.cp} dp={plan.dp} pp={cfg.parallel.pp}"
