@@ -365,16 +365,18 @@ class MoE(nn.Module):
 
 @torch.no_grad()
 def step_routing_stats(layers: dict[int, MoE], cfg: ModelConfig, mesh: ParallelMesh,
-                       global_tokens: int, update_bias: bool = True) -> dict[str, float]:
+                       global_tokens: int, update_bias: bool = True,
+                       device: torch.device | None = None) -> dict[str, float]:
     """Reduce the step's routing statistics over the mesh, update the aux-loss-free biases
     (unless the step was skipped), reset the counters, and return the metrics (identical on
     every rank).
 
     ``layers``: this rank's MoE layers by global index; stages of a pipeline hold different
-    layers, so the per-layer rows are summed over pp after the data-parallel sum.
+    layers, so the per-layer rows are summed over pp after the data-parallel sum. ``device``:
+    where the reductions run (the run's device: NCCL reduces no CPU tensors).
     """
     table = torch.zeros(cfg.num_layers + cfg.mtp_depth, 4 + cfg.moe.num_experts,
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=device)
     for index, layer in layers.items():
         table[index] = layer.stats.as_tensor()
         layer.stats.reset()
@@ -386,6 +388,7 @@ def step_routing_stats(layers: dict[int, MoE], cfg: ModelConfig, mesh: ParallelM
     moe_rows = table[table[:, 3] > 0]
     if len(moe_rows) == 0:
         return {}
+    moe_rows = moe_rows.cpu()
     load = moe_rows[:, 4:]
     imbalance = load.max(1).values / load.mean(1)
     metrics = {

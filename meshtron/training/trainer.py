@@ -355,7 +355,8 @@ class Trainer:
                         writer.write_event(straggler.row(self.step))
                 if cfg.model.is_moe:
                     row.update(step_routing_stats(self.model.moe_layers(), cfg.model, self.mesh,
-                                                  tokens_per_step, update_bias=not out.skipped))
+                                                  tokens_per_step, update_bias=not out.skipped,
+                                                  device=self.device))
                 if cfg.model.mtp_depth:
                     row.update(self.model.mtp_losses.step_metrics(self.mesh, tokens_per_step,
                                                                   self.device))
