@@ -196,14 +196,10 @@ LAYOUTS = {
         ["--parallel.cp=4", "--parallel.cp_comm=all_gather", "--data.document_mask=true"],
         ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true"],
         ["--parallel.cp=2", "--parallel.tp=2", "--parallel.cp_comm=all_to_all"],
+        # cp inside each stage: 1F1B and interleaved (gpipe and zb-h1 run the same stage code)
         ["--parallel.cp=2", "--parallel.pp=2", "--train.micro_batch=2"],
-        ["--parallel.cp=2", "--parallel.pp=2", "--parallel.schedule=gpipe",
-         "--train.micro_batch=4"],
         ["--parallel.cp=2", "--parallel.pp=2", "--parallel.vpp=2", "--model.num_layers=4",
          "--parallel.schedule=interleaved", "--train.micro_batch=2"],
-        ["--parallel.cp=2", "--parallel.pp=2", "--parallel.schedule=zb-h1",
-         "--train.micro_batch=2"],
-        ["--parallel.cp=2", "--train.micro_batch=2"],  # dp=2, ZeRO-0
         ["--parallel.cp=2", "--parallel.zero=1", "--train.micro_batch=2",
          "--parallel.bucket_mb=0.02"],
         ["--parallel.cp=2", "--parallel.zero=2", "--parallel.cp_comm=all_gather"],

@@ -308,7 +308,6 @@ PARITY_2 = [  # ep folds into dp; one micro-batch per rank equals the reference'
 PARITY_4 = [
     ["--parallel.ep=4", "--train.micro_batch=2"],
     ["--parallel.ep=2", "--train.micro_batch=2"],  # expert-dp of 2 without ZeRO
-    ["--parallel.ep=2", "--parallel.tp=2", "--train.micro_batch=4"],
     ["--parallel.ep=2", "--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=2",
      "--model.moe.capacity_factor=1.0", "--model.moe.bias_update=0.01"],
     ["--parallel.ep=2", "--parallel.pp=2", "--train.micro_batch=2",
@@ -319,7 +318,6 @@ PARITY_4 = [
     ["--parallel.ep=2", "--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved",
      "--model.num_layers=4", "--model.moe.every=2", "--train.micro_batch=1"],
     # expert tensor parallel 1: whole experts, ep folded over tp as well
-    ["--parallel.tp=2", "--parallel.etp=1", "--parallel.ep=2", "--train.micro_batch=4"],
     ["--parallel.tp=2", "--parallel.etp=1", "--parallel.ep=4", "--train.micro_batch=4",
      "--model.moe.capacity_factor=1.0"],
     ["--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1", "--parallel.ep=2",
