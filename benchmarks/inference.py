@@ -43,7 +43,7 @@ class FirstTokenTimer:
             self.first = time.perf_counter()
 
     def end(self) -> None:
-        pass
+        """The streamer interface's end of generation: nothing is buffered here."""
 
 
 def hf_round(hf, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, list]:
