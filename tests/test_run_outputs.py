@@ -172,3 +172,26 @@ def test_weights_and_biases_without_the_package_is_one_line(monkeypatch, tmp_pat
     with pytest.raises(MeshtronError, match=r"run.wandb=offline needs the wandb package: pip "
                        r"install 'meshtron\[wandb\]'"):
         metrics._wandb_run(tmp_path, "offline", "meshtron", {})
+
+
+def test_eval_generate_logs_greedy_samples_and_leaves_the_numbers_alone(data_cache, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = {}
+    for name, extra in (("plain", ()), ("sampled", ("--train.eval_generate=5",))):
+        cfg = config(data_cache, tmp_path / name, 2, "--train.eval_every=1",
+                     "--train.eval_batches=1", *extra)
+        logs: list[str] = []
+        runs[name] = (Trainer(cfg, log=logs.append).run(), logs)
+    (plain, _), (sampled, logs) = runs["plain"], runs["sampled"]
+    assert sampled.losses == plain.losses and sampled.grad_norms == plain.grad_norms
+    assert sampled.val_loss == plain.val_loss
+    lines = [line for line in logs if line.startswith("sample ")]
+    assert [line.split(":")[0] for line in lines] == [
+        "sample 1 at step 1", "sample 2 at step 1", "sample 1 at step 2", "sample 2 at step 2"]
+    events = EventAccumulator(str(tmp_path / "sampled" / "tb"))
+    events.Reload()
+    assert {"samples/1/text_summary", "samples/2/text_summary"} <= set(events.Tags()["tensors"])
+    with pytest.raises(MeshtronError, match=r"^train.eval_generate samples on one model replica "
+                       r"and does not combine with parallel.cp=2, parallel.zero=3 yet"):
+        load_config(overrides=["--train.eval_generate=4", "--parallel.cp=2", "--parallel.zero=3"])

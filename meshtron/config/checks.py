@@ -110,6 +110,7 @@ def validate(cfg: Config) -> None:
         "checkpoint.every": cfg.checkpoint.every, "model.dropout": m.dropout,
         "checkpoint.every_seconds": cfg.checkpoint.every_seconds,
         "run.straggler_every": cfg.run.straggler_every, "model.mtp_depth": m.mtp_depth,
+        "train.eval_generate": t.eval_generate,
         "model.mtp_loss_weight": m.mtp_loss_weight,
     }
     for name, value in nonneg.items():
@@ -124,6 +125,11 @@ def validate(cfg: Config) -> None:
     require(m.init_std >= 0, f"model.init_std must not be negative, got {m.init_std}")
     require(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     require(m.dropout < 1, f"model.dropout must be below 1, got {m.dropout}")
+    unsampled = [f"{name}={value}" for name, value, plain in (
+        ("parallel.cp", p.cp, 1), ("parallel.ep", p.ep, 1), ("parallel.vpp", p.vpp, 1),
+        ("parallel.zero", p.zero, 0), ("precision.fp8", pc.fp8, "none")) if value != plain]
+    require(not (t.eval_generate and unsampled), f"train.eval_generate samples on one model "
+            f"replica and does not combine with {', '.join(unsampled)} yet; set it to 0")
     require(m.mtp_depth < t.seq_len, f"model.mtp_depth={m.mtp_depth} predicts tokens up to "
             f"{m.mtp_depth + 1} ahead: train.seq_len={t.seq_len} leaves none of them a target "
             "inside the window; lower model.mtp_depth")

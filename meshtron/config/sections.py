@@ -280,6 +280,9 @@ class TrainConfig:
     """Evaluate on the validation split every this many steps (and at the end); 0 disables."""
     eval_batches: int = 4
     """Global batches of the validation split per evaluation."""
+    eval_generate: int = 0
+    """Tokens sampled greedily at each evaluation from the first 16 tokens of two validation
+    sequences, logged and written to TensorBoard as text; 0: none."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention cores) or full (whole layers)."""
     max_skipped: int = 10

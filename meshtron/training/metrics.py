@@ -46,6 +46,10 @@ class MetricsWriter:
             raise MeshtronError(f"cannot write the metrics of step {row['step']} to "
                                 f"{self.path.parent} ({os_reason(err)})") from None
 
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        """A text sample (``train.eval_generate``) to TensorBoard."""
+        self._tb.add_text(tag, text, step)
+
     def write_event(self, row: dict[str, Any]) -> None:
         """A row that is not a step's metrics (``{"event": "straggler", ...}``)."""
         try:

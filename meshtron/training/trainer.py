@@ -34,6 +34,7 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision, cpu_low_precision_note
+from meshtron.training.eval_samples import eval_samples
 from meshtron.training.faults import FaultPlan
 from meshtron.training.hardware import peak_source
 from meshtron.training.memory import (
@@ -300,6 +301,17 @@ class Trainer:
                         t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.pipeline,
                         self.split)
 
+    def _sample(self, writer: MetricsWriter | None) -> None:
+        """``train.eval_generate``: greedy continuations of fixed validation prompts, on every
+        rank (the engine's collectives), logged once."""
+        samples = eval_samples(self.model, self.mesh,
+                               self.data.valid_batch(0, self.cfg.train.global_batch),
+                               self.cfg.train.eval_generate, self.data.tokenizer)
+        for i, (prompt, text) in enumerate(samples):
+            self.log(f"sample {i + 1} at step {self.step}: {prompt!r} -> {text!r}")
+            if writer:
+                writer.write_text(f"samples/{i + 1}", f"{prompt} ▸ {text}", self.step)
+
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult(self.run_dir, self.step, self.step)
@@ -365,6 +377,8 @@ class Trainer:
                     phase(f"the validation at step {self.step}")
                     result.val_loss = self.validation_loss()
                     row.update(val_loss=result.val_loss, val_ppl=math.exp(result.val_loss))
+                    if t.eval_generate:
+                        self._sample(writer)
                 if writer and (self.step % t.log_every == 0 or last or "val_loss" in row):
                     writer.write(row)
                     progress.clear()
