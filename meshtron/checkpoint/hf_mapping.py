@@ -91,15 +91,14 @@ def to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
         for name, piece in zip(rule.theirs, full.chunk(len(rule.theirs))):
             out[name] = piece.t() if rule.transpose else piece
     out[fmt.head] = state["embed.weight" if cfg.tie_embeddings else "output.weight"]
-    for name, shared in mtp_copies(cfg).items():
+    for name, shared in mtp_copies(cfg, fmt).items():
         out[name] = (out[fmt.head] if shared == fmt.head else state[shared]).clone()
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+def mtp_copies(cfg: ModelConfig, fmt: HFFormat) -> dict[str, str]:
     """HF name -> what it copies (``embed.weight``, or the HF head's name) of the embedding
-    and head copies the family keeps in each multi-token-prediction layer."""
-    fmt = hf_format(cfg)
+    and head copies ``fmt`` keeps in each multi-token-prediction layer of ``cfg``."""
     if not cfg.mtp_depth or fmt.mtp_copies is None:
         return {}
     embedding, head = fmt.mtp_copies
@@ -127,7 +126,7 @@ def from_hf(hf: Tensors, cfg: ModelConfig) -> Tensors:
     if not cfg.tie_embeddings:
         out["output.weight"] = hf[fmt.head]
     head = out["embed.weight"] if cfg.tie_embeddings else out["output.weight"]
-    for name, shared in mtp_copies(cfg).items():
+    for name, shared in mtp_copies(cfg, fmt).items():
         original = head if shared == fmt.head else out[shared]
         if not torch.equal(hf[name], original):
             raise MeshtronError(f"tensor '{name}' differs from the model's "

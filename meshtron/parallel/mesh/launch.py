@@ -94,7 +94,7 @@ def _culprit_first(item: tuple[int, object]) -> tuple[int, float, int]:
 class RankFailed(MeshtronError):
     """A rank of the group failed (the first to fail, and how)."""
 
-    def __init__(self, rank: int, how: str, restarts: int):
+    def __init__(self, rank: int, how: str, restarts: int = 0):
         used = f" (after {restarts} restarts)" if restarts else ""
         super().__init__(f"rank {rank} {how}{used}; the other ranks were stopped")
         self.rank, self.how = rank, how
@@ -155,5 +155,5 @@ def _launch(nproc: int, train_args: Sequence[str], command: str = "train") -> in
         raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = min(err.failures.items(), key=_culprit_first)
-        raise RankFailed(rank, describe_exit(failure.exitcode), 0) from None
+        raise RankFailed(rank, describe_exit(failure.exitcode)) from None
     return 0
