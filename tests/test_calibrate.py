@@ -1,0 +1,108 @@
+"""``meshtron tune --calibrate``: the measured profile loads back and holds what the cost model
+reads; the curve and fit helpers give exact answers on exact data. No assertion on speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtron.errors import MeshtronError
+from meshtron.tuning import calibrate
+from meshtron.tuning.profiles import load_profile, save_profile
+
+_JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+RANK_SCRIPT = """\
+import sys
+from pathlib import Path
+from meshtron.parallel.mesh.process import exit_process
+from meshtron.tuning.calibrate import run_calibrate
+exit_process(run_calibrate(int(sys.argv[1]), Path(sys.argv[2]), quick=True))
+"""
+
+
+def test_quick_process_profile_loads_back_with_a_rising_curve(tmp_path):
+    threads = torch.get_num_threads()
+    profile = calibrate.measure_process(quick=True, device=torch.device("cpu"))
+    assert torch.get_num_threads() == threads  # the one-thread measurement restores the count
+    loaded = load_profile(str(save_profile(profile, tmp_path / "profile.json")))
+    assert loaded == profile
+    assert loaded.source.startswith("calibrated on ") and "1 rank, torch " in loaded.source
+    assert set(loaded.peak_flops) == {"fp32", "bf16"} and loaded.peak("fp32") > 0
+    flops = [f for f, _ in loaded.gemm_efficiency]
+    fractions = [e for _, e in loaded.gemm_efficiency]
+    assert len(flops) >= 3 and flops == sorted(set(flops))
+    assert fractions == sorted(fractions) and fractions[0] > 0 and fractions[-1] == 1.0
+    assert loaded.compute_units == os.cpu_count() and loaded.thread_speedup >= 1.0
+    assert 0 < loaded.attention_efficiency <= 1 and loaded.memory_reserved_bytes > 0
+    assert loaded.memory_bandwidth > 0 and loaded.collectives == {}
+    assert loaded.gpus_per_node == calibrate.CPU_GPUS_PER_NODE and loaded.step_overhead_s == 0
+
+
+def test_efficiency_curve_keeps_the_best_per_quarter_decade_and_never_falls():
+    rates = [(1e6, 10.0), (1.1e6, 30.0), (1e8, 80.0), (1e9, 60.0), (1e10, 100.0)]
+    assert calibrate.efficiency_curve(rates, peak=100.0) == (
+        (1e6, 0.3), (1e8, 0.8), (1e9, 0.8), (1e10, 1.0))
+
+
+def test_fit_line_recovers_a_line_and_clips_at_zero():
+    sizes = (4096, 65536, 1 << 20, 8 << 20)
+    a, b = calibrate.fit_line([(x, 2e-4 + 1e-9 * x) for x in sizes])
+    assert math.isclose(a, 2e-4, rel_tol=1e-9) and math.isclose(b, 1e-9, rel_tol=1e-9)
+    a, b = calibrate.fit_line([(x, 1e-9 * x - 1e-6) for x in sizes])  # negative intercept
+    assert a == 0 and b > 0
+    a, b = calibrate.fit_line([(x, 5e-3 - 1e-10 * x) for x in sizes])  # falling: no slope
+    assert b == 0 and a > 0
+
+
+def test_group_sizes_link_and_forwarded_arguments():
+    assert calibrate.group_sizes(1) == [] and calibrate.group_sizes(2) == [2]
+    assert calibrate.group_sizes(6) == [2, 4, 6] and calibrate.group_sizes(8) == [2, 4, 8]
+    link = calibrate.ring_link((6e-4, 1e-9), 4)  # 2(n-1) = 6 steps, 6/4 of the buffer moved
+    assert math.isclose(link.latency, 1e-4) and math.isclose(link.bandwidth, 1.5e9)
+    assert calibrate.ring_link((1e-4, 0.0), 2) is None
+    out = Path("p.json")
+    assert calibrate.forwarded(2, out, True) == [
+        "--calibrate", "--nproc=2", f"--output={out.resolve()}", "--quick"]
+
+
+@pytest.mark.parametrize("nproc, name, fragment", [
+    (0, "p.json", "--nproc must be at least 1, got 0"),
+    (2, "missing/p.json", "does not exist"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, nproc, name, fragment):
+    output = tmp_path / name
+    with pytest.raises(MeshtronError) as err:
+        calibrate.run_calibrate(nproc, output, quick=True)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+    assert not output.exists()
+
+
+def test_two_ranks_fit_every_collective(tmp_path):
+    """Two ranks under torchrun (each rank started already), as a launched command runs."""
+    script, output = tmp_path / "rank.py", tmp_path / "profile.json"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in _JOB_VARIABLES and not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script), "2", str(output)],
+        cwd=tmp_path, env={**env, "GLOO_SOCKET_IFNAME": "lo"}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("calibrated on ") == 1 and "2 ranks" in proc.stdout
+    raw = json.loads(output.read_text())
+    assert set(raw["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter",
+                                       "all_to_all", "send_recv"}
+    a, b = raw["collectives"]["all_reduce"]["2"]
+    assert a >= 0 and b > 0
+    profile = load_profile(str(output))
+    assert math.isclose(profile.intra_node.bandwidth, 1 / b) and profile.inter_node == \
+        profile.intra_node
