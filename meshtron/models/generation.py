@@ -1,6 +1,6 @@
 """Autoregressive sampling with a KV cache, on one process or on one model replica spread
-over tp x pp ranks: temperature, top-k and nucleus (top-p), batched prompts, EOS and stop rules
-per sequence.
+over tp x pp ranks: temperature, top-k and nucleus (top-p), batched prompts, EOS, stop rules
+and token budgets per sequence, and a hook after each step (for streaming).
 
 Under tensor parallelism each rank runs its heads and keeps the cache of its kv heads, as the
 weights are split. Under pipeline parallelism each stage keeps the cache of its own layers and
@@ -101,6 +101,9 @@ def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> to
 
 StopRule = Callable[[list[int]], bool]
 """Given a sequence's new tokens so far: whether it is finished (e.g. a stop string)."""
+StepHook = Callable[[list[Completion], list[bool]], None]
+"""Called after each step with every sequence's completion so far and whether it has ended
+(a server streams from it)."""
 
 
 class Generator:
@@ -134,12 +137,14 @@ class Generator:
         return cache
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                  sampling: Sampling = GREEDY, eos_id: int | None = None,
-                 stop: StopRule | None = None) -> tuple[list[Completion], GenerationStats]:
-        """Continue every prompt by up to ``max_new_tokens`` tokens (fewer where the model's
-        positions end), each stopping at ``eos_id`` or when ``stop`` says so. An empty prompt
-        starts from ``eos_id`` (or token 0)."""
+                 stop: StopRule | list[StopRule | None] | None = None,
+                 on_step: StepHook | None = None) -> tuple[list[Completion], GenerationStats]:
+        """Continue every prompt by up to ``max_new_tokens`` tokens (one budget for all or one
+        per prompt; fewer where the model's positions end), each stopping at ``eos_id`` or when
+        ``stop`` (one rule for all or one per prompt) says so. An empty prompt starts from
+        ``eos_id`` (or token 0)."""
         max_len = self.model.cfg.max_seq_len
         prompts = [list(p) or [eos_id or 0] for p in prompts]
         for i, prompt in enumerate(prompts):
@@ -147,8 +152,11 @@ class Generator:
                 raise MeshtronError(
                     f"prompt {i + 1} takes {len(prompt)} tokens: the model has {max_len} "
                     "positions (model.max_seq_len) and needs one for a new token")
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) \
+            else list(max_new_tokens)
+        stops = list(stop) if isinstance(stop, list) else [stop] * len(prompts)
         longest = max(len(p) for p in prompts)
-        max_new = min(max_new_tokens, max_len - longest)
+        max_new = min(max(budgets), max_len - longest)
         pads = torch.tensor([longest - len(p) for p in prompts], device=self.device)
         tokens = torch.tensor([[PAD_ID] * (longest - len(p)) + p for p in prompts],
                               device=self.device)
@@ -158,10 +166,10 @@ class Generator:
             cache.keep = torch.arange(longest + max_new, device=self.device)[None] >= pads[:, None]
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         out = [Completion([]) for _ in prompts]
-        done = [False] * len(prompts)
+        done = [budget <= 0 for budget in budgets]
         begin = time.perf_counter()
         first = None
-        for _ in range(max_new):
+        for _ in range(max_new if not all(done) else 0):
             sequence = self._sequence(cache.length, tokens.shape[1], pads) if padded else None
             next_ids = self._step(tokens, cache, sequence, sampling, gen)
             first = first if first is not None else time.perf_counter() - begin
@@ -172,8 +180,12 @@ class Generator:
                     out[i].finish, done[i] = "eos", True
                     continue
                 out[i].tokens.append(token)
-                if stop is not None and stop(out[i].tokens):
+                if stops[i] is not None and stops[i](out[i].tokens):
                     out[i].finish, done[i] = "stop", True
+                elif len(out[i].tokens) >= budgets[i]:
+                    done[i] = True  # finish stays "length"
+            if on_step is not None:
+                on_step(out, done)
             if all(done):
                 break
             tokens = next_ids[:, None]
