@@ -1,8 +1,8 @@
 """``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
 
-Commands: ``train``, ``preprocess``, ``generate``, ``plot``, ``schedule``, ``convert``. Heavy
-imports (torch and friends) happen inside each command so that ``meshtron --help`` and config
-errors are instant.
+Commands: ``train``, ``preprocess``, ``generate``, ``serve``, ``plot``, ``schedule``,
+``convert``. Heavy imports (torch and friends) happen inside each command so that
+``meshtron --help`` and config errors are instant.
 """
 
 from __future__ import annotations
@@ -193,6 +193,13 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     return run_generate(args, overrides)
 
 
+def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    overrides = _split_overrides(extra)
+    from meshtron.inference.serve_command import run_serve
+
+    return run_serve(args, overrides)
+
+
 def _check_sampling(args: argparse.Namespace) -> None:
     """Sampling settings that make sense, refused with one line before anything loads."""
     import math
@@ -295,6 +302,11 @@ config fields (as --section.field=value; the model comes from the checkpoint):
   --precision.dtype (default: as the checkpoint was saved): fp32, bf16, fp16 or fp64
 tokens/s and the time to the first token are printed on stderr."""
 
+SERVE_EPILOG = """\
+POST /v1/completions (OpenAI's API: prompt, max_tokens, temperature, top_p, top_k, stop, stream,
+seed), GET /v1/models, GET /health: see docs/inference.md. Config fields as for generate:
+--parallel.tp, --parallel.pp, --parallel.pp_layers, --precision.dtype."""
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, its errors in meshtron's one-line form (``meshtron: error: ...``)."""
@@ -358,6 +370,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="1 disables nucleus filtering")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "serve", help="serve a checkpoint over HTTP (OpenAI-style /v1/completions)",
+        description="Serve a checkpoint's model over HTTP: rank 0 answers, the other ranks "
+        "of a tp x pp replica follow it;\nrequests that arrive together run as one batch. "
+        "Needs the serve extra (pip install meshtron[serve]).",
+        epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory, a checkpoint directory, or one step_* inside it")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free one")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local processes, tp x pp of them (default 1)")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="most prompts generated together in one batch (default 16)")
+    p.add_argument("--model-name",
+                   help="the model's name in responses (default: the --checkpoint folder's)")
+    p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plot", help="plot loss curves of one or more runs to a PNG")
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")

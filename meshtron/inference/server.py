@@ -1,0 +1,140 @@
+"""The HTTP face of ``meshtron serve``: a FastAPI app with ``POST /v1/completions`` (the OpenAI
+completions API, whole or streamed as server-sent events), ``GET /v1/models`` and
+``GET /health``.
+
+Handlers run on uvicorn's event loop and never generate: they check the request, encode its
+prompts, queue one engine job per prompt and wait for the engine thread's reports, which come
+back onto the loop through ``call_soon_threadsafe``. A bad request is a 4xx answer with the
+OpenAI API's error object; the server goes on.
+
+FastAPI is imported by the command only when it serves (an optional dependency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from meshtron.data import Tokenizer
+from meshtron.inference.completion_api import (
+    CompletionRequest,
+    Reply,
+    RequestError,
+    check_fits,
+    choice,
+    error_body,
+    parse_request,
+    sse,
+    usage,
+)
+from meshtron.inference.engine import Engine, EngineClosed, Job, Progress
+
+Event = tuple[int, Progress | BaseException]
+"""A report for prompt ``index`` of a request."""
+
+
+def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
+              on_ready: Callable[[], None] = lambda: None) -> FastAPI:
+    """The app serving ``engine``'s model under ``model_name``; ``on_ready`` is called once
+    uvicorn has started it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        on_ready()
+        yield
+
+    app = FastAPI(title="meshtron", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "error": str(engine.error)}, 503)
+        return JSONResponse({"status": "ok", "model": model_name, "waiting": engine.waiting,
+                             "batches": engine.batches})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "meshtron"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            req = parse_request(await request.body())
+            encoded = [tokenizer.encode(p) for p in req.prompts]
+            check_fits(encoded, req.max_tokens, engine.max_len)
+        except RequestError as err:
+            return JSONResponse(error_body(err), err.status)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue[Event]()
+
+        def reporter(index: int) -> Callable[[Progress | BaseException], None]:
+            def report(progress: Progress | BaseException) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                    loop.call_soon_threadsafe(events.put_nowait, (index, progress))
+            return report
+
+        jobs = [Job(tokens, req.max_tokens, req.sampling, req.seed, req.stops, reporter(i))
+                for i, tokens in enumerate(encoded)]
+        try:
+            engine.submit(jobs)
+        except EngineClosed as err:
+            return JSONResponse(error_body(RequestError(str(err), status=503)), 503)
+        reply = Reply.new(model_name)
+        prompt_tokens = sum(len(tokens) for tokens in encoded)
+        if req.stream:
+            return StreamingResponse(_stream(reply, req, events, prompt_tokens),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _whole(reply, len(jobs), events, prompt_tokens)
+
+    return app
+
+
+async def _whole(reply: Reply, count: int, events: asyncio.Queue[Event],
+                 prompt_tokens: int) -> Response:
+    """Wait for every prompt's end; one response body."""
+    texts, finishes, tokens = [""] * count, [None] * count, [0] * count
+    while any(finish is None for finish in finishes):
+        index, progress = await events.get()
+        if isinstance(progress, BaseException):
+            return _failure(progress)
+        texts[index] += progress.text
+        finishes[index], tokens[index] = progress.finish, progress.tokens
+    body = {**reply.head(), "choices": [choice(i, texts[i], finishes[i]) for i in range(count)],
+            "usage": usage(prompt_tokens, sum(tokens))}
+    return JSONResponse(body)
+
+
+async def _stream(reply: Reply, req: CompletionRequest, events: asyncio.Queue[Event],
+                  prompt_tokens: int) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per new piece of text of any prompt, the last one of each
+    with its ``finish_reason``, then ``data: [DONE]``."""
+    left, tokens = len(req.prompts), [0] * len(req.prompts)
+    while left:
+        index, progress = await events.get()
+        if isinstance(progress, BaseException):
+            yield sse(_failure_body(progress))
+            return
+        tokens[index] = progress.tokens
+        left -= progress.finish is not None
+        yield sse({**reply.head(), "choices": [choice(index, progress.text, progress.finish)]})
+    if req.include_usage:
+        yield sse({**reply.head(), "choices": [], "usage": usage(prompt_tokens, sum(tokens))})
+    yield sse("[DONE]")
+
+
+def _failure_body(err: BaseException) -> dict:
+    status = 503 if isinstance(err, EngineClosed) else 500
+    message = str(err) if isinstance(err, EngineClosed) else \
+        f"generation failed ({type(err).__name__}: {err}); the server is stopping"
+    return error_body(RequestError(message, status=status))
+
+
+def _failure(err: BaseException) -> Response:
+    body = _failure_body(err)
+    return JSONResponse(body, 503 if isinstance(err, EngineClosed) else 500)
