@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
+
 from meshtron.data import Tokenizer
 from meshtron.inference.generate_command import completion_text, stop_rule
 from meshtron.models.generation import Completion, Generator, Sampling, StepHook
@@ -174,6 +176,9 @@ class Engine:
             self._thread.join()
 
     def _loop(self) -> None:
+        device = self.generator.device
+        if device.type == "cuda":  # a thread starts on device 0; NCCL uses the current one
+            torch.cuda.set_device(device)
         try:
             while (batch := self._take()) is not None:
                 if batch:
