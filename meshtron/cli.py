@@ -1,7 +1,7 @@
 """``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
 
-Commands: ``train``, ``preprocess``, ``generate``, ``serve``, ``plot``, ``schedule``,
-``convert``. Heavy imports (torch and friends) happen inside each command so that
+Commands: ``train``, ``preprocess``, ``generate``, ``serve``, ``tune``, ``plot``,
+``schedule``, ``convert``. Heavy imports (torch and friends) happen inside each command so that
 ``meshtron --help`` and config errors are instant.
 """
 
@@ -9,39 +9,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 import traceback
 import typing
 from pathlib import Path
 
+from meshtron.config.docs import config_reference
 from meshtron.errors import MeshtronError
 from meshtron.files import REASONS as OS_REASONS
 from meshtron.files import check_writable, os_reason
 from meshtron.signals import Stopped, report_stop, stop_on_signals
+from meshtron.tuning.arguments import add_tune_parser
 
 if typing.TYPE_CHECKING:
     from meshtron.config import Config
     from meshtron.parallel.mesh.process import ProcessInfo
-
-
-def _config_reference() -> str:
-    """Every config field as '--section.field (default ...): what it does', for
-    `meshtron train --help`."""
-    from meshtron.config import MOE_DEFAULTS, Config
-    from meshtron.config.docs import documented_fields, summary
-
-    lines = ["config fields (set in --config YAML or as --section.field=value):"]
-    defaults = Config()
-    for section in dataclasses.fields(Config):
-        values = getattr(defaults, section.name)
-        lines.append(f"  {section.name}: {summary(type(values).__doc__)}")
-        for key, attr, value, doc in documented_fields(values, section.name):
-            if value is None and key.startswith("model.moe."):  # unset: the preset's, or this
-                value = MOE_DEFAULTS.get(attr)
-            lines.append(f"    --{key} (default {value!r}): {summary(doc)}")
-    return "\n".join(lines)
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
@@ -193,6 +176,12 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     return run_generate(args, overrides)
 
 
+def cmd_tune(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtron.tuning.tune_command import run_tune
+
+    return run_tune(args, extra)
+
+
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     overrides = _split_overrides(extra)
     from meshtron.inference.serve_command import run_serve
@@ -328,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a model (resumes from the newest checkpoint)",
         description="Train a model. Settings come from the defaults, then --config, then "
         "--section.field=value overrides.",
-        epilog=_config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="YAML file with config sections")
     p.add_argument("--nproc", type=int, default=1, help="number of local processes (default 1)")
@@ -390,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's name in responses (default: the --checkpoint folder's)")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's)")
     p.set_defaults(func=cmd_serve)
+
+    add_tune_parser(sub).set_defaults(func=cmd_tune)
 
     p = sub.add_parser("plot", help="plot loss curves of one or more runs to a PNG")
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")

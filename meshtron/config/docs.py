@@ -62,3 +62,20 @@ def undocumented(cls: type) -> list[str]:
         if dataclasses.is_dataclass(default):
             missing += undocumented(type(default))
     return missing
+
+
+def config_reference() -> str:
+    """Every config field as '--section.field (default ...): what it does', for
+    `meshtron train --help`."""
+    from meshtron.config import MOE_DEFAULTS, Config
+
+    lines = ["config fields (set in --config YAML or as --section.field=value):"]
+    defaults = Config()
+    for section in dataclasses.fields(Config):
+        values = getattr(defaults, section.name)
+        lines.append(f"  {section.name}: {summary(type(values).__doc__)}")
+        for key, attr, value, doc in documented_fields(values, section.name):
+            if value is None and key.startswith("model.moe."):  # unset: the preset's, or this
+                value = MOE_DEFAULTS.get(attr)
+            lines.append(f"    --{key} (default {value!r}): {summary(doc)}")
+    return "\n".join(lines)

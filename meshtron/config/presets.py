@@ -89,4 +89,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         arch="gpt2", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,
         ffn_hidden_size=49152, vocab_size=50257, max_seq_len=2048, tie_embeddings=True,
     ),
+    # a planning shape at the scale the tuner must reach: 10 trillion parameters in 1024
+    # fine-grained experts per layer (top-8 and one shared, DeepSeek-style), 96 layers,
+    # grouped-query attention; about 125B parameters active per token
+    "moe-10t": dict(
+        arch="llama", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=8,
+        ffn_hidden_size=49152, vocab_size=131072, max_seq_len=8192, rope_theta=500000.0,
+        tie_embeddings=False,
+        moe=dict(num_experts=1024, top_k=8, expert_ffn_size=2816, shared_experts=1,
+                 dense_layers=1, score="sigmoid", normalize_topk=True, aux_loss=0.0001),
+    ),
 }

@@ -13,6 +13,7 @@ Virtual stages follow Megatron's interleaving: chunk ``c`` of stage ``s`` is vir
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshtron.config import SCHEDULES
@@ -85,11 +86,14 @@ class Schedule:
             return [at("B", k)]
         raise MeshtronError(f"'{action.kind}' is not a compute action; use one of F, B, W")
 
-    def timeline(self, costs: dict[str, float] | None = None) -> list[list[Slot]]:
+    def timeline(self, costs: dict[str, float] | None = None,
+                 action_cost: Callable[[int, Action], float] | None = None) -> list[list[Slot]]:
         """(start, end, action) of every compute action per stage, each stage in list order.
 
         An action starts when its stage is free and the actions it depends on have ended;
-        communication takes no time.
+        communication takes no time. ``costs`` prices each kind alike on every stage;
+        ``action_cost(stage, action)``, when given, prices each action on its own (the cost
+        model's unequal stages: the last one also runs the head and the loss).
         """
         cost = {**self.default_costs(), **(costs or {})}
         orders = [self.compute_actions(s) for s in range(self.pp)]
@@ -106,7 +110,9 @@ class Schedule:
                     if any(d not in ends for d in deps):
                         break
                     start = max([clock[s], *(ends[d] for d in deps)])
-                    clock[s] = ends[(s, action)] = start + cost[action.kind]
+                    took = (cost[action.kind] if action_cost is None
+                            else action_cost(s, action))
+                    clock[s] = ends[(s, action)] = start + took
                     rows[s].append((start, clock[s], action))
                     progressed = True
         for s, order in enumerate(orders):

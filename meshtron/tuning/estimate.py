@@ -1,0 +1,437 @@
+"""Step time and memory of one layout: the cost model that ranks the search and plans the run.
+
+Each pipeline action is priced from its layers' work (:mod:`meshtron.tuning.workload`) at the
+profile's GEMM efficiency for its size, plus the tensor-, context- and expert-parallel
+communication it waits for (:mod:`meshtron.tuning.comms`) and the receive of its input from
+the neighbouring stage. The pipeline's time is the makespan of the schedule simulator
+(:meth:`Schedule.timeline`) over those per-stage costs, the last stage's head and loss
+included; runs with very many micro-batches are simulated at two small counts and extended
+along the line through them, since each extra micro-batch adds the same steady-state time.
+After the pipeline come the data-parallel reductions that did not overlap the last backward,
+the ZeRO all-gather of updated parameters, and the optimizer step (bound by memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from meshtron.config import ModelConfig
+from meshtron.models.flops import layer_and_head_cost, training_flops_per_token
+from meshtron.parallel.pipeline.partition import PipelinePartition, partition_layers
+from meshtron.parallel.pipeline.schedules import Action, build_schedule
+from meshtron.tuning.candidate import Candidate
+from meshtron.tuning.comms import collective_seconds, layout_groups, send_seconds
+from meshtron.tuning.memory_model import (
+    MemoryEstimate,
+    StageParams,
+    layer_activation_bytes,
+    rank_params,
+    stage_params,
+    state_bytes,
+    transient_bytes,
+)
+from meshtron.tuning.profiles import ClusterProfile
+from meshtron.tuning.stages import ChunkShape, StageShape, representative_layers, stage_shapes
+from meshtron.tuning.workload import LayerWork, head_work, layer_work
+
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+SIMULATED_MICROBATCHES = 24
+"""Above this many micro-batches the pipeline is simulated at two counts and extended."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the user fixed: the model, the batch, the precision and the cluster."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    profile: ClusterProfile
+    gpus: int
+    dtype: str = "bf16"
+    fp8: bool = False
+    reduce_dtype: str = "fp32"
+    cp_comm: str = "ring"
+
+    @property
+    def element_size(self) -> int:
+        return ELEMENT_SIZE[self.dtype]
+
+    @property
+    def reduce_size(self) -> int:
+        return 8 if self.dtype == "fp64" else ELEMENT_SIZE[self.reduce_dtype]
+
+    @property
+    def gemm_dtype(self) -> str:
+        return "fp8" if self.fp8 and "fp8" in self.profile.peak_flops else self.dtype
+
+    @cached_property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one optimizer step, Megatron's way (no recompute)."""
+        return training_flops_per_token(self.model, self.seq_len) * self.global_batch \
+            * self.seq_len
+
+
+@dataclass
+class Estimate:
+    candidate: Candidate
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    memory: MemoryEstimate
+    fits: bool
+    bottleneck: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by cause: compute, bubble, tp/cp/ep/pp communication that the
+    pipeline waits for, exposed dp communication, the optimizer, fixed overhead."""
+
+    @property
+    def memory_per_gpu_bytes(self) -> int:
+        return int(self.memory.peak)
+
+    def row(self) -> dict:
+        """The JSON entry of the contract."""
+        c = self.candidate
+        return {"tp": c.tp, "cp": c.cp, "pp": c.pp, "vpp": c.vpp, "schedule": c.schedule,
+                "ep": c.ep, "etp": c.etp, "dp": c.dp, "zero": c.zero, "sp": c.sp,
+                "micro_batch": c.micro_batch, "recompute": c.recompute,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                "memory_per_gpu_bytes": self.memory_per_gpu_bytes, "fits": self.fits,
+                "bottleneck": self.bottleneck,
+                "breakdown_s": {k: round(v, 9) for k, v in self.breakdown.items()}}
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Seconds of one chunk's actions for one micro-batch, and the communication inside."""
+
+    forward: float
+    backward: float
+    """The input-gradient backward (with a whole backward, ``backward + weight``)."""
+    weight: float
+    """The weight gradients, which zb-h1 defers to their own action."""
+    communication: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.weight
+
+
+class Estimator:
+    """Prices candidates of one problem, caching what candidates share (partitions and stage
+    shapes, layer costs, stage parameters)."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.dense_layer, self.moe_layer = representative_layers(problem.model)
+        self._pipelines: dict[tuple[int, int], tuple[PipelinePartition, list[StageShape],
+                                                     dict[StageShape, int]]] = {}
+        self._layers: dict[tuple, tuple[float, float, float, float]] = {}
+        self._stage_params: dict[tuple[int, int, int], StageParams] = {}
+        self._activations: dict[tuple, float] = {}
+        self._in_flight: dict[tuple, list[int]] = {}
+        self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
+
+    # ------------------------------------------------------------------ compute
+
+    def rate_scale(self, c: Candidate) -> float:
+        """CPU ranks share the node's cores: one rank uses them all, more split them."""
+        units = self.problem.profile.compute_units
+        if units is None:
+            return 1.0
+        ranks = min(c.world_size, self.problem.profile.gpus_per_node)
+        return self.problem.profile.thread_speedup if ranks == 1 else min(1.0, units / ranks)
+
+    def _work_seconds(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
+        """(GEMMs, attention core, memory-bound) forward seconds of ``work``."""
+        p = self.problem.profile
+        peak = p.peak(self.problem.gemm_dtype) * scale
+        gemm = sum(g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms)
+        core_peak = p.peak(self.problem.dtype) * scale * p.attention_efficiency
+        return gemm, work.attention_flops / core_peak, \
+            work.elementwise_bytes / (p.memory_bandwidth * scale)
+
+    def layer_seconds(self, layer: int | None, c: Candidate
+                      ) -> tuple[float, float, float, float]:
+        """(forward, input-gradient backward, weight-gradient backward, communication) seconds
+        of one layer for one micro-batch, communication included in the first two."""
+        if layer is None:
+            return 0.0, 0.0, 0.0, 0.0
+        cfg = self.problem.model
+        key = (layer, c.tp, c.cp, c.ep, c.etp, c.sp, c.micro_batch, c.recompute,
+               c.world_size)
+        if key not in self._layers:
+            work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size)
+            gemm, core, memory = self._work_seconds(work, self.rate_scale(c))
+            comm_f, comm_b = self.layer_communication(layer, c, core)
+            forward = gemm + core + memory
+            redo = {"full": forward, "selective": core}.get(c.recompute, 0.0)
+            backward_input = gemm + 2.5 * core + 2 * memory + redo
+            self._layers[key] = (forward + comm_f, backward_input + comm_b, gemm,
+                                 comm_f + comm_b)
+        return self._layers[key]
+
+    def layer_communication(self, layer: int, c: Candidate,
+                            core_seconds: float) -> tuple[float, float]:
+        """(forward, backward) seconds of the layer's tp, cp and ep communication."""
+        pr, cfg = self.problem, self.problem.model
+        groups = layout_groups(c, pr.profile.gpus_per_node)
+        tokens = c.micro_batch * pr.seq_len / c.cp
+        activation = tokens * cfg.hidden_size * pr.element_size
+        if c.sp and c.tp > 1:
+            tp_one = (collective_seconds(pr.profile, "all_gather", groups.tp, activation)
+                      + collective_seconds(pr.profile, "reduce_scatter", groups.tp, activation))
+        else:
+            tp_one = 2 * collective_seconds(pr.profile, "all_reduce", groups.tp, activation)
+        forward = backward = tp_one
+        if c.cp > 1:
+            kv = tokens * 2 * cfg.num_kv_heads * cfg.head_size / min(c.tp, cfg.num_kv_heads) \
+                * pr.element_size
+            if pr.cp_comm == "ring":
+                ring = (c.cp - 1) * send_seconds(pr.profile, kv, groups.cp.crosses_nodes)
+                forward += max(0.0, ring - core_seconds)
+                backward += max(0.0, 2 * ring - 2.5 * core_seconds)
+            elif pr.cp_comm == "all_gather":
+                forward += collective_seconds(pr.profile, "all_gather", groups.cp, kv * c.cp)
+                backward += collective_seconds(pr.profile, "reduce_scatter", groups.cp,
+                                               kv * c.cp)
+            else:  # all_to_all: q, k, v and the output trade the sequence split for heads
+                qkvo = tokens * (2 * cfg.num_heads * cfg.head_size / c.tp) * pr.element_size \
+                    + kv
+                forward += collective_seconds(pr.profile, "all_to_all", groups.cp, qkvo)
+                backward += collective_seconds(pr.profile, "all_to_all", groups.cp, qkvo)
+        if cfg.is_moe_layer(layer) and c.ep > 1:
+            routed = tokens * cfg.moe.top_k / (c.tp if c.etp == 1 else 1)
+            a2a = 2 * collective_seconds(pr.profile, "all_to_all", groups.ep,
+                                         routed * cfg.hidden_size * pr.element_size)
+            forward += a2a
+            backward += a2a
+        return forward, backward
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def pipeline(self, c: Candidate) -> tuple[PipelinePartition, list[StageShape],
+                                              dict[StageShape, int]]:
+        """The partition, each stage's shape, and one stage of each distinct shape."""
+        key = (c.pp, c.vpp)
+        if key not in self._pipelines:
+            costs = layer_and_head_cost(self.problem.model, self.problem.seq_len)
+            part = partition_layers(self.problem.model, c.pp, c.vpp, costs)
+            shapes = stage_shapes(self.problem.model, part)
+            unique: dict[StageShape, int] = {}
+            for stage, shape in enumerate(shapes):
+                unique.setdefault(shape, stage)
+            self._pipelines[key] = part, shapes, unique
+        return self._pipelines[key]
+
+    def chunk_costs(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
+        """Costs of every distinct chunk for one micro-batch."""
+        pr = self.problem
+        _, _, unique = self.pipeline(c)
+        groups = layout_groups(c, pr.profile.gpus_per_node)
+        tokens = c.micro_batch * pr.seq_len / c.cp
+        boundary = tokens * pr.model.hidden_size * pr.element_size / (c.tp if c.sp else 1)
+        hop = send_seconds(pr.profile, boundary, groups.pp_crosses_nodes) if c.pp > 1 else 0.0
+        head_gemm, _, head_memory = self._work_seconds(
+            head_work(pr.model, pr.seq_len, c, pr.element_size), self.rate_scale(c))
+        dense = self.layer_seconds(self.dense_layer, c)
+        moe = self.layer_seconds(self.moe_layer, c)
+        out: dict[ChunkShape, ActionCosts] = {}
+        for shape in unique:
+            for chunk in shape.chunks:
+                if chunk in out:
+                    continue
+                f, b, w, comm = (chunk.dense * d + chunk.moe * m for d, m in zip(dense, moe))
+                f += chunk.heads * (head_gemm + head_memory)
+                b += chunk.heads * (head_gemm + 2 * head_memory)
+                w += chunk.heads * head_gemm
+                if chunk.receives:
+                    f, comm = f + hop, comm + hop
+                if chunk.sends_back:
+                    b, comm = b + hop, comm + hop
+                out[chunk] = ActionCosts(f, b, w, comm)
+        return out
+
+    def in_flight(self, c: Candidate, microbatches: int) -> list[int]:
+        """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
+        what the schedule's warm-up holds (it stops growing after a few rounds)."""
+        if c.pp == 1:
+            return [1]
+        if c.schedule == "gpipe":
+            return [microbatches] * c.pp
+        m = min(microbatches, 4 * c.pp)
+        key = (c.schedule, c.pp, c.vpp, m)
+        if key not in self._in_flight:
+            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m).peak_in_flight()
+        return self._in_flight[key]
+
+    def closed_form_seconds(self, c: Candidate, busiest: float, microbatches: int) -> float:
+        """The busiest stage's work over one minus the schedule's theoretical bubble: the
+        search's first pass (the plan itself uses :meth:`pipeline_seconds`)."""
+        busy = busiest * microbatches
+        if c.pp == 1:
+            return busy
+        p, m = c.pp, microbatches
+        fraction = {"zb-h1": (p - 1) / (3 * m + p - 1),
+                    "interleaved": (p - 1) / (c.vpp * m + p - 1)}.get(c.schedule,
+                                                                      (p - 1) / (m + p - 1))
+        return busy / (1 - fraction)
+
+    def pipeline_seconds(self, c: Candidate, costs: dict[ChunkShape, ActionCosts],
+                         microbatches: int) -> float:
+        """The makespan of the step's pipeline in the schedule simulator."""
+        _, shapes, _ = self.pipeline(c)
+        if c.pp == 1:
+            return microbatches * costs[shapes[0].chunks[0]].total
+        split = c.schedule == "zb-h1"
+
+        def price(stage: int, action: Action) -> float:
+            a = costs[shapes[stage].chunks[action.chunk]]
+            if action.kind == "F":
+                return a.forward
+            if action.kind == "W":
+                return a.weight
+            return a.backward if split else a.backward + a.weight
+
+        def makespan(m: int) -> float:
+            rows = build_schedule(c.schedule, c.pp, c.vpp, m).timeline(action_cost=price)
+            return max(row[-1][1] for row in rows if row)
+
+        if microbatches <= SIMULATED_MICROBATCHES:
+            return makespan(microbatches)
+        step = c.pp  # keeps interleaved's multiple of pp
+        m1 = max(c.pp, SIMULATED_MICROBATCHES // step * step)
+        t1, t2 = makespan(m1), makespan(m1 + step)
+        return t2 + (microbatches - m1 - step) * (t2 - t1) / step
+
+    # ------------------------------------------------------------------ memory
+
+    def stage_params(self, c: Candidate, stage: int) -> StageParams:
+        key = (c.pp, c.vpp, stage)
+        if key not in self._stage_params:
+            part, _, _ = self.pipeline(c)
+            held = part.stage_layers(stage)
+            layers = [i for chunk in held.chunks for i in chunk]
+            self._stage_params[key] = stage_params(self.problem.model, layers, held.embedding,
+                                                   held.head, c.pp)
+        return self._stage_params[key]
+
+    def layer_activations(self, layer: int | None, c: Candidate, recompute: str) -> float:
+        if layer is None:
+            return 0.0
+        key = (layer, c.tp, c.cp, c.sp, c.micro_batch, recompute)
+        if key not in self._activations:
+            self._activations[key] = layer_activation_bytes(
+                self.problem.model, layer, dataclasses.replace(c, recompute=recompute),
+                self.problem.seq_len, self.problem.element_size)
+        return self._activations[key]
+
+    def memory(self, c: Candidate) -> MemoryEstimate:
+        """The peak over stages."""
+        pr = self.problem
+        _, shapes, unique = self.pipeline(c)
+        in_flight = self.in_flight(c, c.microbatches(pr.global_batch))
+        dense = self.layer_activations(self.dense_layer, c, c.recompute)
+        moe = self.layer_activations(self.moe_layer, c, c.recompute)
+        per_shape = {}
+        for shape, stage in unique.items():
+            params = self.stage_params(c, stage)
+            chunk = max(k.dense * dense + k.moe * moe for k in shape.chunks)
+            if c.recompute == "full":  # one layer's whole activations while it is recomputed
+                chunk_extra = self.layer_activations(
+                    self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
+            else:
+                chunk_extra = 0.0
+            per_shape[shape] = (state_bytes(params, c, pr.element_size, pr.reduce_size), chunk,
+                                chunk_extra, transient_bytes(pr.model, params, c, pr.seq_len,
+                                                             shape.head, pr.element_size,
+                                                             pr.reduce_size))
+        worst, peak = None, -1.0
+        for stage, shape in enumerate(shapes):
+            state, chunk, extra, transient = per_shape[shape]
+            total = sum(state.values()) + in_flight[stage] * chunk + extra + transient
+            if total > peak:
+                worst, peak = (state, in_flight[stage] * chunk + extra, transient), total
+        assert worst is not None
+        state, activations, transient = worst
+        return MemoryEstimate(**state, activations=activations, transient=transient,
+                              reserved=pr.profile.memory_reserved_bytes,
+                              correction=pr.profile.memory_correction)
+
+    # ------------------------------------------------------------------ the whole step
+
+    def data_parallel_costs(self, c: Candidate, stage: int
+                            ) -> tuple[tuple[tuple[float, float, float], ...], float]:
+        """Per gradient group (dense, experts): (reduction, gather of updated chunks, ZeRO-3
+        gather) seconds; and the optimizer step's seconds (memory-bound: every state byte
+        read and written once)."""
+        key = (c.pp, c.vpp, stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.world_size)
+        if key not in self._dp:
+            pr = self.problem
+            groups = layout_groups(c, pr.profile.gpus_per_node)
+            params = self.stage_params(c, stage)
+            per_group = []
+            for count, group in zip(rank_params(params, c), (groups.dp, groups.expert_dp)):
+                grads, weights = count * pr.reduce_size, count * pr.element_size
+                kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
+                gather = collective_seconds(pr.profile, "all_gather", group, weights)
+                per_group.append((collective_seconds(pr.profile, kind, group, grads),
+                                  gather if c.zero in (1, 2) else 0.0,
+                                  gather if c.zero == 3 else 0.0))
+            state = sum(state_bytes(params, c, pr.element_size, pr.reduce_size).values())
+            bandwidth = pr.profile.memory_bandwidth * self.rate_scale(c)
+            self._dp[key] = tuple(per_group), 2 * state / bandwidth
+        return self._dp[key]
+
+    def data_parallel_seconds(self, c: Candidate, stage: int, last_backward: float,
+                              microbatches: int) -> tuple[float, float]:
+        """(exposed reduction and gather seconds, optimizer seconds) of one stage after its
+        last backward: ZeRO 0/1 reduce once, overlapping the last backward; ZeRO 2/3 reduce
+        every micro-batch's gradients during its own backward; ZeRO 1/2 gather the updated
+        chunks after the step; ZeRO-3 gathers in forward and backward, prefetched behind
+        compute."""
+        per_group, optimizer = self.data_parallel_costs(c, stage)
+        times = microbatches if c.zero >= 2 else 1
+        exposed = 0.0
+        for reduce, gather_after, gather_3 in per_group:
+            exposed += times * max(0.0, reduce - last_backward) + gather_after
+            if gather_3:
+                exposed += microbatches * max(0.0, 2 * gather_3 - last_backward)
+        return exposed, optimizer
+
+    def estimate(self, c: Candidate, simulate: bool = True) -> Estimate:
+        """The candidate's step time, memory and throughput; ``simulate=False`` prices the
+        pipeline in closed form (the search's first pass)."""
+        pr = self.problem
+        m = c.microbatches(pr.global_batch)
+        costs = self.chunk_costs(c)
+        _, _, unique = self.pipeline(c)
+        busy = comm = 0.0
+        after = (0.0, 0.0)
+        for shape, stage in unique.items():
+            work = [costs[k] for k in shape.chunks]
+            busy = max(busy, sum(a.total for a in work))
+            comm = max(comm, sum(a.communication for a in work))
+            last_backward = sum(a.backward + a.weight for a in work)
+            after = max(after, self.data_parallel_seconds(c, stage, last_backward, m), key=sum)
+        makespan = (self.pipeline_seconds(c, costs, m) if simulate
+                    else self.closed_form_seconds(c, busy, m))
+        memory = self.memory(c)
+        dp_exposed, optimizer = after
+        busy, comm = busy * m, comm * m
+        overhead = pr.profile.step_overhead_s
+        step = (makespan + dp_exposed + optimizer + overhead) * pr.profile.time_correction
+        breakdown = {"compute": busy - comm, "bubble": max(0.0, makespan - busy),
+                     "communication": comm + dp_exposed, "optimizer": optimizer,
+                     "overhead": overhead}
+        fits = memory.peak <= pr.profile.memory_bytes
+        main = max(("compute", "bubble", "communication"), key=lambda k: breakdown[k])
+        bottleneck = "memory" if not fits or breakdown["optimizer"] > breakdown[main] else main
+        flops = pr.flops_per_step / step / pr.gpus
+        return Estimate(c, step, pr.global_batch * pr.seq_len / step, flops / 1e12,
+                        flops / pr.profile.peak(pr.dtype if pr.dtype != "fp64" else "fp32"),
+                        memory, fits, bottleneck, breakdown)

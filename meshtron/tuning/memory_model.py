@@ -1,0 +1,164 @@
+"""Bytes per rank of a layout: what persists between steps, what a step adds, at its peak.
+
+Persistent state follows the optimizers of :mod:`meshtron.optim.data_parallel` (their
+``memory_bytes()`` is the check): parameters in the model's dtype, gradient buckets in the
+reduction dtype (whole under ZeRO 0/1, the rank's 1/dp chunk under 2/3), fp32 master weights
+(none only for fp32 parameters under ZeRO 0, which updates the parameters themselves) and the
+two Adam moments, sharded over the data-parallel group from ZeRO 1 (experts over their own
+expert-data-parallel group). Activations are the trainer's per-layer formula
+(:func:`meshtron.training.memory.activation_bytes_per_layer`, a close analogue for blocks it
+does not cover) times the layers of a chunk times the micro-batches the schedule keeps in
+flight on that stage (:meth:`Schedule.peak_in_flight`). Transients are the largest buffers a
+step creates on top: the fp32 logits of the loss on the last stage, the gathered units and
+gradient buckets of ZeRO-3 (this unit and the prefetched next one) or ZeRO-2 (one unit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshtron.config import ModelConfig
+from meshtron.models.arch import architecture_of
+from meshtron.models.flops import layer_size, mlp_matmul_params, model_size, padded_vocab_size
+from meshtron.training.memory import activation_bytes_per_layer, formula_covers
+from meshtron.tuning.candidate import Candidate
+from meshtron.tuning.workload import capacity_padding
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one pipeline stage holds, before any tp or ep split."""
+
+    dense: int
+    experts: int
+    largest_layer: int
+    """The biggest transformer layer of the stage (a ZeRO-3 unit)."""
+
+
+def expert_params(cfg: ModelConfig, layer: int) -> int:
+    if not cfg.is_moe_layer(layer):
+        return 0
+    arch = architecture_of(cfg)
+    per_expert = mlp_matmul_params(cfg, cfg.moe.expert_ffn_size)
+    if arch.bias:
+        per_expert += (2 if arch.gated_mlp else 1) * cfg.moe.expert_ffn_size + cfg.hidden_size
+    return cfg.moe.num_experts * per_expert
+
+
+def stage_params(cfg: ModelConfig, layers: list[int], embedding: bool, head: bool,
+                 pp: int) -> StageParams:
+    """The stage's layers, plus the embedding on the first stage and the final norm, the output
+    layer (or the tied embedding's copy when pp > 1) and the multi-token-prediction modules on
+    the last."""
+    arch = architecture_of(cfg)
+    h, vocab = cfg.hidden_size, padded_vocab_size(cfg)
+    sizes = [layer_size(cfg, i)[0] for i in layers]
+    experts = sum(expert_params(cfg, i) for i in layers)
+    dense = sum(sizes) - experts
+    table = vocab * h + (0 if arch.rotary else cfg.max_seq_len * h)
+    if embedding:
+        dense += table
+    if head:
+        dense += arch.norm_vectors * h
+        if not cfg.tie_embeddings:
+            dense += vocab * h
+        elif pp > 1:
+            dense += vocab * h  # the tied embedding's copy on the last stage
+        if cfg.mtp_depth:
+            mtp = list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth))
+            mtp_experts = sum(expert_params(cfg, i) for i in mtp)
+            experts += mtp_experts
+            dense += model_size(cfg).mtp_params - mtp_experts
+    return StageParams(dense, experts, max(sizes, default=0))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    activations: float
+    transient: float
+    reserved: float
+    correction: float = 1.0
+
+    @property
+    def state(self) -> float:
+        """What the optimizer's ``memory_bytes()`` reports: kept between steps."""
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return (self.state + self.activations + self.transient) * self.correction \
+            + self.reserved
+
+
+def rank_params(stage: StageParams, c: Candidate) -> tuple[float, float]:
+    """(dense, expert) parameters on one rank of the stage."""
+    expert_split = c.ep * (1 if c.etp == 1 else c.tp)
+    return stage.dense / c.tp, stage.experts / expert_split
+
+
+def state_bytes(stage: StageParams, c: Candidate, param_bytes: int,
+                reduce_bytes: int) -> dict[str, float]:
+    """Persistent bytes per rank, as the optimizer accounts them."""
+    dense, experts = rank_params(stage, c)
+    dp = c.dp * c.cp
+    expert_dp = max(1, dp * (c.tp if c.etp == 1 else 1) // c.ep)
+    owned = dense / dp + experts / expert_dp  # the 1/dp chunks this rank updates
+    total = dense + experts
+    replicated_fp32 = c.zero == 0 and param_bytes >= 4
+    master_bytes = max(4, param_bytes)
+    return {
+        "params": (owned if c.zero == 3 else total) * param_bytes,
+        "grads": (owned if c.zero >= 2 else total) * reduce_bytes,
+        "master": 0.0 if replicated_fp32 else (total if c.zero == 0 else owned) * master_bytes,
+        "optimizer": 2 * master_bytes * (total if c.zero == 0 else owned),
+    }
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, c: Candidate, seq_len: int,
+                           element_size: int) -> float:
+    """What one layer keeps for backward per micro-batch on one rank."""
+    local_seq = seq_len // c.cp
+    if formula_covers(cfg):
+        return activation_bytes_per_layer(cfg, c.micro_batch, local_seq, c.tp, c.sp,
+                                          c.recompute, element_size)
+    n, h, tp = c.micro_batch * local_seq, cfg.hidden_size, c.tp
+    residual = n // tp if c.sp and tp > 1 else n
+    if c.recompute == "full":
+        return element_size * residual * h
+    arch = architecture_of(cfg)
+    width = arch.attention.score_width(cfg) / tp  # q.k and value widths over heads
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        units = moe.top_k * moe.expert_ffn_size * capacity_padding(cfg) + \
+            moe.shared_experts * moe.expert_ffn_size
+        mlp = (4 if arch.gated_mlp else 2) * n * units / tp + 3 * n * moe.top_k * h
+    else:
+        mlp = (4 if arch.gated_mlp else 2) * n * cfg.ffn_hidden_size / tp
+    norm = 2 * (2 * residual * h + n * h)
+    attention = 2 * n * width + n * h
+    return element_size * (norm + attention + mlp)
+
+
+def transient_bytes(cfg: ModelConfig, stage: StageParams, c: Candidate, seq_len: int,
+                    head: bool, param_bytes: int, reduce_bytes: int) -> float:
+    """The largest buffers a step adds on top of state and saved activations."""
+    tokens = c.micro_batch * seq_len // c.cp
+    logits = 2 * 4 * tokens * padded_vocab_size(cfg) / c.tp if head else 0.0
+    unit = stage.largest_layer / c.tp
+    if c.zero == 3:
+        units = 2 * unit * (param_bytes + reduce_bytes)
+    elif c.zero == 2:
+        units = unit * reduce_bytes
+    else:
+        units = 0.0
+    return logits + units
+
+
+def with_vocab(cfg: ModelConfig, vocab: int | None) -> ModelConfig:
+    """The model with its vocabulary size resolved (a preset may leave it to the tokenizer)."""
+    return cfg if cfg.vocab_size else dataclasses.replace(cfg, vocab_size=vocab)

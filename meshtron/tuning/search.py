@@ -1,0 +1,218 @@
+"""The layout search: every split of a cluster the trainer can run, pruned exactly, then ranked.
+
+Enumeration walks tp, cp, pp (with vpp and the schedule), ep and etp, ZeRO and the micro-batch
+size; a pinned field takes only its pinned value. Pruning is exact before anything is ranked:
+divisibility as the plan checks it, and memory — the optimizer state of the largest stage is
+known before activations, so a (tp, cp, pp, ep, zero) split whose state alone overflows is
+dropped with every schedule and micro-batch under it. Among the recompute modes, which only
+trade time for memory, each layout keeps the cheapest that fits. Sequence parallelism is on
+whenever tp > 1 unless pinned off (the same communication as without, less memory), and GPipe
+is tried only when pinned (1F1B runs the same pipeline in less memory).
+
+Ranking is two-pass: a closed-form pipeline (the busiest stage over one minus the schedule's
+theoretical bubble) orders every fitting candidate, then the best few are priced with the
+schedule simulator and re-sorted; the final plan and table use the simulated figures only, and
+each of them passes the trainer's own plan checks (:func:`meshtron.plan.check_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from meshtron.config import Config
+from meshtron.errors import MeshtronError
+from meshtron.plan import check_run
+from meshtron.tuning.candidate import Candidate
+from meshtron.tuning.estimate import Estimate, Estimator, Problem
+from meshtron.tuning.memory_model import state_bytes
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+SIMULATED = 48
+"""Candidates re-ranked with the schedule simulator after the closed-form pass."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Fields the user fixed; None leaves a field to the search."""
+
+    tp: int | None = None
+    cp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    schedule: str | None = None
+    ep: int | None = None
+    etp: int | None = None
+    zero: int | None = None
+    sp: bool | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+
+    def allow(self, name: str, options: list) -> list:
+        pinned = getattr(self, name)
+        return [pinned] if pinned is not None else options
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]
+    """Simulated candidates, fitting ones first, each group by step time."""
+    considered: int
+    """Layouts that passed divisibility (before memory pruning)."""
+    fitting: int
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _structures(problem: Problem, pins: Pins) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) splits the model and the world divide into."""
+    m, gpus = problem.model, problem.gpus
+    gpn = problem.profile.gpus_per_node
+    for tp in pins.allow("tp", powers_of_two(min(gpn, m.num_heads))):
+        if (m.num_heads % tp or (m.num_kv_heads % tp and tp % m.num_kv_heads)
+                or m.ffn_hidden_size % tp or m.vocab_multiple % tp or gpus % tp):
+            continue
+        for cp in pins.allow("cp", powers_of_two(problem.seq_len // 2)):
+            if problem.seq_len % (2 * cp) or gpus % (tp * cp):
+                continue
+            for pp in pins.allow("pp", divisors(gpus // (tp * cp), m.num_layers)):
+                if gpus % (tp * cp * pp) == 0:
+                    yield tp, cp, pp, gpus // (tp * cp * pp)
+
+
+def _expert_splits(problem: Problem, pins: Pins, tp: int, cp: int,
+                   dp: int) -> Iterator[tuple[int, int | None]]:
+    m = problem.model
+    if not m.is_moe:
+        if pins.ep not in (None, 1):
+            return
+        yield 1, None
+        return
+    for etp in pins.allow("etp", [None, 1] if tp > 1 else [None]):
+        if etp is not None and etp not in (1, tp):
+            continue
+        if etp != 1 and m.moe.expert_ffn_size % tp:
+            continue
+        folded = dp * cp * (tp if etp == 1 else 1)
+        for ep in pins.allow("ep", divisors(m.moe.num_experts, folded)):
+            if folded % ep == 0:
+                yield ep, etp
+
+
+def _pipelines(pins: Pins, pp: int, layers: int) -> list[tuple[int, str]]:
+    if pp == 1:
+        return [(1, "1f1b")] if pins.schedule in (None, "1f1b", "gpipe") and \
+            pins.vpp in (None, 1) else []
+    schedules = [pins.schedule] if pins.schedule else ["1f1b", "zb-h1", "interleaved"]
+    out = []
+    for schedule in schedules:
+        vpps = [v for v in range(2, 5) if layers % (pp * v) == 0] \
+            if schedule == "interleaved" else [1]
+        out += [(v, schedule) for v in pins.allow("vpp", vpps)
+                if (v > 1) == (schedule == "interleaved")]
+    return out
+
+
+def candidates(problem: Problem, pins: Pins) -> Iterator[Candidate]:
+    """Every candidate that passes divisibility (memory is not checked here)."""
+    gb, layers = problem.global_batch, problem.model.num_layers
+    for tp, cp, pp, dp in _structures(problem, pins):
+        if gb % dp:
+            continue
+        share = gb // dp
+        for ep, etp in _expert_splits(problem, pins, tp, cp, dp):
+            for sp in pins.allow("sp", [tp > 1]):
+                if sp and (tp == 1 or (problem.seq_len // cp) % tp):
+                    continue
+                for zero in pins.allow("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
+                    for vpp, schedule in _pipelines(pins, pp, layers):
+                        if schedule == "zb-h1" and zero == 3 and dp * cp > 1:
+                            continue
+                        for mb in pins.allow("micro_batch", powers_of_two(min(share, 64))):
+                            count = share // mb if share % mb == 0 else 0
+                            if not count or (pp > 1 and schedule != "gpipe" and count < pp) \
+                                    or (schedule == "interleaved" and count % pp):
+                                continue
+                            for recompute in pins.allow("recompute", list(RECOMPUTE_ORDER)):
+                                yield Candidate(tp, cp, pp, vpp, schedule, ep, etp, dp, zero,
+                                                sp, mb, recompute)
+
+
+def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULATED
+           ) -> SearchResult:
+    """Rank every layout of ``problem`` that the trainer can run (``cfg`` gives the rest of
+    the run's settings for the plan checks)."""
+    estimator = Estimator(problem)
+    limit = problem.profile.memory_bytes
+    considered = 0
+    state_fits: dict[tuple, bool] = {}
+    first_pass: list[tuple[float, Candidate]] = []
+    spill: list[Candidate] = []  # the least-memory layouts, for the "does not fit" report
+    kept: dict[tuple, str] = {}
+    for c in candidates(problem, pins):
+        considered += 1
+        key = (c.tp, c.cp, c.pp, c.vpp, c.ep, c.etp, c.zero)
+        if key not in state_fits:
+            worst = max(sum(state_bytes(estimator.stage_params(c, s), c, problem.element_size,
+                                        problem.reduce_size).values()) for s in range(c.pp))
+            state_fits[key] = worst * problem.profile.memory_correction \
+                + problem.profile.memory_reserved_bytes <= limit
+        layout = (*key, c.schedule, c.sp, c.micro_batch)
+        if not state_fits[key]:
+            if c.recompute == "full":
+                spill.append(c)
+            continue
+        if layout in kept:  # a cheaper recompute mode of this layout already fits
+            continue
+        if estimator.memory(c).peak > limit:
+            if c.recompute == "full" or pins.recompute:
+                spill.append(c)
+            continue
+        kept[layout] = c.recompute
+        first_pass.append((estimator.estimate(c, simulate=False).step_time_s, c))
+    first_pass.sort(key=lambda item: item[0])
+    ranked = []
+    for _, c in first_pass:
+        if len(ranked) >= simulate:
+            break
+        if runnable(cfg, c, problem.gpus):
+            ranked.append(estimator.estimate(c))
+    fitting = len(first_pass)
+    if not ranked:
+        ranked = least_memory(estimator, spill)
+    ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
+    return SearchResult(ranked, considered, fitting)
+
+
+def least_memory(estimator: Estimator, spill: list[Candidate], keep: int = 5) -> list[Estimate]:
+    """The layouts closest to fitting, for the report that nothing fits."""
+    if not spill:
+        return []
+    scored = sorted(spill, key=lambda c: estimator.memory(c).peak)
+    return [estimator.estimate(c) for c in scored[:keep]]
+
+
+def runnable(cfg: Config, c: Candidate, gpus: int) -> bool:
+    """The trainer's plan accepts the candidate."""
+    try:
+        check_run(apply(cfg, c), gpus)
+    except MeshtronError:
+        return False
+    return True
+
+
+def apply(cfg: Config, c: Candidate) -> Config:
+    """``cfg`` with the candidate's layout, micro-batch and recompute mode."""
+    parallel = dataclasses.replace(cfg.parallel, tp=c.tp, cp=c.cp, pp=c.pp, vpp=c.vpp,
+                                   schedule=c.schedule, ep=c.ep, etp=c.etp, zero=c.zero,
+                                   sp=c.sp, pp_layers=None)
+    train = dataclasses.replace(cfg.train, micro_batch=c.micro_batch, recompute=c.recompute)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)
