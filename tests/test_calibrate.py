@@ -19,13 +19,6 @@ from meshtron.tuning.profiles import load_profile, save_profile
 
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-RANK_SCRIPT = """\
-import sys
-from pathlib import Path
-from meshtron.parallel.mesh.process import exit_process
-from meshtron.tuning.calibrate import run_calibrate
-exit_process(run_calibrate(int(sys.argv[1]), Path(sys.argv[2]), quick=True))
-"""
 
 
 def test_quick_process_profile_loads_back_with_a_rising_curve(tmp_path):
@@ -69,8 +62,8 @@ def test_group_sizes_link_and_forwarded_arguments():
     assert math.isclose(link.latency, 1e-4) and math.isclose(link.bandwidth, 1.5e9)
     assert calibrate.ring_link((1e-4, 0.0), 2) is None
     out = Path("p.json")
-    assert calibrate.forwarded(2, out, True) == [
-        "--calibrate", "--nproc=2", f"--output={out.resolve()}", "--quick"]
+    assert calibrate.forwarded(out, True) == [
+        "--calibrate", f"--output={out.resolve()}", "--quick"]
 
 
 @pytest.mark.parametrize("nproc, name, fragment", [
@@ -86,14 +79,13 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, nproc, name, fragmen
 
 
 def test_two_ranks_fit_every_collective(tmp_path):
-    """Two ranks under torchrun (each rank started already), as a launched command runs."""
-    script, output = tmp_path / "rank.py", tmp_path / "profile.json"
-    script.write_text(RANK_SCRIPT)
+    """The command as a user runs it: it launches two ranks of itself."""
+    output = tmp_path / "profile.json"
     env = {k: v for k, v in os.environ.items()
            if k not in _JOB_VARIABLES and not k.startswith("SLURM_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(script), "2", str(output)],
+        [sys.executable, "-m", "meshtron", "tune", "--calibrate", "--nproc", "2", "--output",
+         str(output), "--quick"],
         cwd=tmp_path, env={**env, "GLOO_SOCKET_IFNAME": "lo"}, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -453,10 +453,11 @@ def check_arguments(nproc: int, output: Path) -> None:
         raise MeshtronError(f"--output {output}: the folder {folder} is not writable")
 
 
-def forwarded(nproc: int, output: Path, quick: bool) -> list[str]:
-    """The arguments of ``meshtron tune`` that every launched rank gets."""
-    return ["--calibrate", f"--nproc={nproc}", f"--output={output.resolve()}",
-            *(["--quick"] if quick else [])]
+def forwarded(output: Path, quick: bool) -> list[str]:
+    """The arguments of ``meshtron tune`` that every launched rank gets (no ``--nproc``: a
+    launched rank takes the world size, and torchrun's own parser would read it as its
+    ``--nproc-per-node``)."""
+    return ["--calibrate", f"--output={output.resolve()}", *(["--quick"] if quick else [])]
 
 
 def run_calibrate(nproc: int, output: Path, quick: bool = False) -> int:
@@ -470,7 +471,7 @@ def run_calibrate(nproc: int, output: Path, quick: bool = False) -> int:
             return 2  # every rank sees the same error: rank 0 says it
         raise
     if nproc > 1 and not info.distributed:
-        return launch_local(nproc, forwarded(nproc, output, quick), command="tune")
+        return launch_local(nproc, forwarded(output, quick), command="tune")
     profile = _calibrate_rank(info, quick)
     if profile is not None:
         save_profile(profile, output)
