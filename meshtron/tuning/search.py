@@ -188,7 +188,9 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
     fitting = len(first_pass)
     if not ranked:
         ranked = least_memory(estimator, spill)
-    ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
+    # equal times (cp re-splitting what dp would) go to the simpler layout
+    ranked.sort(key=lambda e: (not e.fits, e.step_time_s, e.candidate.cp, e.candidate.pp,
+                               e.candidate.zero, e.candidate.tp))
     return SearchResult(ranked, considered, fitting)
 
 
