@@ -64,6 +64,14 @@ class Problem:
         return 8 if self.dtype == "fp64" else ELEMENT_SIZE[self.reduce_dtype]
 
     @property
+    def memory_limit(self) -> float:
+        """What one rank may use: a GPU's memory, or a CPU rank's share of the host's."""
+        p = self.profile
+        if p.compute_units is None:
+            return p.memory_bytes
+        return p.memory_bytes / min(self.gpus, p.gpus_per_node)
+
+    @property
     def gemm_dtype(self) -> str:
         return "fp8" if self.fp8 and "fp8" in self.profile.peak_flops else self.dtype
 
@@ -428,7 +436,7 @@ class Estimator:
         breakdown = {"compute": busy - comm, "bubble": max(0.0, makespan - busy),
                      "communication": comm + dp_exposed, "optimizer": optimizer,
                      "overhead": overhead}
-        fits = memory.peak <= pr.profile.memory_bytes
+        fits = memory.peak <= pr.memory_limit
         main = max(("compute", "bubble", "communication"), key=lambda k: breakdown[k])
         bottleneck = "memory" if not fits or breakdown["optimizer"] > breakdown[main] else main
         flops = pr.flops_per_step / step / pr.gpus

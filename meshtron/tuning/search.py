@@ -151,7 +151,7 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
     """Rank every layout of ``problem`` that the trainer can run (``cfg`` gives the rest of
     the run's settings for the plan checks)."""
     estimator = Estimator(problem)
-    limit = problem.profile.memory_bytes
+    limit = problem.memory_limit
     considered = 0
     state_fits: dict[tuple, bool] = {}
     first_pass: list[tuple[float, Candidate]] = []

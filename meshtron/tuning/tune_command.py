@@ -105,7 +105,7 @@ def check_pins(cfg: Config, pins: Pins, cluster: Cluster) -> None:
 
 
 def no_fit_message(result: SearchResult, cluster: Cluster, problem: Problem) -> str:
-    limit = cluster.profile.memory_bytes
+    limit = problem.memory_limit
     if not result.ranked:
         return (f"no layout of {cluster.gpus} GPUs divides this model and batch (check "
                 "train.global_batch, the pins and --cluster.gpus)")
@@ -166,7 +166,7 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
                             cluster.profile, Path(args.trial_dir) if args.trial_dir else None)
     print(f"{problem.model.preset or 'model'} on {cluster.gpus} x {cluster.profile.name} "
           f"({cluster.profile.source}): {result.considered:,} layouts divide it, "
-          f"{result.fitting:,} fit in {cluster.profile.memory_bytes / 2**30:,.1f} GiB")
+          f"{result.fitting:,} fit in {problem.memory_limit / 2**30:,.1f} GiB per GPU")
     print("\n".join(table(ranked, args.top, args.tokens)))
     if args.json:
         payload = {"cluster": {"gpu": cluster.profile.name, "gpus": cluster.gpus,
