@@ -165,8 +165,9 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
         ranked = run_trials(cfg, ranked, args.trial, args.nproc, args.trial_steps,
                             cluster.profile, Path(args.trial_dir) if args.trial_dir else None)
     print(f"{problem.model.preset or 'model'} on {cluster.gpus} x {cluster.profile.name} "
-          f"({cluster.profile.source}): {result.considered:,} layouts divide it, "
-          f"{result.fitting:,} fit in {problem.memory_limit / 2**30:,.1f} GiB per GPU")
+          f"({cluster.profile.source}): {result.considered:,} candidates divide it; "
+          f"{result.fitting:,} layouts fit in {problem.memory_limit / 2**30:,.1f} GiB per GPU "
+          "(each with the least recompute that fits)")
     print("\n".join(table(ranked, args.top, args.tokens)))
     if args.json:
         payload = {"cluster": {"gpu": cluster.profile.name, "gpus": cluster.gpus,
