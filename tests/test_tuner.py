@@ -1,0 +1,625 @@
+"""`meshtron tune`: the cost model's parts against exact quantities, never wall-clock time.
+
+FLOPs against :mod:`meshtron.models.flops`; bytes per rank against the optimizers' own
+``memory_bytes()`` and the ZeRO closed forms; the pipeline against the schedule simulator; the
+published GPT-3 175B figure on paper; the 10T-parameter plan; the CLI's JSON, pins and plan file;
+and bad input, each one clear line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshtron.cli import main
+from meshtron.config import load_config
+from meshtron.models.flops import model_size, training_flops_per_token
+from meshtron.models.transformer import Transformer
+from meshtron.optim.data_parallel import build_optimizer
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.plan import check_run
+from meshtron.precision.policy import Precision
+from meshtron.tuning import workload
+from meshtron.tuning.candidate import Candidate
+from meshtron.tuning.estimate import ActionCosts, Estimator, Problem
+from meshtron.tuning.memory_model import stage_params, state_bytes, with_vocab
+from meshtron.tuning.profiles import builtin_profiles, load_profile, profile_to_dict
+from meshtron.tuning.search import Pins, search
+from tests.distributed import run_distributed
+
+ROW_KEYS = {"tp", "cp", "pp", "vpp", "schedule", "ep", "dp", "zero", "sp", "micro_batch",
+            "recompute", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+            "memory_per_gpu_bytes", "fits"}
+
+
+def model_of(preset: str, *overrides: str, vocab: int = 256):
+    """A preset's model config with its vocabulary resolved (presets may leave it unset)."""
+    cfg = load_config(overrides=[f"--model.preset={preset}", *overrides]).model
+    return with_vocab(cfg, vocab)
+
+
+def candidate(tp=1, cp=1, pp=1, vpp=1, schedule="1f1b", ep=1, etp=None, dp=1, zero=0, sp=False,
+              micro_batch=1, recompute="none") -> Candidate:
+    return Candidate(tp, cp, pp, vpp, schedule, ep, etp, dp, zero, sp, micro_batch, recompute)
+
+
+def tune(capsys, *args: str) -> tuple[int, str, str]:
+    """``meshtron tune ARGS`` in this process: (exit code, stdout, stderr)."""
+    code = main(["tune", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-deepseek", "gpt2-small",
+                                    "llama3-8b", "deepseek-v3", "moe-10t"])
+def test_layer_and_head_flops_add_up_to_the_models_training_flops(preset):
+    """3 x (the layers' parts + the output heads, one per multi-token-prediction module too)
+    is :func:`training_flops_per_token` exactly, but for the MTP modules' merge projection
+    (2h -> h per token), which the workload leaves out: the difference is exactly that term."""
+    cfg, seq = model_of(preset), 512
+    layers = range(cfg.num_layers + cfg.mtp_depth)
+    parts = sum(sum(workload.layer_flops_per_token(cfg, i, seq).values()) for i in layers)
+    heads = (1 + cfg.mtp_depth) * workload.head_flops_per_token(cfg)
+    merge = 3 * cfg.mtp_depth * 2.0 * (2 * cfg.hidden_size) * cfg.hidden_size
+    assert 3 * parts + 3 * heads + merge == training_flops_per_token(cfg, seq)
+    if preset in ("tiny-deepseek", "deepseek-v3"):
+        assert merge > 0
+
+
+@pytest.mark.parametrize("preset, tp, cp, ep, etp, mb", [
+    ("tiny", 1, 1, 1, None, 2), ("tiny", 2, 1, 1, None, 1), ("tiny", 4, 2, 1, None, 3),
+    ("tiny-moe", 1, 1, 1, None, 1), ("tiny-moe", 2, 1, 2, None, 2),
+    ("tiny-moe", 2, 2, 4, 1, 1), ("tiny-deepseek", 2, 1, 2, None, 1),
+    ("llama3-8b", 8, 2, 1, None, 1)])
+def test_one_ranks_gemms_times_the_split_are_the_layers_flops(preset, tp, cp, ep, etp, mb):
+    """A layer's GEMMs on one rank of a layout, times the ranks that share the work, are the
+    per-token FLOPs times the micro-batch's tokens (the router is replicated over tp); the
+    attention core is half the Megatron (full-score) count: causal. The head likewise."""
+    cfg, seq = model_of(preset), 256
+    c = candidate(tp=tp, cp=cp, ep=ep, etp=etp, dp=max(ep, 1), micro_batch=mb)
+    tokens = mb * seq  # per sequence-parallel group of cp ranks
+    for layer in range(cfg.num_layers + cfg.mtp_depth):
+        parts = workload.layer_flops_per_token(cfg, layer, seq)
+        work = workload.layer_work(cfg, layer, seq, c, element_size=2)
+        router = parts.get("router", 0.0) * tokens / cp
+        matmuls = sum(v for k, v in parts.items() if k not in ("attention", "router"))
+        assert (work.gemm_flops - router) * tp * cp == pytest.approx(matmuls * tokens,
+                                                                     rel=1e-12)
+        assert work.attention_flops * tp * cp == pytest.approx(
+            parts["attention"] * tokens / 2, rel=1e-12)
+    head = workload.head_work(cfg, seq, c, element_size=2)
+    assert head.gemm_flops * tp * cp == pytest.approx(
+        workload.head_flops_per_token(cfg) * tokens, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def optimizer_accounting(preset: str, dtype: str, zero: int, mesh: ParallelMesh,
+                         *extra: str) -> tuple[dict, dict, int]:
+    """The real optimizer's ``memory_bytes()`` for a small model of ``preset`` on ``mesh``,
+    the memory model's state for the same layout, and the buckets' padding (elements)."""
+    layout = mesh.layout
+    cfg = load_config(overrides=[
+        f"--model.preset={preset}", "--model.vocab_size=500", "--model.num_layers=2",
+        f"--precision.dtype={dtype}", f"--parallel.zero={zero}", "--parallel.bucket_mb=0.25",
+        *extra])
+    model = Transformer(cfg.model, mesh)
+    precision = Precision(dtype, torch.device("cpu"), reduce_dtype=cfg.precision.reduce_dtype)
+    precision.cast_parameters(model)
+    optimizer = build_optimizer(model, mesh, cfg.train, zero=zero,
+                                bucket_mb=cfg.parallel.bucket_mb,
+                                reduce_dtype=precision.reduce_dtype)
+    optimizer.init_state()  # as the trainer does: torch's AdamW makes its moments lazily
+    m = cfg.model
+    c = candidate(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp=layout.dp, zero=zero)
+    predicted = state_bytes(stage_params(m, list(range(m.num_layers)), True, True, 1), c,
+                            torch.empty((), dtype=precision.param_dtype).element_size(),
+                            torch.empty((), dtype=precision.reduce_dtype).element_size())
+    buckets = getattr(optimizer.reducer, "buckets", [])
+    padding = sum(b.padded - b.numel for b in buckets)
+    return optimizer.memory_bytes(), predicted, padding
+
+
+ONE_RANK = [(preset, dtype, zero) for preset in ("tiny", "tiny-moe", "tiny-deepseek")
+            for dtype in ("fp32", "bf16") for zero in (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("preset, dtype, zero",
+                         [c for c in ONE_RANK if not (c[1] == "fp32" and c[2] > 0)])
+def test_state_bytes_equal_the_optimizers_own_accounting_on_one_rank(preset, dtype, zero):
+    """dp=1: nothing to pad, so every key is exact (bf16: whole flat buckets with fp32
+    masters; a one-rank ZeRO 1-3 runs as ZeRO 0)."""
+    got, predicted, padding = optimizer_accounting(preset, dtype, zero, ParallelMesh.single())
+    assert padding == 0
+    assert got == predicted
+
+
+# BUG (meshtron/tuning/memory_model.py, state_bytes): build_optimizer runs any ZeRO stage as
+# stage 0 when dp x cp is one rank, and fp32 stage 0 keeps no master weights; state_bytes
+# decides "replicated_fp32" from c.zero alone, so a pinned --parallel.zero=1/2/3 with dp*cp=1
+# in fp32 is charged 4 bytes per parameter of masters that never exist.
+@pytest.mark.xfail(strict=True, reason="state_bytes counts fp32 masters for ZeRO>=1 at "
+                   "dp*cp=1, where the optimizer runs ZeRO 0 and keeps none")
+def test_one_rank_fp32_zero_1_to_3_holds_no_master_weights():
+    for zero in (1, 2, 3):
+        got, predicted, _ = optimizer_accounting("tiny", "fp32", zero, ParallelMesh.single())
+        assert got["master"] == 0
+        assert predicted == got, zero
+
+
+def two_rank_accounting(rank: int, world_size: int) -> list[tuple]:
+    out = []
+    for zero in (0, 1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            mesh = ParallelMesh(MeshLayout(world_size), rank)
+            out.append(("tiny", zero, dtype, *optimizer_accounting("tiny", dtype, zero, mesh)))
+    odd = ("--model.arch=gpt2", "--model.hidden_size=63", "--model.num_heads=7",
+           "--model.num_kv_heads=7", "--model.ffn_hidden_size=127", "--model.max_seq_len=64")
+    for zero in (1, 3):  # odd-sized buckets: each pads to a multiple of dp=2
+        mesh = ParallelMesh(MeshLayout(world_size), rank)
+        out.append(("odd gpt2", zero, "fp32",
+                    *optimizer_accounting("tiny", "fp32", zero, mesh, *odd)))
+    for zero in (1, 3):  # experts over ep=2 (their expert-data-parallel group is one rank)
+        mesh = ParallelMesh(MeshLayout(world_size, ep=2), rank)
+        out.append(("tiny-moe", zero, "bf16",
+                    *optimizer_accounting("tiny-moe", "bf16", zero, mesh,
+                                          "--parallel.ep=2")))
+    return out
+
+
+@pytest.mark.slow
+def test_state_bytes_equal_the_optimizers_accounting_on_two_data_parallel_ranks():
+    """dp=2 over gloo, ZeRO 0-3, fp32 and bf16, and experts over ep=2: every key equal up to
+    the buckets' padding to a multiple of dp (dp-1 = one element per bucket, a handful of
+    buckets), at most 8 bytes per padded element (fp32 gradients or parameters; a 1/dp chunk
+    of fp32 master and two moments): a few dozen bytes. The odd-sized model pads; the others
+    are exact."""
+    rows = [row for rank_rows in run_distributed(two_rank_accounting, 2) for row in rank_rows]
+    assert any(padding for *_, padding in rows)  # the bound below is exercised
+    for preset, zero, dtype, got, predicted, padding in rows:
+        where = (preset, zero, dtype)
+        assert 0 <= padding <= 16, where
+        assert set(got) == set(predicted), where
+        for key in got:
+            assert abs(got[key] - predicted[key]) <= 8 * padding, (where, key, got, predicted)
+
+
+def tensor_parallel_accounting(rank: int, world_size: int) -> list[tuple]:
+    mesh = ParallelMesh(MeshLayout(world_size, tp=2), rank)
+    return [optimizer_accounting("tiny", dtype, 0, mesh, "--parallel.tp=2")
+            for dtype in ("fp32", "bf16")]
+
+
+# BUG (meshtron/tuning/memory_model.py, rank_params): every dense parameter is divided by tp,
+# but the norm weights (and other replicated parameters) are whole on every tp rank; the
+# tiny 2-layer model at tp=2 holds 640 more parameters per rank than predicted (2560 bytes of
+# fp32 params, grads; 5120 of moments). Small for large models, but not "exactly" the
+# optimizer's accounting as the module promises.
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="rank_params splits replicated parameters (norms) "
+                   "over tp; the optimizer holds them whole on every tp rank")
+def test_state_bytes_equal_the_optimizers_accounting_under_tensor_parallelism():
+    for rank_rows in run_distributed(tensor_parallel_accounting, 2):
+        for got, predicted, padding in rank_rows:
+            assert padding == 0
+            assert got == predicted
+
+
+@pytest.mark.parametrize("zero, per_param", [(1, 2 + 4 + (4 + 8) / 8), (3, (2 + 4 + 4 + 8) / 8)])
+def test_llama3_8b_on_8_gpus_state_per_gpu_is_the_zero_closed_form(zero, per_param):
+    """bf16 parameters (2), fp32 gradient buckets (4: precision.reduce_dtype's default), fp32
+    master (4) and two fp32 moments (8) sharded over dp=8 from ZeRO 1; everything over 8 under
+    ZeRO 3. P is the model's whole parameter count."""
+    cfg = load_config(overrides=["--model.preset=llama3-8b", "--precision.dtype=bf16",
+                                 "--train.seq_len=8192", "--train.global_batch=8"])
+    assert cfg.precision.reduce_dtype == "fp32"
+    params = model_size(cfg.model).params
+    problem = Problem(cfg.model, 8192, 8, load_profile("h100-sxm"), 8, dtype="bf16",
+                      reduce_dtype=cfg.precision.reduce_dtype)
+    c = candidate(dp=8, zero=zero)
+    memory = Estimator(problem).memory(c)
+    assert memory.state == pytest.approx(params * per_param, rel=1e-12)
+    # the same through the search's path for one pinned layout
+    est = search(problem, Pins(tp=1, cp=1, pp=1, zero=zero, micro_batch=1, recompute="full"),
+                 cfg).ranked[0]
+    assert est.memory.state == pytest.approx(params * per_param, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+PIPELINES = [("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2), ("interleaved", 4, 4),
+             ("zb-h1", 4, 1), ("zb-h1", 8, 1), ("gpipe", 4, 1)]
+
+
+def pipeline_problem(preset: str, pp: int, microbatches: int) -> Problem:
+    cfg = model_of(preset, vocab=50000)
+    return Problem(cfg, 2048, 2 * microbatches, load_profile("a100-80gb"), 2 * pp,
+                   dtype="bf16")
+
+
+@pytest.mark.parametrize("schedule, pp, vpp", PIPELINES)
+@pytest.mark.parametrize("microbatches", [8, 24, 200])
+def test_equal_stage_costs_give_the_simulators_makespan_and_the_closed_form(
+        schedule, pp, vpp, microbatches):
+    """With every chunk at F=1, B=1, W=1 (a whole backward: B+W=2) the estimator's pipeline is
+    the simulator's makespan at the default unit costs, and that is the busy time over one
+    minus the schedule's theoretical bubble, as the closed form says."""
+    c = candidate(pp=pp, vpp=vpp, schedule=schedule, dp=2)
+    estimator = Estimator(pipeline_problem("llama3-8b", pp, microbatches))
+    _, shapes, _ = estimator.pipeline(c)
+    unit = {chunk: ActionCosts(1.0, 1.0, 1.0, 0.0) for s in shapes for chunk in s.chunks}
+    simulated = build_schedule(schedule, pp, vpp, microbatches)
+    makespan = max(row[-1][1] for row in simulated.timeline() if row)
+    assert estimator.pipeline_seconds(c, unit, microbatches) == pytest.approx(makespan,
+                                                                             rel=1e-12)
+    busy = 3.0 * vpp * microbatches
+    closed = estimator.closed_form_seconds(c, 3.0 * vpp, microbatches)
+    assert closed == pytest.approx(busy / (1 - simulated.theoretical_bubble()), rel=1e-12)
+    if schedule != "gpipe":  # gpipe's closed form is 1f1b's; its simulation is too
+        assert closed == pytest.approx(makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("preset, schedule, pp, vpp, microbatches", [
+    ("llama3-8b", "1f1b", 4, 1, 200), ("llama3-8b", "1f1b", 4, 1, 203),
+    ("llama3-8b", "interleaved", 4, 2, 200), ("llama3-8b", "zb-h1", 4, 1, 200),
+    ("gpt3-175b", "1f1b", 32, 1, 40), ("gpt3-175b", "interleaved", 8, 3, 40),
+    ("gpt3-175b", "zb-h1", 16, 1, 30), ("tiny-deepseek", "1f1b", 4, 1, 101),
+    ("tiny-deepseek", "interleaved", 2, 2, 100)])
+def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, vpp,
+                                                          microbatches):
+    """Past 24 micro-batches the estimator simulates two counts and extends the line; with the
+    real (unequal: the last stage holds the head, MTP modules) per-stage costs that equals a
+    direct simulation at the full count."""
+    c = candidate(pp=pp, vpp=vpp, schedule=schedule, dp=2)
+    estimator = Estimator(pipeline_problem(preset, pp, microbatches))
+    _, shapes, _ = estimator.pipeline(c)
+    costs = estimator.chunk_costs(c)
+    assert len(set(costs.values())) > 1  # the stages really differ
+
+    def price(stage, action):
+        a = costs[shapes[stage].chunks[action.chunk]]
+        if action.kind == "F":
+            return a.forward
+        if action.kind == "W":
+            return a.weight
+        return a.backward if schedule == "zb-h1" else a.backward + a.weight
+
+    rows = build_schedule(schedule, pp, vpp, microbatches).timeline(action_cost=price)
+    direct = max(row[-1][1] for row in rows if row)
+    assert estimator.pipeline_seconds(c, costs, microbatches) == pytest.approx(direct,
+                                                                               rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- on paper
+
+
+def gpt3_problem():
+    cfg = load_config(overrides=["--model.preset=gpt3-175b", "--train.seq_len=2048",
+                                 "--train.global_batch=1536", "--precision.dtype=bf16"])
+    return cfg, Problem(cfg.model, 2048, 1536, load_profile("a100-80gb"), 1024, dtype="bf16")
+
+
+PUBLISHED = candidate(tp=8, pp=16, dp=8, zero=0, sp=False, micro_batch=1, recompute="full")
+"""Megatron-LM's README: GPT-3 175B on 1024 A100s, tp 8, pp 16, 138 TFLOP/s per GPU."""
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1f1b", 1), ("interleaved", 2)])
+def test_gpt3_175b_published_layout_is_within_15_percent_of_138_tflops(schedule, vpp):
+    _, problem = gpt3_problem()
+    e = Estimator(problem).estimate(dataclasses.replace(PUBLISHED, schedule=schedule, vpp=vpp))
+    assert e.fits
+    assert 138 * 0.85 <= e.tflops_per_gpu <= 138 * 1.15
+    # the figure is model FLOPs (Megatron's count, no recompute) over the step
+    assert e.tflops_per_gpu == pytest.approx(
+        training_flops_per_token(problem.model, 2048) * 1536 * 2048 / e.step_time_s / 1024
+        / 1e12, rel=1e-12)
+
+
+def test_gpt3_175b_search_pinned_near_the_published_layout_is_at_least_as_fast():
+    """A quick search that still holds the published layout (tp 8, pp 16 pinned), simulating
+    only the closed-form pass's best 4 (each simulated candidate's plan check builds its
+    192-micro-batch schedule: about 0.2 s apiece)."""
+    cfg, problem = gpt3_problem()
+    result = search(problem, Pins(tp=8, pp=16), cfg, simulate=4)
+    published = Estimator(problem).estimate(PUBLISHED)
+    best = result.ranked[0]
+    assert best.fits and (best.candidate.tp, best.candidate.pp) == (8, 16)
+    assert best.step_time_s <= published.step_time_s
+
+
+@pytest.mark.slow
+def test_gpt3_175b_unpinned_search_beats_the_published_layout():
+    cfg, problem = gpt3_problem()
+    result = search(problem, Pins(), cfg)
+    published = Estimator(problem).estimate(PUBLISHED)
+    best = result.ranked[0]
+    assert best.fits
+    assert best.step_time_s <= published.step_time_s
+    fitting = [e for e in result.ranked if e.fits]
+    assert [e.step_time_s for e in fitting] == sorted(e.step_time_s for e in fitting)
+
+
+# ----------------------------------------------------------------------------- moe-10t
+
+
+MOE_10T = ["--model.preset=moe-10t", "--cluster.gpu=h200", "--cluster.gpus=16384"]
+PLANNING_BATCH = ["--train.global_batch=8192", "--train.seq_len=4096", "--precision.dtype=bf16"]
+
+
+def assert_fitting_plan(capsys, tmp_path, *args: str) -> dict:
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = tune(capsys, *args, "--json", str(out), "--top", "3")
+    assert code == 0, stderr
+    best = json.loads(out.read_text())["candidates"][0]
+    assert best["fits"] and best["step_time_s"] > 0
+    assert 0 < best["memory_per_gpu_bytes"] <= builtin_profiles()["h200"].memory_bytes
+    return best
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the acceptance command as written exits 2 'no layout of 16384 GPUs divides this model and "
+    "batch': it runs with the config defaults train.global_batch=8, seq_len=256, fp32, and no "
+    "layout of 16384 GPUs has dp dividing 8 with >= pp micro-batches"))
+def test_moe_10t_acceptance_command_returns_a_fitting_plan(capsys, tmp_path):
+    assert_fitting_plan(capsys, tmp_path, *MOE_10T)
+
+
+@pytest.mark.slow
+def test_moe_10t_whole_search_with_a_planning_batch_returns_a_fitting_plan(capsys, tmp_path):
+    assert_fitting_plan(capsys, tmp_path, *MOE_10T, *PLANNING_BATCH)
+
+
+def test_moe_10t_pinned_search_returns_a_fitting_plan(capsys, tmp_path):
+    best = assert_fitting_plan(capsys, tmp_path, *MOE_10T, *PLANNING_BATCH,
+                               "--parallel.tp=8", "--parallel.pp=16", "--parallel.ep=64",
+                               "--parallel.cp=1", "--train.micro_batch=1")
+    assert (best["tp"], best["pp"], best["ep"]) == (8, 16, 64)
+    assert best["tp"] * best["cp"] * best["pp"] * best["dp"] == 16384
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+TINY_8 = ["--model.preset=tiny", "--model.vocab_size=512", "--cluster.gpu=a100-80gb",
+          "--cluster.gpus=8", "--precision.dtype=bf16", "--train.global_batch=16",
+          "--train.seq_len=256"]
+
+
+def tune_json(capsys, tmp_path, *args: str) -> dict:
+    out = tmp_path / "tune.json"
+    code, _, stderr = tune(capsys, *args, "--json", str(out))
+    assert code == 0, stderr
+    return json.loads(out.read_text())
+
+
+def test_json_candidates_are_sorted_fitting_first_with_every_field(capsys, tmp_path):
+    payload = tune_json(capsys, tmp_path, *TINY_8)
+    rows = payload["candidates"]
+    assert len(rows) > 1
+    for row in rows:
+        assert set(row) >= ROW_KEYS, ROW_KEYS - set(row)
+        assert row["tp"] * row["cp"] * row["pp"] * row["dp"] == 8
+        # the throughput figures follow from the step time exactly
+        assert row["tokens_per_s"] == pytest.approx(16 * 256 / row["step_time_s"], rel=1e-12)
+        flops = training_flops_per_token(model_of("tiny", vocab=512), 256) * 16 * 256
+        assert row["tflops_per_gpu"] == pytest.approx(flops / row["step_time_s"] / 8 / 1e12,
+                                                      rel=1e-12)
+        assert row["mfu"] == pytest.approx(row["tflops_per_gpu"] * 1e12 / 312e12, rel=1e-12)
+        assert row["fits"] == (row["memory_per_gpu_bytes"] <= 80e9)
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True)
+    for group in (True, False):
+        times = [r["step_time_s"] for r in rows if r["fits"] is group]
+        assert times == sorted(times)
+    assert payload["considered"] >= payload["fitting"] >= sum(fits)
+
+
+def test_a_pin_restricts_every_candidate(capsys, tmp_path):
+    rows = tune_json(capsys, tmp_path, *TINY_8, "--parallel.tp=2")["candidates"]
+    assert rows and {r["tp"] for r in rows} == {2}
+    rows = tune_json(capsys, tmp_path, *TINY_8, "--parallel.zero=1",
+                     "--train.recompute=selective")["candidates"]
+    assert rows and {(r["zero"], r["recompute"]) for r in rows} == {(1, "selective")}
+
+
+ALL_PINS = {"parallel.tp": 2, "parallel.cp": 1, "parallel.pp": 2, "parallel.vpp": 1,
+            "parallel.schedule": "1f1b", "parallel.ep": 1, "parallel.zero": 1,
+            "parallel.sp": True, "train.micro_batch": 1, "train.recompute": "none"}
+
+
+def test_every_layout_field_pinned_evaluates_exactly_that_layout(capsys, tmp_path):
+    args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in ALL_PINS.items()]
+    payload = tune_json(capsys, tmp_path, *TINY_8, *args)
+    assert payload["considered"] == 1
+    (row,) = payload["candidates"]
+    assert {k: row[k.split(".")[1]] for k in ALL_PINS} == ALL_PINS
+    assert row["dp"] == 2
+
+
+def test_output_config_loads_passes_the_plan_and_pins_back_to_itself(capsys, tmp_path):
+    plan, out = tmp_path / "plan.yaml", tmp_path / "tune.json"
+    code, stdout, stderr = tune(capsys, *TINY_8, "--json", str(out),
+                                "--output-config", str(plan))
+    assert code == 0, stderr
+    best = json.loads(out.read_text())["candidates"][0]
+    cfg = load_config(plan)
+    check_run(cfg, 8)  # raises on a plan the trainer refuses
+    p = cfg.parallel
+    assert (p.tp, p.cp, p.pp, p.vpp, p.schedule, p.ep, p.zero, p.sp) == tuple(
+        best[k] for k in ("tp", "cp", "pp", "vpp", "schedule", "ep", "zero", "sp"))
+    assert (cfg.train.micro_batch, cfg.train.recompute) == (best["micro_batch"],
+                                                             best["recompute"])
+    assert yaml.safe_load(plan.read_text())["model"]["preset"] == "tiny"
+    # the file as --config pins every layout field: tuning it again prices that one layout
+    again = tune_json(capsys, tmp_path, "--config", str(plan), "--cluster.gpu=a100-80gb",
+                      "--cluster.gpus=8")
+    assert again["considered"] == 1
+    assert again["candidates"][0]["step_time_s"] == pytest.approx(best["step_time_s"],
+                                                                   rel=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "search._structures/candidates: with tp > 1 and sp unpinned only sp=True is tried, and it "
+    "is dropped when seq_len/cp is not a multiple of tp, so runnable sp-off layouts vanish"))
+def test_layouts_that_cannot_use_sequence_parallelism_run_without_it(capsys, tmp_path):
+    args = [a for a in TINY_8 if not a.startswith("--train.seq_len")]
+    rows = tune_json(capsys, tmp_path, *args, "--train.seq_len=12",
+                     "--parallel.tp=8")["candidates"]
+    assert rows and all(r["tp"] == 8 and not r["sp"] for r in rows)
+
+
+CPU_PROFILE = {
+    "name": "test-cpu", "source": "made up for a test", "gpus_per_node": 2,
+    "memory_bytes": 8e9, "memory_bandwidth": 1e10, "peak_flops": {"fp32": 5e10, "bf16": 5e9},
+    "intra_node": {"bandwidth": 2e9, "latency": 2e-5},
+    "inter_node": {"bandwidth": 1e9, "latency": 5e-5}, "compute_units": 2,
+    "memory_reserved_bytes": 5e8}
+
+
+@pytest.mark.slow
+def test_the_written_plan_trains_with_meshtron_train(tiny_overrides, tmp_path):
+    """A 2-rank plan on a CPU profile, run as written by ``meshtron train --config``."""
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps(CPU_PROFILE))
+    plan = tmp_path / "plan.yaml"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RUN_ID")}
+    run = [sys.executable, "-m", "meshtron"]
+    tuned = subprocess.run([*run, "tune", *tiny_overrides, f"--cluster.gpu={profile}",
+                            "--cluster.gpus=2", "--output-config", str(plan)], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert tuned.returncode == 0, tuned.stderr
+    trained = subprocess.run([*run, "train", "--config", str(plan), "--nproc", "2",
+                              "--train.steps=2", "--train.log_every=1"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    run_dir = Path(load_config(plan).run.dir)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def profile_file(tmp_path: Path, change) -> str:
+    raw = json.loads(json.dumps(profile_to_dict(builtin_profiles()["a100-80gb"])))
+    change(raw)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def assert_one_line_error(capsys, args: list[str], *fragments: str) -> str:
+    code, _, stderr = tune(capsys, *args)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("meshtron: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+TINY = ["--model.preset=tiny", "--model.vocab_size=512"]
+
+
+def test_unknown_gpu(capsys):
+    assert_one_line_error(capsys, [*TINY, "--cluster.gpu=v900", "--cluster.gpus=8"],
+                          "unknown GPU 'v900'", "a100-80gb", "h200")
+
+
+@pytest.mark.parametrize("change, fragments", [
+    (None, ("not valid JSON",)),
+    (lambda raw: raw.pop("memory_bytes"), ("'memory_bytes'",)),
+    (lambda raw: raw["inter_node"].update(bandwidth=-25e9), ("inter_node", "'bandwidth'",
+                                                             "positive")),
+    (lambda raw: raw.update(gemm_efficiency=[[1e10, 0.5], [1e9, 0.6]]),
+     ("'gemm_efficiency' must rise",)),
+    (lambda raw: raw.update(gemm_efficiency=[[1e9, 0.5], [1e9, 0.6]]),
+     ("'gemm_efficiency' must rise",)),
+    (lambda raw: raw.update(gemm_efficiency=[[1e9, 0.5], [1e10, 1.5]]),
+     ("'gemm_efficiency'",)),
+    (lambda raw: raw.update(peak_flops={"int4": 1e15}), ("'peak_flops'",)),
+    (lambda raw: raw.update(speed=3), ("unknown field 'speed'",)),
+])
+def test_malformed_profile(capsys, tmp_path, change, fragments):
+    if change is None:
+        path = tmp_path / "profile.json"
+        path.write_text("{not json")
+        path = str(path)
+    else:
+        path = profile_file(tmp_path, change)
+    assert_one_line_error(capsys, [*TINY, f"--cluster.gpu={path}", "--cluster.gpus=8"],
+                          path, *fragments)
+
+
+def test_missing_profile_file(capsys, tmp_path):
+    path = str(tmp_path / "nowhere.json")
+    assert_one_line_error(capsys, [*TINY, f"--cluster.gpu={path}", "--cluster.gpus=8"],
+                          "cannot read profile", path)
+
+
+def test_a_model_that_cannot_fit_says_by_how_much_and_what_would(capsys):
+    line = assert_one_line_error(capsys, ["--model.preset=llama3-405b", "--precision.dtype=bf16",
+                                          "--cluster.gpu=a100-40gb", "--cluster.gpus=8"],
+                                 "does not fit on 8 x a100-40gb", "GiB over the",
+                                 "the GPUs (or that much more memory per GPU) would fit")
+    # 405B parameters at 16 bytes each over 8 GPUs is over 800 GB a GPU: far more than 40
+    over = float(line.split(" GiB over the")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert over > 700
+    scale = float(line.split("about ")[1].split("x the GPUs")[0])
+    assert scale > 20
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--parallel.tp=3"], ("world size 8 is not divisible by tp*cp*pp", "3")),
+    (["--parallel.tp=4", "--parallel.pp=4"], ("not divisible by tp*cp*pp",)),
+    (["--parallel.vpp=2", "--parallel.schedule=1f1b"], ("parallel.vpp=2",
+                                                        "schedule=interleaved", "1f1b")),
+])
+def test_pins_that_contradict_the_world_size_or_each_other(capsys, args, fragments):
+    assert_one_line_error(capsys, [*TINY, "--cluster.gpu=a100-80gb", "--cluster.gpus=8", *args],
+                          *fragments)
+
+
+# The issue asks for pins that contradict each other to be refused in one clear line; these
+# contradictions get the search's generic "no layout of 8 GPUs divides this model and batch
+# (check train.global_batch, the pins and --cluster.gpus)", which names neither pin
+# (tune_command.check_pins only checks tp*cp*pp against the world and vpp against schedule).
+@pytest.mark.xfail(strict=True, reason="check_pins misses these; the generic no-layout line "
+                   "names neither pin")
+@pytest.mark.parametrize("args, fragments", [
+    (["--parallel.pp=1", "--parallel.vpp=2"], ("parallel.vpp=2", "parallel.pp=1")),
+    (["--parallel.ep=2"], ("parallel.ep=2",)),  # tiny is dense: no experts to split
+])
+def test_other_contradicting_pins_are_named(capsys, args, fragments):
+    assert_one_line_error(capsys, [*TINY, "--cluster.gpu=a100-80gb", "--cluster.gpus=8", *args],
+                          *fragments)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--cluster.gpu=a100-80gb"], ("--cluster.gpus=N",)),
+    (["--cluster.gpus=8"], ("--cluster.gpu=NAME",)),
+    (["--cluster.gpu=a100-80gb", "--cluster.gpus=0"], ("--cluster.gpus", "positive", "0")),
+    (["--cluster.gpu=a100-80gb", "--cluster.gpus=-8"], ("--cluster.gpus", "positive")),
+    (["--cluster.gpu=a100-80gb", "--cluster.gpus=8", "--cluster.nodes=2"],
+     ("unknown option --cluster.nodes",)),
+])
+def test_missing_or_bad_cluster_size(capsys, args, fragments):
+    assert_one_line_error(capsys, [*TINY, *args], *fragments)
