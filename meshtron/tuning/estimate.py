@@ -34,7 +34,7 @@ from meshtron.tuning.memory_model import (
 )
 from meshtron.tuning.profiles import ClusterProfile
 from meshtron.tuning.stages import ChunkShape, StageShape, representative_layers, stage_shapes
-from meshtron.tuning.workload import LayerWork, head_work, layer_work
+from meshtron.tuning.workload import LayerWork, head_work, layer_work, mtp_merge_work
 
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 SIMULATED_MICROBATCHES = 24
@@ -142,6 +142,8 @@ class Estimator:
         self._stage_params: dict[tuple[int, int, int], StageParams] = {}
         self._activations: dict[tuple, float] = {}
         self._in_flight: dict[tuple, list[int]] = {}
+        self._shape_index: dict[tuple[int, int], list[int]] = {}
+        self._state: dict[tuple, dict[str, float]] = {}
         self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
 
     # ------------------------------------------------------------------ compute
@@ -234,6 +236,10 @@ class Estimator:
             for stage, shape in enumerate(shapes):
                 unique.setdefault(shape, stage)
             self._pipelines[key] = part, shapes, unique
+            # per stage, the index of its shape among the distinct ones (hashing a shape for
+            # every stage of every candidate would dominate the search)
+            order = list(unique)
+            self._shape_index[key] = [order.index(shape) for shape in shapes]
         return self._pipelines[key]
 
     def chunk_costs(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
@@ -246,6 +252,8 @@ class Estimator:
         hop = send_seconds(pr.profile, boundary, groups.pp_crosses_nodes) if c.pp > 1 else 0.0
         head_gemm, _, head_memory = self._work_seconds(
             head_work(pr.model, pr.seq_len, c, pr.element_size), self.rate_scale(c))
+        merge = self._work_seconds(mtp_merge_work(pr.model, pr.seq_len, c),
+                                   self.rate_scale(c))[0] if pr.model.mtp_depth else 0.0
         dense = self.layer_seconds(self.dense_layer, c)
         moe = self.layer_seconds(self.moe_layer, c)
         out: dict[ChunkShape, ActionCosts] = {}
@@ -254,9 +262,10 @@ class Estimator:
                 if chunk in out:
                     continue
                 f, b, w, comm = (chunk.dense * d + chunk.moe * m for d, m in zip(dense, moe))
-                f += chunk.heads * (head_gemm + head_memory)
-                b += chunk.heads * (head_gemm + 2 * head_memory)
-                w += chunk.heads * head_gemm
+                merges = max(0, chunk.heads - 1)  # each prediction module's merge
+                f += chunk.heads * (head_gemm + head_memory) + merges * merge
+                b += chunk.heads * (head_gemm + 2 * head_memory) + merges * merge
+                w += chunk.heads * head_gemm + merges * merge
                 if chunk.receives:
                     f, comm = f + hop, comm + hop
                 if chunk.sends_back:
@@ -338,32 +347,38 @@ class Estimator:
                 self.problem.seq_len, self.problem.element_size)
         return self._activations[key]
 
-    def memory(self, c: Candidate) -> MemoryEstimate:
-        """The peak over stages."""
+    def memory(self, c: Candidate, stage: int | None = None) -> MemoryEstimate:
+        """The peak over stages, or the peak of pipeline stage ``stage`` (a trainer's memory
+        figure is rank 0's, which holds stage 0)."""
         pr = self.problem
-        _, shapes, unique = self.pipeline(c)
+        _, _, unique = self.pipeline(c)
         in_flight = self.in_flight(c, c.microbatches(pr.global_batch))
         dense = self.layer_activations(self.dense_layer, c, c.recompute)
         moe = self.layer_activations(self.moe_layer, c, c.recompute)
-        per_shape = {}
-        for shape, stage in unique.items():
-            params = self.stage_params(c, stage)
+        per_shape = []
+        for number, (shape, first) in enumerate(unique.items()):
+            params = self.stage_params(c, first)
             chunk = max(k.dense * dense + k.moe * moe for k in shape.chunks)
             if c.recompute == "full":  # one layer's whole activations while it is recomputed
                 chunk_extra = self.layer_activations(
                     self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
             else:
                 chunk_extra = 0.0
-            per_shape[shape] = (state_bytes(params, c, pr.element_size, pr.reduce_size), chunk,
-                                chunk_extra, transient_bytes(pr.model, params, c, pr.seq_len,
-                                                             shape.head, pr.element_size,
-                                                             pr.reduce_size))
+            key = (c.pp, c.vpp, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero)
+            if key not in self._state:
+                self._state[key] = state_bytes(params, c, pr.element_size, pr.reduce_size)
+            state = self._state[key]
+            per_shape.append((state, sum(state.values()), chunk, chunk_extra,
+                              transient_bytes(pr.model, params, c, pr.seq_len, shape.head,
+                                              pr.element_size, pr.reduce_size)))
         worst, peak = None, -1.0
-        for stage, shape in enumerate(shapes):
-            state, chunk, extra, transient = per_shape[shape]
-            total = sum(state.values()) + in_flight[stage] * chunk + extra + transient
+        for s, number in enumerate(self._shape_index[(c.pp, c.vpp)]):
+            if stage is not None and s != stage:
+                continue
+            state, held, chunk, extra, transient = per_shape[number]
+            total = held + in_flight[s] * chunk + extra + transient
             if total > peak:
-                worst, peak = (state, in_flight[stage] * chunk + extra, transient), total
+                worst, peak = (state, in_flight[s] * chunk + extra, transient), total
         assert worst is not None
         state, activations, transient = worst
         return MemoryEstimate(**state, activations=activations, transient=transient,

@@ -34,6 +34,9 @@ class StageParams:
     experts: int
     largest_layer: int
     """The biggest transformer layer of the stage (a ZeRO-3 unit)."""
+    replicated: int = 0
+    """Of ``dense``, what every tp rank holds whole: norms, row-parallel biases, the router,
+    latent attention's norms, learned positions."""
 
 
 def expert_params(cfg: ModelConfig, layer: int) -> int:
@@ -46,6 +49,26 @@ def expert_params(cfg: ModelConfig, layer: int) -> int:
     return cfg.moe.num_experts * per_expert
 
 
+def replicated_params(cfg: ModelConfig, layer: int) -> int:
+    """Parameters of one layer that tensor parallelism does not split."""
+    arch = architecture_of(cfg)
+    h = cfg.hidden_size
+    whole = 2 * arch.norm_vectors * h
+    if arch.bias or cfg.proj_bias:
+        whole += h  # the output projection's bias, added after the reduction
+    if cfg.qk_norm:
+        whole += 2 * cfg.head_size
+    if cfg.latent_attention:
+        whole += (cfg.q_lora_rank or 0) + cfg.kv_lora_rank
+    if cfg.is_moe_layer(layer):
+        whole += cfg.moe.num_experts * h  # the router
+        if arch.bias and cfg.moe.shared_experts:
+            whole += h
+    elif arch.bias or cfg.mlp_bias:
+        whole += h  # the MLP's down-projection bias
+    return whole
+
+
 def stage_params(cfg: ModelConfig, layers: list[int], embedding: bool, head: bool,
                  pp: int) -> StageParams:
     """The stage's layers, plus the embedding on the first stage and the final norm, the output
@@ -56,11 +79,14 @@ def stage_params(cfg: ModelConfig, layers: list[int], embedding: bool, head: boo
     sizes = [layer_size(cfg, i)[0] for i in layers]
     experts = sum(expert_params(cfg, i) for i in layers)
     dense = sum(sizes) - experts
-    table = vocab * h + (0 if arch.rotary else cfg.max_seq_len * h)
+    positions = 0 if arch.rotary else cfg.max_seq_len * h
+    replicated = sum(replicated_params(cfg, i) for i in layers)
     if embedding:
-        dense += table
+        dense += vocab * h + positions
+        replicated += positions
     if head:
         dense += arch.norm_vectors * h
+        replicated += arch.norm_vectors * h
         if not cfg.tie_embeddings:
             dense += vocab * h
         elif pp > 1:
@@ -70,7 +96,10 @@ def stage_params(cfg: ModelConfig, layers: list[int], embedding: bool, head: boo
             mtp_experts = sum(expert_params(cfg, i) for i in mtp)
             experts += mtp_experts
             dense += model_size(cfg).mtp_params - mtp_experts
-    return StageParams(dense, experts, max(sizes, default=0))
+            # each module's three norms and its merge projection (2h -> h) are whole too
+            replicated += sum(replicated_params(cfg, i) + 3 * arch.norm_vectors * h + 2 * h * h
+                              for i in mtp)
+    return StageParams(dense, experts, max(sizes, default=0), replicated)
 
 
 @dataclass(frozen=True)
@@ -98,24 +127,27 @@ class MemoryEstimate:
 def rank_params(stage: StageParams, c: Candidate) -> tuple[float, float]:
     """(dense, expert) parameters on one rank of the stage."""
     expert_split = c.ep * (1 if c.etp == 1 else c.tp)
-    return stage.dense / c.tp, stage.experts / expert_split
+    split = stage.dense - stage.replicated
+    return split / c.tp + stage.replicated, stage.experts / expert_split
 
 
 def state_bytes(stage: StageParams, c: Candidate, param_bytes: int,
                 reduce_bytes: int) -> dict[str, float]:
-    """Persistent bytes per rank, as the optimizer accounts them."""
+    """Persistent bytes per rank, as the optimizer accounts them (one data-parallel rank runs
+    every ZeRO stage as stage 0: there is nothing to shard)."""
     dense, experts = rank_params(stage, c)
     dp = c.dp * c.cp
+    zero = c.zero if dp > 1 else 0
     expert_dp = max(1, dp * (c.tp if c.etp == 1 else 1) // c.ep)
     owned = dense / dp + experts / expert_dp  # the 1/dp chunks this rank updates
     total = dense + experts
-    replicated_fp32 = c.zero == 0 and param_bytes >= 4
+    replicated_fp32 = zero == 0 and param_bytes >= 4
     master_bytes = max(4, param_bytes)
     return {
-        "params": (owned if c.zero == 3 else total) * param_bytes,
-        "grads": (owned if c.zero >= 2 else total) * reduce_bytes,
-        "master": 0.0 if replicated_fp32 else (total if c.zero == 0 else owned) * master_bytes,
-        "optimizer": 2 * master_bytes * (total if c.zero == 0 else owned),
+        "params": (owned if zero == 3 else total) * param_bytes,
+        "grads": (owned if zero >= 2 else total) * reduce_bytes,
+        "master": 0.0 if replicated_fp32 else (total if zero == 0 else owned) * master_bytes,
+        "optimizer": 2 * master_bytes * (total if zero == 0 else owned),
     }
 
 

@@ -129,8 +129,9 @@ def candidates(problem: Problem, pins: Pins) -> Iterator[Candidate]:
             continue
         share = gb // dp
         for ep, etp in _expert_splits(problem, pins, tp, cp, dp):
-            for sp in pins.allow("sp", [tp > 1]):
-                if sp and (tp == 1 or (problem.seq_len // cp) % tp):
+            can_split = tp > 1 and (problem.seq_len // cp) % tp == 0
+            for sp in pins.allow("sp", [can_split]):
+                if sp and not can_split:
                     continue
                 for zero in pins.allow("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                     for vpp, schedule in _pipelines(pins, pp, layers):
@@ -203,9 +204,13 @@ def least_memory(estimator: Estimator, spill: list[Candidate], keep: int = 5) ->
 
 
 def runnable(cfg: Config, c: Candidate, gpus: int) -> bool:
-    """The trainer's plan accepts the candidate."""
+    """The trainer's plan accepts the candidate. The enumeration has checked the batch split
+    already, so the plan is asked with the fewest micro-batches the schedule takes: every
+    other check is the same, and building a schedule of hundreds of micro-batches is not."""
+    fewest = 1 if c.pp == 1 else c.pp
+    small = dataclasses.replace(cfg.train, global_batch=c.dp * c.micro_batch * fewest)
     try:
-        check_run(apply(cfg, c), gpus)
+        check_run(apply(dataclasses.replace(cfg, train=small), c), gpus)
     except MeshtronError:
         return False
     return True

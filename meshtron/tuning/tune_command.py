@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -66,19 +67,44 @@ def cluster_of(given: dict[str, object]) -> Cluster:
     return Cluster(dataclasses.replace(profile, gpus_per_node=per_node), gpus)
 
 
-def pins_of(config_path: str | None, overrides: list[str]) -> Pins:
-    """The layout fields the config file or the command line set."""
+def given_fields(config_path: str | None, overrides: list[str]) -> dict[str, object]:
+    """The ``section.field`` values the config file or the command line set."""
     given: dict[str, object] = {}
     if config_path:
         raw = yaml.safe_load(Path(config_path).read_text()) or {}
-        for section in ("parallel", "train"):
-            for key, value in (raw.get(section) or {}).items():
+        for section, values in raw.items():
+            for key, value in (values if isinstance(values, dict) else {}).items():
                 given[f"{section}.{key}"] = value
     for text in overrides:
         section, key, value = parse_override(text)
         given[f"{section}.{key}"] = value
+    return given
+
+
+def pins_of(given: dict[str, object]) -> Pins:
+    """The layout fields the user fixed."""
     return Pins(**{field: given[name] for name, field in PIN_FIELDS.items()
                    if given.get(name) is not None})
+
+
+def planning_defaults(cfg: Config, given: dict[str, object], cluster: Cluster
+                      ) -> tuple[Config, list[str]]:
+    """A plan of thousands of GPUs needs a batch of their size: unset, ``train.seq_len`` is
+    the model's positions up to 4096, ``train.global_batch`` a quarter of the GPUs (a power of
+    two, at least the config's), and on GPUs ``precision.dtype`` is bf16 (training defaults
+    suit a CPU)."""
+    train, precision, said = cfg.train, cfg.precision, []
+    if "train.seq_len" not in given:
+        train = dataclasses.replace(train, seq_len=min(cfg.model.max_seq_len, 4096))
+        said.append(f"train.seq_len={train.seq_len}")
+    if "train.global_batch" not in given:
+        batch = max(train.global_batch, 2 ** math.ceil(math.log2(max(1, cluster.gpus / 4))))
+        train = dataclasses.replace(train, global_batch=batch)
+        said.append(f"train.global_batch={batch}")
+    if "precision.dtype" not in given and cluster.profile.compute_units is None:
+        precision = dataclasses.replace(precision, dtype="bf16")
+        said.append("precision.dtype=bf16")
+    return dataclasses.replace(cfg, train=train, precision=precision), said
 
 
 def problem_of(cfg: Config, cluster: Cluster) -> Problem:
@@ -102,6 +128,12 @@ def check_pins(cfg: Config, pins: Pins, cluster: Cluster) -> None:
     if pins.vpp and pins.vpp > 1 and pins.schedule not in (None, "interleaved"):
         raise MeshtronError(f"parallel.vpp={pins.vpp} needs parallel.schedule=interleaved, "
                             f"not {pins.schedule}")
+    if pins.vpp and pins.vpp > 1 and pins.pp == 1:
+        raise MeshtronError(f"parallel.vpp={pins.vpp} needs a pipeline: parallel.pp=1 has no "
+                            "stages to interleave")
+    if pins.ep and pins.ep > 1 and not cfg.model.is_moe:
+        raise MeshtronError(f"parallel.ep={pins.ep} needs a mixture-of-experts model (set "
+                            "model.moe.num_experts)")
 
 
 def no_fit_message(result: SearchResult, cluster: Cluster, problem: Problem) -> str:
@@ -119,11 +151,11 @@ def no_fit_message(result: SearchResult, cluster: Cluster, problem: Problem) -> 
 
 
 def table(ranked: list[Estimate], top: int, tokens: float | None) -> list[str]:
-    head = (f"{'#':>3} {'layout':<46} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} "
+    head = (f"{'#':>3} {'layout':<52} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} "
             f"{'MFU':>6} {'GiB/GPU':>8} {'fits':>5} bottleneck")
     lines = [head + ("  days" if tokens else "")]
     for i, e in enumerate(ranked[:top], 1):
-        line = (f"{i:>3} {e.candidate.describe():<46} {e.step_time_s:>9.4g} "
+        line = (f"{i:>3} {e.candidate.describe():<52} {e.step_time_s:>9.4g} "
                 f"{e.tokens_per_s:>11,.0f} {e.tflops_per_gpu:>8.1f} {e.mfu:>6.1%} "
                 f"{e.memory.peak / 2**30:>8.1f} {'yes' if e.fits else 'NO':>5} {e.bottleneck}")
         if tokens:
@@ -149,10 +181,14 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
         from meshtron.tuning.calibrate import run_calibrate
 
         return run_calibrate(args.nproc, Path(args.output), args.quick)
-    given, overrides = split_cluster(extra)
+    where, overrides = split_cluster(extra)
     cfg = load_config(args.config, overrides)
-    cluster = cluster_of(given)
-    pins = pins_of(args.config, overrides)
+    cluster = cluster_of(where)
+    given = given_fields(args.config, overrides)
+    cfg, defaults = planning_defaults(cfg, given, cluster)
+    if defaults:
+        print(f"planning with {', '.join(defaults)} (unset; set them for your run)")
+    pins = pins_of(given)
     check_pins(cfg, pins, cluster)
     problem = problem_of(cfg, cluster)
     result = search(problem, pins, cfg)
@@ -163,7 +199,8 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
         from meshtron.tuning.trials import run_trials
 
         ranked = run_trials(cfg, ranked, args.trial, args.nproc, args.trial_steps,
-                            cluster.profile, Path(args.trial_dir) if args.trial_dir else None)
+                            cluster.profile, Path(args.trial_dir) if args.trial_dir else None,
+                            profile_source=str(where["gpu"]))
     print(f"{problem.model.preset or 'model'} on {cluster.gpus} x {cluster.profile.name} "
           f"({cluster.profile.source}): {result.considered:,} candidates divide it; "
           f"{result.fitting:,} layouts fit in {problem.memory_limit / 2**30:,.1f} GiB per GPU "

@@ -112,3 +112,10 @@ def head_work(cfg: ModelConfig, seq_len: int, c: Candidate, element_size: int) -
     vocab = padded_vocab_size(cfg) / c.tp
     return LayerWork((Gemm(2.0 * m * cfg.hidden_size * vocab),), 0.0,
                      4 * m * vocab * 4 + element_size * 2 * m * cfg.hidden_size)
+
+
+def mtp_merge_work(cfg: ModelConfig, seq_len: int, c: Candidate) -> LayerWork:
+    """One multi-token-prediction module's merge projection (2h -> h, whole on every tp rank)
+    for one micro-batch."""
+    m = c.micro_batch * seq_len / c.cp
+    return LayerWork((Gemm(2.0 * m * 2 * cfg.hidden_size ** 2),), 0.0, 0.0)
