@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-LAYOUT_FIELDS = ("tp", "cp", "pp", "vpp", "schedule", "ep", "etp", "dp", "zero", "sp",
-                 "micro_batch", "recompute")
-"""The fields of a candidate, in the order the table and the JSON show them."""
 PARALLEL_PINS = ("tp", "cp", "pp", "vpp", "schedule", "ep", "etp", "zero", "sp")
 """The ``parallel.*`` config fields a user may pin; ``train.micro_batch`` and
 ``train.recompute`` pin the other two."""
