@@ -156,6 +156,14 @@ class Estimator:
         ranks = min(c.world_size, self.problem.profile.gpus_per_node)
         return self.problem.profile.thread_speedup if ranks == 1 else min(1.0, units / ranks)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether communication can hide behind compute. A GPU's collectives run beside its
+        kernels (NCCL on its own streams); a CPU rank's collectives (gloo copying, reducing
+        and driving the sockets) take the cores that its compute uses, and the ranks take every
+        core (:meth:`rate_scale`), so there they add to the compute time."""
+        return self.problem.profile.compute_units is None
+
     def _work_seconds(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
         """(GEMMs, attention core, memory-bound) forward seconds of ``work``."""
         p = self.problem.profile
@@ -192,9 +200,13 @@ class Estimator:
         groups = layout_groups(c, pr.profile.gpus_per_node)
         tokens = c.micro_batch * pr.seq_len / c.cp
         activation = tokens * cfg.hidden_size * pr.element_size
+        # two tp regions per layer (attention, MLP), each entered and left once: under sp by
+        # an all-gather and a reduce-scatter, else left by an all-reduce (in backward the
+        # entry's all-reduce, or the same pair swapped)
         if c.sp and c.tp > 1:
-            tp_one = (collective_seconds(pr.profile, "all_gather", groups.tp, activation)
-                      + collective_seconds(pr.profile, "reduce_scatter", groups.tp, activation))
+            tp_one = 2 * (collective_seconds(pr.profile, "all_gather", groups.tp, activation)
+                          + collective_seconds(pr.profile, "reduce_scatter", groups.tp,
+                                               activation))
         else:
             tp_one = 2 * collective_seconds(pr.profile, "all_reduce", groups.tp, activation)
         forward = backward = tp_one
@@ -203,8 +215,9 @@ class Estimator:
                 * pr.element_size
             if pr.cp_comm == "ring":
                 ring = (c.cp - 1) * send_seconds(pr.profile, kv, groups.cp.crosses_nodes)
-                forward += max(0.0, ring - core_seconds)
-                backward += max(0.0, 2 * ring - 2.5 * core_seconds)
+                hidden = core_seconds if self.overlaps else 0.0
+                forward += max(0.0, ring - hidden)
+                backward += max(0.0, 2 * ring - 2.5 * hidden)
             elif pr.cp_comm == "all_gather":
                 forward += collective_seconds(pr.profile, "all_gather", groups.cp, kv * c.cp)
                 backward += collective_seconds(pr.profile, "reduce_scatter", groups.cp,
@@ -256,6 +269,7 @@ class Estimator:
                                    self.rate_scale(c))[0] if pr.model.mtp_depth else 0.0
         dense = self.layer_seconds(self.dense_layer, c)
         moe = self.layer_seconds(self.moe_layer, c)
+        (embed_f, embed_b), (head_f, head_b) = self.edge_communication(c)
         out: dict[ChunkShape, ActionCosts] = {}
         for shape in unique:
             for chunk in shape.chunks:
@@ -266,12 +280,43 @@ class Estimator:
                 f += chunk.heads * (head_gemm + head_memory) + merges * merge
                 b += chunk.heads * (head_gemm + 2 * head_memory) + merges * merge
                 w += chunk.heads * head_gemm + merges * merge
+                if chunk.heads:
+                    f, b = f + chunk.heads * head_f, b + chunk.heads * head_b
+                    comm += chunk.heads * (head_f + head_b)
+                if not chunk.receives:  # the first virtual stage: the embedding
+                    f, b, comm = f + embed_f, b + embed_b, comm + embed_f + embed_b
                 if chunk.receives:
                     f, comm = f + hop, comm + hop
                 if chunk.sends_back:
                     b, comm = b + hop, comm + hop
                 out[chunk] = ActionCosts(f, b, w, comm)
         return out
+
+    def edge_communication(self, c: Candidate
+                           ) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(forward, backward) tp seconds of one micro-batch at the embedding, and at each
+        output layer with its loss. The vocabulary-parallel embedding sums its rows over tp (a
+        reduce-scatter under sp, whose backward gathers; an all-reduce without, whose backward
+        is the identity). The output layer's input is gathered under sp (reduce-scattered in
+        backward); without sp its input gradient is all-reduced. The loss all-reduces the max
+        and then the exponential sum with the target logit, fp32 per token."""
+        pr = self.problem
+        if c.tp == 1:
+            return (0.0, 0.0), (0.0, 0.0)
+        group = layout_groups(c, pr.profile.gpus_per_node).tp
+        tokens = c.micro_batch * pr.seq_len / c.cp
+        activation = tokens * pr.model.hidden_size * pr.element_size
+
+        def seconds(kind: str, nbytes: float) -> float:
+            return collective_seconds(pr.profile, kind, group, nbytes)
+
+        loss = seconds("all_reduce", 4 * tokens) + seconds("all_reduce", 8 * tokens)
+        if c.sp:
+            gather, scatter = seconds("all_gather", activation), \
+                seconds("reduce_scatter", activation)
+            return (scatter, gather), (gather + loss, scatter)
+        reduce = seconds("all_reduce", activation)
+        return (reduce, 0.0), (loss, reduce)
 
     def in_flight(self, c: Candidate, microbatches: int) -> list[int]:
         """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
@@ -419,11 +464,12 @@ class Estimator:
         compute."""
         per_group, optimizer = self.data_parallel_costs(c, stage)
         times = microbatches if c.zero >= 2 else 1
+        hidden = last_backward if self.overlaps else 0.0
         exposed = 0.0
         for reduce, gather_after, gather_3 in per_group:
-            exposed += times * max(0.0, reduce - last_backward) + gather_after
+            exposed += times * max(0.0, reduce - hidden) + gather_after
             if gather_3:
-                exposed += microbatches * max(0.0, 2 * gather_3 - last_backward)
+                exposed += microbatches * max(0.0, 2 * gather_3 - hidden)
         return exposed, optimizer
 
     def estimate(self, c: Candidate, simulate: bool = True) -> Estimate:
