@@ -123,6 +123,10 @@ def validate(cfg: Config) -> None:
         require(0 <= beta < 1, f"{name} must lie in [0, 1), got {beta}")
     require(t.eps > 0, f"train.eps must be positive, got {t.eps}")
     require(m.init_std >= 0, f"model.init_std must not be negative, got {m.init_std}")
+    require(isinstance(m.mup_base_width, int) and m.mup_base_width > 0,
+            f"model.mup_base_width must be a positive integer, got {m.mup_base_width}")
+    require(not (m.mup and m.attention == "mla"), "model.mup does not combine with "
+            "model.attention=mla yet (latent attention keeps its own softmax scale)")
     require(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     require(m.dropout < 1, f"model.dropout must be below 1, got {m.dropout}")
     unsampled = [f"{name}={value}" for name, value, plain in (

@@ -177,6 +177,16 @@ class ModelConfig:
     """Use the token embedding as the output layer's weight."""
     init_std: float = 0.02
     """Standard deviation of the initial weights (residual outputs scaled by 1/sqrt(2 layers))."""
+    mup: bool = False
+    """Maximal-update parameterisation (muP, Tensor Programs V): learning rates tuned on a
+    narrow proxy transfer to a wide model. With width multiplier m = hidden_size /
+    mup_base_width, hidden matrices start with init_std / sqrt(m) and learn at lr / m,
+    attention scores are scaled by 1 / (sqrt(head width) * sqrt(m)) and logits by 1 / m;
+    embeddings, norms, biases and routers keep init_std and lr. At m = 1 it is the standard
+    parameterisation exactly."""
+    mup_base_width: int = 256
+    """muP: the hidden_size of the proxy the hyper-parameters were tuned on (m = hidden_size /
+    this); keep it the same for the proxy and the wide model."""
     dropout: float = 0.0
     """Dropout probability (0, as in modern LLMs, keeps runs layout-independent)."""
     mtp_depth: int | None = None
