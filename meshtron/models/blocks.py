@@ -13,6 +13,7 @@ its own (kv heads are replicated when tp > num_kv_heads).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.models.architecture import Architecture
+from meshtron.models.init import width_multiplier
 from meshtron.models.moe import MoE
 from meshtron.models.norms import RMSNorm
 from meshtron.models.rotary import Rotary
@@ -182,6 +184,9 @@ class Attention(AttentionCore):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = head_norm(cfg, region), head_norm(cfg, region)
         self.qk_norm = cfg.qk_norm
+        # muP: scores by sqrt(d_base) / d, d_base = d / m the head width at the base width (heads
+        # fixed as width grows), so SDPA's 1/sqrt(d) times 1/sqrt(m); exactly 1 at m = 1
+        self.query_scale = 1.0 / math.sqrt(width_multiplier(cfg))
         self.window = cfg.sliding_window  # with cp > 1 refused by the plan
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
@@ -232,6 +237,8 @@ class Attention(AttentionCore):
         if rotary is not None:
             positions = sequence.positions if sequence is not None else None
             q, k = rotary(q, start, positions), rotary(k, start, positions)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         keep = None
         if cache is not None:
             k, v = cache.append(self.layer, k, v)

@@ -26,6 +26,7 @@ from meshtron.config import ModelConfig
 from meshtron.models.arch import architecture_of
 from meshtron.models.blocks import Block, KVCache, make_norm
 from meshtron.models.flops import padded_vocab_size
+from meshtron.models.init import width_multiplier
 from meshtron.models.moe import MoE
 from meshtron.models.mtp import MTPLayer, MTPLosses
 from meshtron.models.rotary import Rotary
@@ -103,6 +104,9 @@ class Transformer(nn.Module):
         self.mtp_depth = cfg.mtp_depth if self.has_head else 0
         self.mtp_losses = MTPLosses(cfg.mtp_depth)
         self.aux_loss_weight = options.aux_loss_weight
+        # muP's readout multiplier 1/m; with tied embeddings the only muP change at the output
+        # (the shared weight keeps the embedding's init and learning rate)
+        self.logit_scale = 1.0 / width_multiplier(cfg)
         if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         self.rotary: Rotary | None = None
@@ -179,8 +183,7 @@ class Transformer(nn.Module):
             return x
         if cache is not None:  # generation: one process, one chunk
             cache.length += new_tokens
-        logits = linear(self.region.enter(self.final_norm(x)), self.output_weight, None,
-                        self.grad_store)
+        logits = self.readout(self.final_norm(x))
         if ahead is not None and self.mtp_depth:
             logits = self._predict_ahead(x, logits, ahead, sequence)
         return logits
@@ -199,7 +202,7 @@ class Transformer(nn.Module):
                 hidden = layer.predict(hidden, embedded, self.rotary, sequence)
             keep = ahead[k] >= 0
             normed = self.region.enter(layer.head_norm(hidden))[keep]
-            out = linear(normed, self.output_weight, None, self.grad_store)
+            out = self.readout(normed, entered=True)
             losses.append(self.loss_sum(out, ahead[k][keep]))
         total = torch.stack(losses)
         self.mtp_losses.add(total)
@@ -207,6 +210,13 @@ class Transformer(nn.Module):
         if total.requires_grad and weight:
             logits = attach_loss(logits, total.sum(), weight)
         return logits
+
+    def readout(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
+        """The output layer on normed hidden states (``entered``: already in the tp region),
+        times muP's 1/m where ``model.mup`` sets it."""
+        logits = linear(x if entered else self.region.enter(x), self.output_weight, None,
+                        self.grad_store)
+        return logits * self.logit_scale if self.logit_scale != 1.0 else logits
 
     def embed_tokens(self, tokens: torch.Tensor, start: int,
                      sequence: Sequence | None = None) -> torch.Tensor:
