@@ -1,4 +1,6 @@
-"""AdamW with weight decay on matrices only (norms, biases and nothing 1-D decay-free)."""
+"""AdamW with weight decay on matrices only (norms, biases and nothing 1-D decay-free), and
+muP's per-parameter learning-rate multipliers (:func:`~meshtron.models.init.lr_multipliers`) as
+param groups of their own, each group's ``lr_mult`` applied on top of the scheduled rate."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from meshtron.config import TrainConfig
+from meshtron.models.init import lr_multipliers
 
 
 def _undecorated(method: Any) -> Any:
@@ -50,18 +53,24 @@ def build_adamw(model: nn.Module, t: TrainConfig, *, fused: bool = False) -> tor
     """torch's AdamW, by default its foreach implementation (several passes over the tensors
     per step); ``fused``: its fused kernel, one pass per tensor (CPU and GPUs), the same update
     up to rounding."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    mults = lr_multipliers(model)
+    groups = []
+    for decay in (True, False):
+        params = [p for p in model.parameters() if p.requires_grad and (p.dim() >= 2) == decay]
+        by_mult: dict[float, list[nn.Parameter]] = {1.0: []}  # the plain group always
+        for param in params:
+            by_mult.setdefault(mults.get(id(param), 1.0), []).append(param)
+        for mult, members in by_mult.items():
+            if members or mult == 1.0:
+                group = {"params": members, "weight_decay": t.weight_decay if decay else 0.0}
+                if mult != 1.0:
+                    group.update(lr=t.lr * mult, lr_mult=mult)
+                groups.append(group)
     kernel = {"fused": True} if fused else {"foreach": True}
     return EagerAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kernel)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The scheduled rate ``lr`` on every group, times the group's ``lr_mult`` (muP)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_mult"] if "lr_mult" in group else lr

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from meshtron.config import TrainConfig
+from meshtron.models.init import lr_multipliers
 from meshtron.optim.adamw import build_adamw, set_learning_rate
 from meshtron.optim.flat_params import FlatParams
 from meshtron.optim.grad_buckets import Bucket, GradReducer
@@ -82,7 +83,7 @@ class DataParallelOptimizer(ABC):
             self.reducer = GradReducer(
                 self.params, mesh.dp_cp, stage=stage, bucket_bytes=int(bucket_mb * 2**20),
                 dtype=dtype, units=self._units(model) if stage == 3 else None,
-                on_event=on_event,
+                on_event=on_event, lr_mults=lr_multipliers(model),
             )
 
     def _units(self, model: nn.Module) -> list[list[nn.Parameter]]:

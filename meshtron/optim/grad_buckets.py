@@ -15,9 +15,10 @@ What the reduction is depends on the ZeRO stage:
 - stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
   (one transformer block each), so a unit can be freed as soon as its gradients are out.
 
-Buckets never mix parameters with different weight decay, replication, gradient-sync group or
-data-parallel group, so the optimizer and the grad norm can treat a bucket's chunk as one flat
-tensor, and a tied embedding's two pipeline copies sit alone in identically shaped buckets.
+Buckets never mix parameters with different weight decay, learning-rate multiplier (muP),
+replication, gradient-sync group or data-parallel group, so the optimizer and the grad norm
+can treat a bucket's chunk as one flat tensor, and a tied embedding's two pipeline copies sit
+alone in identically shaped buckets.
 A parameter's data-parallel group is dp x cp, or its layout's ``data_parallel`` where it has one
 (the expert-data-parallel group of MoE experts, which different ep ranks do not share); a bucket
 is reduced and sharded over its own group.
@@ -96,6 +97,8 @@ class Bucket:
     replicas: int
     group: Group
     """The data-parallel ranks that sum this bucket's gradients (and share its ZeRO shards)."""
+    lr_mult: float = 1.0
+    """The multiplier of the scheduled learning rate for this bucket's parameters (muP)."""
     grad: torch.Tensor | None = None
     """Flat gradient buffer [padded] while it exists."""
     shard_grad: torch.Tensor | None = None
@@ -117,20 +120,23 @@ class Bucket:
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, group: Group,
-                   element_size: int) -> list[Bucket]:
+                   element_size: int, lr_mults: dict[int, float] | None = None) -> list[Bucket]:
     """Group ``params`` (given in gradient-ready order) into buckets of similar parameters;
-    ``group`` is the data-parallel group of parameters without their own."""
+    ``group`` is the data-parallel group of parameters without their own; ``lr_mults``: the
+    learning-rate multipliers by parameter ``id`` (absent: 1)."""
+    lr_mults = lr_mults or {}
     buckets: list[Bucket] = []
-    open_: dict[tuple[bool, int, str, str], Bucket] = {}
+    open_: dict[tuple[bool, int, str, str, float], Bucket] = {}
     for param in params:
         layout = layout_of(param)
         sync = layout.grad_sync
         reduce_over = layout.data_parallel if layout.data_parallel is not None else group
         key = (param.dim() >= 2, layout.copies, sync.name if sync is not None else "",
-               reduce_over.name)
+               reduce_over.name, lr_mults.get(id(param), 1.0))
         bucket = open_.get(key)
         if bucket is None or bucket.numel * element_size >= bucket_bytes:
-            bucket = Bucket(len(buckets), [], [], [], 0, 0, key[0], key[1], reduce_over)
+            bucket = Bucket(len(buckets), [], [], [], 0, 0, key[0], key[1], reduce_over,
+                            lr_mult=key[4])
             buckets.append(bucket)
             open_[key] = bucket
         bucket.params.append(param)
@@ -150,7 +156,8 @@ class GradReducer:
     def __init__(self, params: list[nn.Parameter], group: Group, *, stage: int,
                  bucket_bytes: int, dtype: torch.dtype,
                  units: list[list[nn.Parameter]] | None = None,
-                 on_event: Callable[[str, int], None] | None = None):
+                 on_event: Callable[[str, int], None] | None = None,
+                 lr_mults: dict[int, float] | None = None):
         self.group = group
         self.stage = stage
         self.dtype = dtype
@@ -158,11 +165,13 @@ class GradReducer:
         self.on_launch: Callable[[Bucket], None] | None = None
         element = torch.empty((), dtype=dtype).element_size()
         if units is None:
-            self.buckets = assign_buckets(list(reversed(params)), bucket_bytes, group, element)
+            self.buckets = assign_buckets(list(reversed(params)), bucket_bytes, group, element,
+                                          lr_mults)
         else:  # one or more buckets per unit, never spanning two units
             self.buckets = []
             for unit in reversed(units):
-                for bucket in assign_buckets(list(reversed(unit)), 2**62, group, element):
+                for bucket in assign_buckets(list(reversed(unit)), 2**62, group, element,
+                                             lr_mults):
                     bucket.index = len(self.buckets)
                     self.buckets.append(bucket)
         self._where: dict[int, tuple[Bucket, int]] = {}

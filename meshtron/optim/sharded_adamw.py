@@ -4,7 +4,8 @@ A rank keeps fp32 master weights (fp64 in fp64 runs) and both Adam moments only 
 chunk of each bucket's flat parameters (:class:`FlatParams`), updates that chunk from its
 reduce-scattered gradient, and hands it back to the flat parameters (which all-gather it under
 ZeRO-1/2). The update is element for element the one of ``torch.optim.AdamW`` (decoupled
-weight decay, bias-corrected moments).
+weight decay, bias-corrected moments), at the scheduled rate times each bucket's ``lr_mult``
+(muP; a bucket never mixes multipliers), as torch's param groups of ZeRO-0 apply it.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ class ShardedAdamW:
         for bucket, flat, master, moments in zip(self.reducer.buckets, self.flats, self.master,
                                                  self.moments):
             grad = self.reducer.local_grad(bucket).to(master.dtype)
+            rate = lr * bucket.lr_mult if bucket.lr_mult != 1.0 else lr
             if bucket.decay and t.weight_decay:
-                master.mul_(1 - lr * t.weight_decay)
+                master.mul_(1 - rate * t.weight_decay)
             exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
             exp_avg.lerp_(grad, 1 - t.beta1)
             exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
             denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(t.eps)
-            master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+            master.addcdiv_(exp_avg, denom, value=-rate / bias1)
             flat.chunk.copy_(master)
             works.append(flat.after_update())
         for work in works:
