@@ -72,3 +72,21 @@ def test_trials_that_cannot_measure_the_plan_are_one_line(tmp_path, args, fragme
     assert len(lines) == 1 and lines[0].startswith("meshtron: error: "), proc.stderr
     assert fragment in lines[0], lines[0]
     assert not list(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
+def test_a_trial_that_fails_is_named_and_all_failing_is_an_error(tmp_path):
+    """Each failed run is one line naming it and why; when none measured anything the command
+    stops with one error line (exit 2) and the profile is left as it was."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    proc = tune(tmp_path, "--model.preset=tiny", "--model.vocab_size=512",
+                f"--data.path={tmp_path / 'missing.txt'}", f"--cluster.gpu={profile}",
+                "--cluster.gpus=1", "--trial", "1", "--nproc", "1",
+                "--trial-dir", str(tmp_path / "trials"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr
+    failed = [line for line in lines if line.startswith("trial 1 (tp1 ")]
+    assert len(failed) == 1 and "failed: exit 2: meshtron: error: " in failed[0], proc.stderr
+    assert lines[-1].startswith("meshtron: error: every trial run failed"), lines[-1]
+    assert json.loads(profile.read_text()) == PROFILE

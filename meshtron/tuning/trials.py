@@ -19,6 +19,7 @@ a process that has imported the trainer), so the correction is fitted on the mem
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -103,7 +104,7 @@ def trial_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def last_line(text: str) -> str:
-    """The line that says why a run stopped: the last non-empty one of its stderr."""
+    """The line that says why a run stopped: the last non-empty one of its output."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else "no output"
 
@@ -111,7 +112,9 @@ def last_line(text: str) -> str:
 def start_trial(config_path: Path, nproc: int, log_path: Path, timeout_s: float,
                 env: Mapping[str, str] | None = None) -> str | None:
     """Run ``meshtron train`` on the config; None on success, else why not. The run gets a
-    session of its own so that a timeout stops its ranks too, not just the launcher."""
+    session of its own, which is stopped whole (the launcher; its ranks die with it) when it
+    takes too long or this process is interrupted: a terminal's Ctrl-C reaches only the
+    foreground session."""
     command = [sys.executable, "-m", "meshtron", "train", "--config", str(config_path),
                "--nproc", str(nproc)]
     with open(log_path, "w") as log:
@@ -120,12 +123,21 @@ def start_trial(config_path: Path, nproc: int, log_path: Path, timeout_s: float,
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop(proc)
             return f"stopped after {timeout_s:.0f} s (see {log_path})"
+        except BaseException:
+            stop(proc)
+            raise
     if code != 0:
         return f"exit {code}: {last_line(log_path.read_text(errors='replace'))}"
     return None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the trial's session and reap its launcher."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def measure(run_dir: Path, steps: int) -> Measurement:
