@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import cached_property
 
-from meshtron.config import ModelConfig
-from meshtron.models.flops import layer_and_head_cost, training_flops_per_token
+from meshtron.models.flops import layer_and_head_cost
 from meshtron.parallel.pipeline.partition import PipelinePartition, partition_layers
 from meshtron.parallel.pipeline.schedules import Action, build_schedule
 from meshtron.tuning.candidate import Candidate
 from meshtron.tuning.comms import collective_seconds, layout_groups, send_seconds
+from meshtron.tuning.layer_comms import edge_communication, layer_communication
 from meshtron.tuning.memory_model import (
     MemoryEstimate,
     StageParams,
@@ -32,54 +31,12 @@ from meshtron.tuning.memory_model import (
     state_bytes,
     transient_bytes,
 )
-from meshtron.tuning.profiles import ClusterProfile
+from meshtron.tuning.problem import Problem
 from meshtron.tuning.stages import ChunkShape, StageShape, representative_layers, stage_shapes
 from meshtron.tuning.workload import LayerWork, head_work, layer_work, mtp_merge_work
 
-ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 SIMULATED_MICROBATCHES = 24
 """Above this many micro-batches the pipeline is simulated at two counts and extended."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What the user fixed: the model, the batch, the precision and the cluster."""
-
-    model: ModelConfig
-    seq_len: int
-    global_batch: int
-    profile: ClusterProfile
-    gpus: int
-    dtype: str = "bf16"
-    fp8: bool = False
-    reduce_dtype: str = "fp32"
-    cp_comm: str = "ring"
-
-    @property
-    def element_size(self) -> int:
-        return ELEMENT_SIZE[self.dtype]
-
-    @property
-    def reduce_size(self) -> int:
-        return 8 if self.dtype == "fp64" else ELEMENT_SIZE[self.reduce_dtype]
-
-    @property
-    def memory_limit(self) -> float:
-        """What one rank may use: a GPU's memory, or a CPU rank's share of the host's."""
-        p = self.profile
-        if p.compute_units is None:
-            return p.memory_bytes
-        return p.memory_bytes / min(self.gpus, p.gpus_per_node)
-
-    @property
-    def gemm_dtype(self) -> str:
-        return "fp8" if self.fp8 and "fp8" in self.profile.peak_flops else self.dtype
-
-    @cached_property
-    def flops_per_step(self) -> float:
-        """Model FLOPs of one optimizer step, Megatron's way (no recompute)."""
-        return training_flops_per_token(self.model, self.seq_len) * self.global_batch \
-            * self.seq_len
 
 
 @dataclass
@@ -185,55 +142,13 @@ class Estimator:
         if key not in self._layers:
             work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size)
             gemm, core, memory = self._work_seconds(work, self.rate_scale(c))
-            comm_f, comm_b = self.layer_communication(layer, c, core)
+            comm_f, comm_b = layer_communication(self.problem, layer, c, core, self.overlaps)
             forward = gemm + core + memory
             redo = {"full": forward, "selective": core}.get(c.recompute, 0.0)
             backward_input = gemm + 2.5 * core + 2 * memory + redo
             self._layers[key] = (forward + comm_f, backward_input + comm_b, gemm,
                                  comm_f + comm_b)
         return self._layers[key]
-
-    def layer_communication(self, layer: int, c: Candidate,
-                            core_seconds: float) -> tuple[float, float]:
-        """(forward, backward) seconds of the layer's tp, cp and ep communication."""
-        pr, cfg = self.problem, self.problem.model
-        groups = layout_groups(c, pr.profile.gpus_per_node)
-        tokens = c.micro_batch * pr.seq_len / c.cp
-        activation = tokens * cfg.hidden_size * pr.element_size
-        # two tp regions per layer (attention, MLP), each entered and left once: under sp by
-        # an all-gather and a reduce-scatter, else left by an all-reduce (in backward the
-        # entry's all-reduce, or the same pair swapped)
-        if c.sp and c.tp > 1:
-            tp_one = 2 * (collective_seconds(pr.profile, "all_gather", groups.tp, activation)
-                          + collective_seconds(pr.profile, "reduce_scatter", groups.tp,
-                                               activation))
-        else:
-            tp_one = 2 * collective_seconds(pr.profile, "all_reduce", groups.tp, activation)
-        forward = backward = tp_one
-        if c.cp > 1:
-            kv = tokens * 2 * cfg.num_kv_heads * cfg.head_size / min(c.tp, cfg.num_kv_heads) \
-                * pr.element_size
-            if pr.cp_comm == "ring":
-                ring = (c.cp - 1) * send_seconds(pr.profile, kv, groups.cp.crosses_nodes)
-                hidden = core_seconds if self.overlaps else 0.0
-                forward += max(0.0, ring - hidden)
-                backward += max(0.0, 2 * ring - 2.5 * hidden)
-            elif pr.cp_comm == "all_gather":
-                forward += collective_seconds(pr.profile, "all_gather", groups.cp, kv * c.cp)
-                backward += collective_seconds(pr.profile, "reduce_scatter", groups.cp,
-                                               kv * c.cp)
-            else:  # all_to_all: q, k, v and the output trade the sequence split for heads
-                qkvo = tokens * (2 * cfg.num_heads * cfg.head_size / c.tp) * pr.element_size \
-                    + kv
-                forward += collective_seconds(pr.profile, "all_to_all", groups.cp, qkvo)
-                backward += collective_seconds(pr.profile, "all_to_all", groups.cp, qkvo)
-        if cfg.is_moe_layer(layer) and c.ep > 1:
-            routed = tokens * cfg.moe.top_k / (c.tp if c.etp == 1 else 1)
-            a2a = 2 * collective_seconds(pr.profile, "all_to_all", groups.ep,
-                                         routed * cfg.hidden_size * pr.element_size)
-            forward += a2a
-            backward += a2a
-        return forward, backward
 
     # ------------------------------------------------------------------ the pipeline
 
@@ -269,7 +184,7 @@ class Estimator:
                                    self.rate_scale(c))[0] if pr.model.mtp_depth else 0.0
         dense = self.layer_seconds(self.dense_layer, c)
         moe = self.layer_seconds(self.moe_layer, c)
-        (embed_f, embed_b), (head_f, head_b) = self.edge_communication(c)
+        (embed_f, embed_b), (head_f, head_b) = edge_communication(self.problem, c)
         out: dict[ChunkShape, ActionCosts] = {}
         for shape in unique:
             for chunk in shape.chunks:
@@ -291,32 +206,6 @@ class Estimator:
                     b, comm = b + hop, comm + hop
                 out[chunk] = ActionCosts(f, b, w, comm)
         return out
-
-    def edge_communication(self, c: Candidate
-                           ) -> tuple[tuple[float, float], tuple[float, float]]:
-        """(forward, backward) tp seconds of one micro-batch at the embedding, and at each
-        output layer with its loss. The vocabulary-parallel embedding sums its rows over tp (a
-        reduce-scatter under sp, whose backward gathers; an all-reduce without, whose backward
-        is the identity). The output layer's input is gathered under sp (reduce-scattered in
-        backward); without sp its input gradient is all-reduced. The loss all-reduces the max
-        and then the exponential sum with the target logit, fp32 per token."""
-        pr = self.problem
-        if c.tp == 1:
-            return (0.0, 0.0), (0.0, 0.0)
-        group = layout_groups(c, pr.profile.gpus_per_node).tp
-        tokens = c.micro_batch * pr.seq_len / c.cp
-        activation = tokens * pr.model.hidden_size * pr.element_size
-
-        def seconds(kind: str, nbytes: float) -> float:
-            return collective_seconds(pr.profile, kind, group, nbytes)
-
-        loss = seconds("all_reduce", 4 * tokens) + seconds("all_reduce", 8 * tokens)
-        if c.sp:
-            gather, scatter = seconds("all_gather", activation), \
-                seconds("reduce_scatter", activation)
-            return (scatter, gather), (gather + loss, scatter)
-        reduce = seconds("all_reduce", activation)
-        return (reduce, 0.0), (loss, reduce)
 
     def in_flight(self, c: Candidate, microbatches: int) -> list[int]:
         """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else

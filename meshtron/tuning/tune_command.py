@@ -195,12 +195,13 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
     ranked = result.ranked
     if not ranked or not ranked[0].fits:
         raise MeshtronError(no_fit_message(result, cluster, problem))
-    if args.trial:
+    winner = ranked[0]
+    if args.trial:  # the winner by measurement; the table and JSON keep the predicted order
         from meshtron.tuning.trials import run_trials
 
-        ranked = run_trials(cfg, ranked, args.trial, args.nproc, args.trial_steps,
+        winner = run_trials(cfg, ranked, args.trial, args.nproc, args.trial_steps,
                             cluster.profile, Path(args.trial_dir) if args.trial_dir else None,
-                            profile_source=str(where["gpu"]))
+                            profile_source=str(where["gpu"]))[0]
     print(f"{problem.model.preset or 'model'} on {cluster.gpus} x {cluster.profile.name} "
           f"({cluster.profile.source}): {result.considered:,} candidates divide it; "
           f"{result.fitting:,} layouts fit in {problem.memory_limit / 2**30:,.1f} GiB per GPU "
@@ -211,10 +212,10 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
                                "gpus_per_node": cluster.profile.gpus_per_node,
                                "source": cluster.profile.source},
                    "considered": result.considered, "fitting": result.fitting,
-                   "candidates": [e.row() for e in ranked]}
+                   "candidates": [e.row() for e in ranked], "chosen": winner.row()}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     if args.output_config:
-        path = write_config(cfg, ranked[0], Path(args.output_config), cluster.gpus)
+        path = write_config(cfg, winner, Path(args.output_config), cluster.gpus)
         print(f"wrote {path}: meshtron train --config {path} --nproc {cluster.gpus}",
               file=sys.stderr)
     return 0
