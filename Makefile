@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
+	# the muP reference (tests/test_mup.py); --no-deps: its plots would pull torchvision
+	$(PY) -m pip install --quiet --no-deps mup==1.0.0
 	touch $(STAMP)
 
 train: setup

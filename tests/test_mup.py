@@ -12,6 +12,7 @@ from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.init import initialize, lr_multipliers
 from meshtron.models.transformer import Transformer
+from meshtron.optim.adamw import build_adamw
 from meshtron.optim.data_parallel import ShardedOptimizer, build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.precision.policy import Precision
@@ -102,7 +103,7 @@ def test_the_multiplier_reaches_zero0_groups_and_zero1_buckets():
     zero0 = build_optimizer(model, ParallelMesh.single(), cfg.train, zero=0, bucket_mb=25.0)
     groups = zero0.adamw.param_groups
     assert [(g.get("lr_mult", 1.0), g["weight_decay"]) for g in groups] == [
-        (1.0, 0.1), (0.5, 0.1), (1.0, 0.0)]
+        (1.0, 0.1), (0.5, 0.2), (1.0, 0.0)]  # lr x wd per step stays the base's
     assert {id(p) for p in groups[1]["params"]} == set(mults)
     # the flat-bucket AdamW of ZeRO 1-3, on one rank (its chunk is the whole bucket)
     twin = build(cfg)
@@ -118,6 +119,36 @@ def test_the_multiplier_reaches_zero0_groups_and_zero1_buckets():
     with torch.no_grad():  # the same update up to rounding (Adam magnifies last bits)
         for (name, x), y in zip(model.named_parameters(), twin.parameters()):
             assert float((x - y).norm() / x.norm()) < 1e-5, name
+
+
+def test_the_per_parameter_table_agrees_with_the_mup_package():
+    """The ``mup`` package (Microsoft's reference implementation) classifies each parameter
+    by its shapes at two widths (``set_base_shapes``) and scales it in ``MuAdamW`` and its
+    init functions: the same model at m = 2 must get the same matrix-like set, init scale,
+    learning rate and weight decay from meshtron, for a dense and a MoE model."""
+    import mup  # make setup installs it without its plotting dependencies
+    for extra in ((), ("--model.moe.num_experts=4", "--model.moe.top_k=2")):
+        ours_cfg = make_cfg(128, "--model.mup=true", "--model.mup_base_width=64", *extra)
+        ours, standard = build(ours_cfg), build(make_cfg(128, *extra))
+        theirs = mup.set_base_shapes(build(make_cfg(128, *extra)), build(make_cfg(64, *extra)))
+        adamw = mup.MuAdamW(theirs.parameters(), lr=ours_cfg.train.lr,
+                            weight_decay=ours_cfg.train.weight_decay)
+        their_group = {id(p): g for g in adamw.param_groups for p in g["params"]}
+        our_group = {id(p): g for g in build_adamw(ours, ours_cfg.train).param_groups
+                     for p in g["params"]}
+        for (name, p), q, r in zip(ours.named_parameters(), standard.parameters(),
+                                   theirs.parameters()):
+            matrix_like = r.infshape.ninf() == 2
+            assert (id(p) in lr_multipliers(ours)) == matrix_like, name
+            scale = r.infshape.width_mult() ** -0.5 if matrix_like else 1.0  # constant_std_init_
+            assert torch.allclose(p, q * scale, rtol=1e-6, atol=0), name
+            if not p.requires_grad:  # the router's balancing bias: no optimizer
+                continue
+            mine, yours = our_group[id(p)], their_group[id(r)]
+            assert mine["lr"] == pytest.approx(yours["lr"], rel=1e-12), name
+            if p.dim() >= 2:  # mup decays every tensor; meshtron (as Megatron) only matrices
+                assert mine["weight_decay"] == pytest.approx(yours["weight_decay"]), name
+        assert ours.logit_scale == pytest.approx(1 / theirs.output.weight.infshape.width_mult())
 
 
 def coordinate_change(width: int, mup: bool, steps: int = 3, lr: float = 1e-2

@@ -180,7 +180,8 @@ class ModelConfig:
     mup: bool = False
     """Maximal-update parameterisation (muP, Tensor Programs V): learning rates tuned on a
     narrow proxy transfer to a wide model. With width multiplier m = hidden_size /
-    mup_base_width, hidden matrices start with init_std / sqrt(m) and learn at lr / m,
+    mup_base_width, hidden matrices start with init_std / sqrt(m) and learn at lr / m
+    (weight decay x m),
     attention scores are scaled by 1 / (sqrt(head width) * sqrt(m)) and logits by 1 / m;
     embeddings, norms, biases and routers keep init_std and lr. At m = 1 it is the standard
     parameterisation exactly."""

@@ -1,6 +1,8 @@
 """AdamW with weight decay on matrices only (norms, biases and nothing 1-D decay-free), and
 muP's per-parameter learning-rate multipliers (:func:`~meshtron.models.init.lr_multipliers`) as
-param groups of their own, each group's ``lr_mult`` applied on top of the scheduled rate."""
+param groups of their own, each group's ``lr_mult`` applied on top of the scheduled rate and its
+weight decay divided by it (so that the decay per step, lr x wd, does not shrink with width: the
+choice of the ``mup`` package's MuAdamW)."""
 
 from __future__ import annotations
 
@@ -63,8 +65,9 @@ def build_adamw(model: nn.Module, t: TrainConfig, *, fused: bool = False) -> tor
         for mult, members in by_mult.items():
             if members or mult == 1.0:
                 group = {"params": members, "weight_decay": t.weight_decay if decay else 0.0}
-                if mult != 1.0:
-                    group.update(lr=t.lr * mult, lr_mult=mult)
+                if mult != 1.0:  # decay per step lr x wd stays the base's, as in mup's MuAdamW
+                    group.update(lr=t.lr * mult, lr_mult=mult,
+                                 weight_decay=group["weight_decay"] / mult)
                 groups.append(group)
     kernel = {"fused": True} if fused else {"foreach": True}
     return EagerAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kernel)

@@ -43,8 +43,9 @@ class ShardedAdamW:
                                                  self.moments):
             grad = self.reducer.local_grad(bucket).to(master.dtype)
             rate = lr * bucket.lr_mult if bucket.lr_mult != 1.0 else lr
-            if bucket.decay and t.weight_decay:
-                master.mul_(1 - rate * t.weight_decay)
+            if bucket.decay and t.weight_decay:  # muP: lr x wd as the base's (see adamw.py)
+                decay = t.weight_decay / bucket.lr_mult if bucket.lr_mult != 1.0 else t.weight_decay
+                master.mul_(1 - rate * decay)
             exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
             exp_avg.lerp_(grad, 1 - t.beta1)
             exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
