@@ -68,6 +68,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.parallel.mesh.process import process_info
     from meshtron.plan import check_run
     from meshtron.training.run_dir import check_run_dir
+    from meshtron.tuning.online import running_plan_price
 
     info = process_info()
     launching = (args.nproc > 1 or args.max_restarts > 0) and not info.distributed
@@ -76,6 +77,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         check_run(cfg, world_size)
         check_run_dir(cfg)
         _check_state_fits(cfg, world_size)
+        running_plan_price(cfg, world_size)  # train.autotune_profile loads
     except MeshtronError:
         if info.distributed and info.rank != 0:
             return 2  # every rank sees the same config and files: rank 0 says it once
@@ -121,11 +123,13 @@ def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
     from meshtron.parallel.mesh import MeshLayout, ParallelMesh
     from meshtron.parallel.mesh.process import device_for, die_with_launcher, init_process_group
     from meshtron.training.trainer import train
+    from meshtron.tuning.online import running_plan_price
 
     die_with_launcher()
+    predict = running_plan_price(cfg, info.world_size)  # train.autotune's yardstick
     init_process_group(info, cfg.run.timeout_s)
     mesh = ParallelMesh(MeshLayout.of(cfg.parallel, info.world_size), info.rank)
-    result = train(cfg, mesh, device=device_for(info))
+    result = train(cfg, mesh, device=device_for(info), predict=predict)
     if info.rank != 0:
         return 0
     if result.losses:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from meshtron.config.sections import (
     ATTENTIONS,
+    AUTOTUNE_MODES,
     AUX_LOSS_SCOPES,
     CP_COMMS,
     DTYPES,
@@ -116,6 +117,12 @@ def validate(cfg: Config) -> None:
     for name, value in nonneg.items():
         require(value >= 0, f"{name} must not be negative, got {value}")
     require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    require(t.autotune in AUTOTUNE_MODES, f"train.autotune must be one of "
+            f"{', '.join(AUTOTUNE_MODES)}, got {t.autotune!r}")
+    require(isinstance(t.autotune_every, int) and t.autotune_every >= 1,
+            f"train.autotune_every must be a positive whole number, got {t.autotune_every}")
+    require(math.isfinite(t.autotune_drift) and t.autotune_drift > 0,
+            f"train.autotune_drift must be a positive number, got {t.autotune_drift}")
     require(t.max_skipped >= 1, f"train.max_skipped must be at least 1, got {t.max_skipped}")
     require(math.isfinite(cfg.run.straggler_factor) and cfg.run.straggler_factor > 1,
             f"run.straggler_factor must be a number above 1, got {cfg.run.straggler_factor}")

@@ -70,7 +70,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-    elif tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    elif tp is str and isinstance(value, bool):  # YAML 1.1 reads off/no/false as False
+        return "on" if value else "off"
+    elif tp is str and isinstance(value, (str, int, float)):
         return str(value)
     raise MeshtronError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 

@@ -26,6 +26,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ATTENTIONS = ("mha", "mla")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence")
 EXPERT_COMPUTE = ("grouped", "loop")
+AUTOTUNE_MODES = ("off", "watch", "knobs")
 
 
 @dataclass
@@ -302,6 +303,20 @@ class TrainConfig:
     the run with one line."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; None looks it up (GPUs) or measures it (CPU)."""
+    autotune: str = "off"
+    """Online re-tuning: off; watch (every autotune_every steps set the measured step time
+    against the cost model's prediction and, on a sustained drift, name the cause: a slow
+    rank, memory pressure, exposed communication); knobs (watch, then try the micro-batch
+    sizes that keep the global batch and keep the fastest measured; the numbers do not
+    change)."""
+    autotune_every: int = 10
+    """Steps per re-tuning window (one all-gather of three numbers per rank)."""
+    autotune_drift: float = 0.25
+    """Growth of the measured/predicted step-time ratio, over its value at the first window,
+    that counts as drift (two windows in a row)."""
+    autotune_profile: str | None = None
+    """The cluster profile that prices the plan (a GPU name such as h100-sxm, or a profile
+    .json of ``meshtron tune --calibrate``); None: the yardstick is the measured step time."""
 
 
 @dataclass

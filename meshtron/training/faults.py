@@ -5,7 +5,8 @@ Set ``MESHTRON_FAULTS`` to ``;``-separated faults, each ``kind[:key=value...]``:
     kill:rank=1:step=5         rank 1 SIGKILLs itself as step 5 begins
     stall:rank=1:step=5        rank 1 SIGSTOPs itself (a hung process) as step 5 begins
     nan:step=3                 step 3's loss is NaN on every rank (or only on rank=R)
-    slow:rank=1:seconds=0.2    rank 1 computes 0.2 s longer every step (or only at step=S)
+    slow:rank=1:seconds=0.2    rank 1 computes 0.2 s longer every step (or only at step=S,
+                               or from step F on with from=F)
     save:rank=0:step=4         rank 0 SIGKILLs itself inside the save of step 4, its shard
                                written, the checkpoint not yet complete
 
@@ -34,9 +35,12 @@ class Fault:
     rank: int | None = None
     step: int | None = None
     seconds: float = 0.0
+    start: int | None = None
+    """``from``: the first step of a fault that lasts (slow only)."""
 
     def applies(self, rank: int, step: int) -> bool:
-        return self.rank in (None, rank) and self.step in (None, step)
+        return self.rank in (None, rank) and self.step in (None, step) and (
+            self.start is None or step >= self.start)
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -48,7 +52,7 @@ def parse_faults(text: str) -> list[Fault]:
         values: dict[str, float] = {}
         for setting in settings:
             key, _, value = setting.partition("=")
-            if key not in ("rank", "step", "seconds"):
+            if key not in ("rank", "step", "seconds", "from"):
                 raise MeshtronError(f"{ENV}: unknown setting '{key}' in '{spec}'")
             try:
                 values[key] = float(value)
@@ -56,8 +60,10 @@ def parse_faults(text: str) -> list[Fault]:
                 raise MeshtronError(f"{ENV}: '{setting}' in '{spec}' is not a number") from None
         if kind != "slow" and "step" not in values:
             raise MeshtronError(f"{ENV}: '{spec}' needs step=N")
+        if "from" in values and kind != "slow":
+            raise MeshtronError(f"{ENV}: from=N applies to slow faults only, not '{spec}'")
         faults.append(Fault(kind, _int(values.get("rank")), _int(values.get("step")),
-                            values.get("seconds", 0.0)))
+                            values.get("seconds", 0.0), _int(values.get("from"))))
     return faults
 
 

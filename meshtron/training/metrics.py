@@ -57,8 +57,11 @@ class MetricsWriter:
         except OSError as err:
             raise MeshtronError(f"cannot write an event to {self.path} ({os_reason(err)})") \
                 from None
+        name = row["event"]
+        for key, value in _scalars(row):
+            if key not in ("event", "step"):
+                self._tb.add_scalar(f"{name}/{key}", value, row.get("step"))
         if self._wandb is not None:
-            name = row["event"]
             self._wandb.log({f"{name}/{key}": value for key, value in _scalars(row)
                              if key != "event"}, step=row.get("step"))
 

