@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import os
 import sys
-import traceback
 import typing
 from pathlib import Path
 
@@ -65,19 +64,24 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             "--max-restarts needs checkpoints to restart from: set checkpoint.every (steps) or "
             "checkpoint.every_seconds, and keep checkpoint.resume=true")
 
-    from meshtron.parallel.mesh.process import process_info
+    from meshtron.parallel.mesh.process import LAUNCHER_ENV, process_info
     from meshtron.plan import check_run
+    from meshtron.training.autotune import with_chosen_layout
     from meshtron.training.run_dir import check_run_dir
-    from meshtron.tuning.online import running_plan_price
+    from meshtron.tuning.online import running_plan_cost
 
     info = process_info()
     launching = (args.nproc > 1 or args.max_restarts > 0) and not info.distributed
+    cfg = with_chosen_layout(cfg)  # train.autotune=layout: what an earlier start chose
+    if cfg.train.autotune == "layout" and not (launching or os.environ.get(LAUNCHER_ENV)):
+        raise MeshtronError("train.autotune=layout starts the ranks again in the new layout "
+                            "through meshtron's launcher: run meshtron train --nproc N")
     try:  # before any process group
         world_size = args.nproc if launching else info.world_size
         check_run(cfg, world_size)
         check_run_dir(cfg)
         _check_state_fits(cfg, world_size)
-        running_plan_price(cfg, world_size)  # train.autotune_profile loads
+        running_plan_cost(cfg, world_size)  # train.autotune_profile loads
     except MeshtronError:
         if info.distributed and info.rank != 0:
             return 2  # every rank sees the same config and files: rank 0 says it once
@@ -121,15 +125,18 @@ def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
                             fits=lambda world: _layout_fits(cfg, world))
 
     from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+    from meshtron.parallel.mesh.launch import RELAYOUT_EXIT_CODE
     from meshtron.parallel.mesh.process import device_for, die_with_launcher, init_process_group
     from meshtron.training.trainer import train
-    from meshtron.tuning.online import running_plan_price
+    from meshtron.tuning.online import running_plan_cost
 
     die_with_launcher()
-    predict = running_plan_price(cfg, info.world_size)  # train.autotune's yardstick
+    cost = running_plan_cost(cfg, info.world_size)  # train.autotune's yardstick
     init_process_group(info, cfg.run.timeout_s)
     mesh = ParallelMesh(MeshLayout.of(cfg.parallel, info.world_size), info.rank)
-    result = train(cfg, mesh, device=device_for(info), predict=predict)
+    result = train(cfg, mesh, device=device_for(info), cost=cost)
+    if result.relayout is not None:  # train.autotune=layout: the launcher starts us again
+        return RELAYOUT_EXIT_CODE
     if info.rank != 0:
         return 0
     if result.losses:
@@ -148,7 +155,6 @@ def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
 
 
 def cmd_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
-    import os
 
     from meshtron.data import Tokenizer, open_source, preprocess, train_tokenizer
 
@@ -427,39 +433,14 @@ def _finish(code: int) -> int:
     return code
 
 
-PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "timed out",
-                      "Timed out", "NCCL communicator was aborted")
-TRACEBACK_ENV = "MESHTRON_TRACEBACK"
-
-
-def _raised_by_torch_distributed(err: BaseException) -> bool:
-    """The exception came out of a torch.distributed call (a collective, the store)."""
-    marker = os.sep.join(("", "torch", "distributed", ""))
-    frames = traceback.extract_tb(err.__traceback__)
-    return any(marker in frame.filename for frame in frames)
-
-
 def _peer_failure(err: BaseException) -> str | None:
-    """One line for a collective that failed because another rank died or stalled: a
-    torch.distributed error, or a RuntimeError raised inside torch.distributed whose text
-    names a lost connection or a timeout. Anything else keeps its traceback, as does this
-    with MESHTRON_TRACEBACK=1."""
-    if "torch" not in sys.modules or os.environ.get(TRACEBACK_ENV) == "1":
+    """One line for a collective that failed because a peer died or stalled (see
+    :mod:`meshtron.parallel.mesh.peer_failure`); None before torch is imported."""
+    if "torch" not in sys.modules:
         return None
-    import torch.distributed as dist
+    from meshtron.parallel.mesh.peer_failure import peer_failure
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    text = str(err)
-    from_collective = isinstance(err, RuntimeError) and (  # a Work's wait() has no torch frame
-        _raised_by_torch_distributed(err) or "gloo" in text or "NCCL" in text)
-    if isinstance(err, dist.DistError) or (
-            from_collective and any(sign in text for sign in PEER_FAILURE_SIGNS)):
-        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-        return (f"rank {dist.get_rank()} lost contact with the other ranks (a peer failed or "
-                f"stalled beyond run.timeout_s; {TRACEBACK_ENV}=1 shows the traceback): "
-                f"{first[-160:]}")
-    return None
+    return peer_failure(err)
 
 
 def main(argv: typing.Sequence[str] | None = None) -> int:

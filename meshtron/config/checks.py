@@ -123,6 +123,10 @@ def validate(cfg: Config) -> None:
             f"train.autotune_every must be a positive whole number, got {t.autotune_every}")
     require(math.isfinite(t.autotune_drift) and t.autotune_drift > 0,
             f"train.autotune_drift must be a positive number, got {t.autotune_drift}")
+    require(t.autotune != "layout" or (t.autotune_profile and cfg.checkpoint.resume),
+            "train.autotune=layout ranks layouts with the cost model and resumes the new one "
+            "from a checkpoint: set train.autotune_profile (a GPU name or a profile .json of "
+            "meshtron tune --calibrate) and keep checkpoint.resume=true")
     require(t.max_skipped >= 1, f"train.max_skipped must be at least 1, got {t.max_skipped}")
     require(math.isfinite(cfg.run.straggler_factor) and cfg.run.straggler_factor > 1,
             f"run.straggler_factor must be a number above 1, got {cfg.run.straggler_factor}")

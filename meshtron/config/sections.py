@@ -26,7 +26,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ATTENTIONS = ("mha", "mla")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence")
 EXPERT_COMPUTE = ("grouped", "loop")
-AUTOTUNE_MODES = ("off", "watch", "knobs")
+AUTOTUNE_MODES = ("off", "watch", "knobs", "layout")
 
 
 @dataclass
@@ -308,7 +308,9 @@ class TrainConfig:
     against the cost model's prediction and, on a sustained drift, name the cause: a slow
     rank, memory pressure, exposed communication); knobs (watch, then try the micro-batch
     sizes that keep the global batch and keep the fastest measured; the numbers do not
-    change)."""
+    change); layout (knobs, and at the first window a layout the cost model predicts clearly
+    faster: checkpoint, restart into it through the launcher, resharded; needs
+    autotune_profile)."""
     autotune_every: int = 10
     """Steps per re-tuning window (one all-gather of three numbers per rank)."""
     autotune_drift: float = 0.25

@@ -19,6 +19,16 @@ the global batch (those the plan accepts; the cost model's order first, smaller 
 under memory pressure), one window each, and keeps the fastest measured. The global batch,
 the data order and the learning-rate schedule are untouched, so the loss curve is the
 unchanged run's up to the order of the gradient sums.
+
+With ``layout`` the retuner also asks the cost model, at the first window, for the best layout
+of the same ranks and batch; one predicted clearly faster (by more than the drift) is written
+to ``RUN/autotune-layout.yaml`` after a checkpoint, with the running layout and its measured
+step time, and the ranks exit with
+:data:`~meshtron.parallel.mesh.launch.RELAYOUT_EXIT_CODE`: meshtron's launcher starts them
+again, :func:`with_chosen_layout` gives every rank the new layout, and the resume reshards the
+checkpoint and continues the same data order. The prediction is then checked: at the new
+start's first window the new layout is kept if it measured no slower (within the drift) than
+the old one, else the run moves back. Either way the layout is then settled for the run.
 """
 
 from __future__ import annotations
@@ -27,17 +37,34 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from meshtron.config import Config
 from meshtron.errors import MeshtronError
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.plan import RunPlan, plan_run
 
-Predict = Callable[[Config], float]
-"""The cost model's step time, in seconds, of a config run on the job's ranks."""
+Overrides = dict[str, object]
+"""A layout as config fields (``parallel.tp``, ``train.micro_batch``, ...)."""
+LAYOUT_FILE = "autotune-layout.yaml"
+"""The layout ``train.autotune=layout`` chose, in the run directory, read by every restart."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The tuner's prices of a planned config on the job's ranks, handed down by the command
+    line (training may not import the tuner)."""
+
+    step_time: Callable[[Config], float]
+    """Predicted seconds per step."""
+    layouts: Callable[[Config], list[tuple[Overrides, float]]]
+    """The layouts of the same ranks and batch that fit, fastest first, with their times."""
+
+
 SUSTAINED = 2
 """Windows in a row beyond the drift before the retuner acts."""
 MEMORY_PRESSURE = 0.9
@@ -94,6 +121,15 @@ class Retuner:
     drift: float
     straggler_factor: float
     memory_limit: float | None = None
+    propose: Callable[[], tuple[Overrides, float] | None] | None = None
+    """``layout``: the cost model's best other layout and its predicted step time."""
+    layout: Overrides = field(default_factory=dict)
+    """The running layout's config fields (``layout``)."""
+    history: dict | None = None
+    """``layout``: what an earlier start of the run chose (:data:`LAYOUT_FILE`), if any."""
+    restart: dict | None = None
+    """What to write to :data:`LAYOUT_FILE` and restart into (``layout``, and ``previous``
+    or ``settled``), once ``layout`` has decided."""
     reference: float | None = None
     """The measured/predicted ratio the job is held to."""
     reference_wait: float = 0.0
@@ -115,7 +151,7 @@ class Retuner:
         ratio = self.ratio(w, self.micro_batch)
         if self.reference is None:
             self.reference, self.reference_wait = ratio, w.outside_compute
-            return []
+            return self._relayout(w) if self.mode == "layout" else []
         if ratio <= self.reference * (1 + self.drift):
             self.strikes = 0
             return []
@@ -128,8 +164,8 @@ class Retuner:
                             expected_step_s=self.reference * (self.prediction(self.micro_batch)
                                                               or 1.0))
         candidates = self._candidates(cause)
-        if self.mode != "knobs" or not candidates:
-            event["action"] = "none" if self.mode != "knobs" else "none: no other micro-batch"
+        if self.mode == "watch" or not candidates:
+            event["action"] = "none" if self.mode == "watch" else "none: no other micro-batch"
             self.reference, self.reference_wait = ratio, w.outside_compute  # the new normal
             return [event]
         self.measured = {self.micro_batch: w.pace_s}
@@ -150,6 +186,37 @@ class Retuner:
         self.micro_batch, self.measured = best, {}
         self.reference = None  # the next window sets the yardstick of the chosen setting
         return [event]
+
+    def _relayout(self, w: Window) -> list[dict]:
+        """``layout`` at the first window. The first start: restart into the cost model's
+        best layout when it is predicted faster than the running one by more than the drift.
+        The start after such a move: keep the new layout if it measured no slower than the
+        old one, else go back to it. Then the layout is settled."""
+        history = self.history or {}
+        if history.get("settled"):
+            return []
+        previous = history.get("previous")
+        if previous is not None:
+            before = float(previous["measured_step_s"])
+            if w.pace_s <= before * (1 + self.drift):
+                return [self._event(w, cause="the new layout measured", before_step_s=before,
+                                    action="keep it")]
+            self.restart = {"layout": previous["layout"], "settled": True}
+            return [self._event(w, cause="the new layout measured slower", before_step_s=before,
+                                action=f"restart into {layout_text(previous['layout'])}")]
+        proposal = self.propose() if self.propose else None
+        running = self.prediction(self.micro_batch)
+        if proposal is None or running is None or proposal[1] * (1 + self.drift) >= running:
+            return []
+        layout, seconds = proposal
+        self.restart = {"layout": layout, "previous": {
+            "layout": self.running_layout(layout), "measured_step_s": w.pace_s}}
+        return [self._event(w, cause="a faster layout", proposed_step_s=seconds, layout=layout,
+                            action=f"restart into {layout_text(layout)}")]
+
+    def running_layout(self, keys: Overrides) -> Overrides:
+        """The running layout's values of the fields in ``keys`` (set by the tuner)."""
+        return {k: self.layout.get(k) for k in keys}
 
     def _cause(self, w: Window) -> tuple[str, int | None]:
         rank = slow_rank(w.compute_s, self.straggler_factor)
@@ -182,7 +249,13 @@ class Retuner:
 def describe(event: dict) -> str:
     """The console line of a retune event."""
     parts = [f"retune at step {event['step']}:"]
-    if "cause" in event:
+    if "proposed_step_s" in event:
+        parts.append(f"{event['cause']}, predicted {event['proposed_step_s']:.3g} s per step "
+                     f"vs {event['predicted_step_s']:.3g} s for the running one;")
+    elif "before_step_s" in event:
+        parts.append(f"{event['cause']} {event['measured_step_s']:.3f} s per step vs "
+                     f"{event['before_step_s']:.3f} s before the move;")
+    elif "cause" in event:
         parts.append(f"{event['cause']}, measured {event['measured_step_s']:.3f} s per step "
                      f"vs {event['expected_step_s']:.3f} s expected;")
     elif "measured" in event:
@@ -215,13 +288,15 @@ class WindowGather:
     def __init__(self, mesh: ParallelMesh, every: int, device: torch.device | None = None):
         self.mesh, self.every, self.device = mesh, every, device
         self.steps: list[tuple[float, float, int]] = []
+        self.warm = False
 
     def add(self, step: int, step_s: float, compute_s: float, memory: int) -> Window | None:
         """Record a step; at the end of a window (the same step on every rank) return what
-        every rank measured. The run's first step (compilation, allocator warm-up) is left
-        out."""
-        if step > 1:
+        every rank measured. The first step of this start (allocator and cache warm-up, ten
+        times a later one) is left out."""
+        if self.warm:
             self.steps.append((step_s, compute_s, memory))
+        self.warm = True
         if step % self.every or not self.steps:
             return None
         mine = torch.tensor([statistics.fmean(s for s, _, _ in self.steps),
@@ -246,21 +321,28 @@ class OnlineTuner:
     micro-batch sizes it may switch to (:attr:`plan` is the one to run)."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, micro_batch: int,
-                 predict: Predict | None, device: torch.device | None = None):
+                 cost: CostModel | None, device: torch.device | None = None):
         t = cfg.train
         self.plans = micro_batch_options(cfg, mesh.layout.world_size)
         prices: dict[int, float] = {}
 
         def price(size: int) -> float:
             if size not in prices:
-                prices[size] = predict(self.plans[size].config)
+                prices[size] = cost.step_time(self.plans[size].config)
             return prices[size]
+
+        running = layout_of(self.plans[micro_batch].config)
+
+        def propose() -> tuple[Overrides, float] | None:
+            return next(((o, s) for o, s in cost.layouts(cfg)
+                         if {k: running.get(k) for k in o} != o), None)
 
         limit = (torch.cuda.get_device_properties(device).total_memory
                  if device is not None and device.type == "cuda" else None)
         self.retuner = Retuner(t.autotune, micro_batch, sorted(self.plans),
-                               price if predict else None, t.autotune_drift,
-                               cfg.run.straggler_factor, limit)
+                               price if cost else None, t.autotune_drift,
+                               cfg.run.straggler_factor, limit, propose if cost else None,
+                               running, read_chosen_layout(Path(cfg.run.dir)))
         self.gather = WindowGather(mesh, t.autotune_every, device)
 
     def after_step(self, step: int, step_s: float, compute_s: float, memory: int) -> list[dict]:
@@ -271,3 +353,56 @@ class OnlineTuner:
     @property
     def plan(self) -> RunPlan:
         return self.plans[self.retuner.micro_batch]
+
+
+def layout_of(cfg: Config) -> Overrides:
+    """The layout fields of a config, as the tuner's candidates name them."""
+    fields = {f"parallel.{f.name}": getattr(cfg.parallel, f.name)
+              for f in dataclasses.fields(cfg.parallel)}
+    return {**fields, "train.micro_batch": cfg.train.micro_batch,
+            "train.recompute": cfg.train.recompute}
+
+
+def layout_text(layout: Overrides) -> str:
+    return " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in layout.items())
+
+
+def write_chosen_layout(run_dir: Path, step: int, chosen: dict) -> Path:
+    """Rank 0: the layout the next start runs (``chosen["layout"]``, read by
+    :func:`with_chosen_layout`) and what the retuner must remember across the restart."""
+    path = run_dir / LAYOUT_FILE
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"step": step, **chosen}, sort_keys=False))
+    return path
+
+
+def read_chosen_layout(run_dir: Path) -> dict | None:
+    path = run_dir / LAYOUT_FILE
+    if not path.is_file():
+        return None
+    try:
+        chosen = yaml.safe_load(path.read_text())
+        if not isinstance(chosen, dict) or not isinstance(chosen.get("layout"), dict):
+            raise TypeError("no layout mapping")
+    except (OSError, yaml.YAMLError, TypeError) as err:
+        raise MeshtronError(f"{path} does not hold a layout ({type(err).__name__}: {err}); "
+                            "delete it to run the configured layout") from None
+    return chosen
+
+
+def with_chosen_layout(cfg: Config) -> Config:
+    """``cfg`` with the layout an earlier start of this run chose (``train.autotune=layout``),
+    or ``cfg`` itself."""
+    chosen = read_chosen_layout(Path(cfg.run.dir)) if cfg.train.autotune == "layout" else None
+    if chosen is None:
+        return cfg
+    layout = chosen["layout"]
+    parallel = {k.split(".", 1)[1]: v for k, v in layout.items() if k.startswith("parallel.")}
+    train = {k.split(".", 1)[1]: v for k, v in layout.items() if k.startswith("train.")}
+    try:
+        return dataclasses.replace(
+            cfg, parallel=dataclasses.replace(cfg.parallel, **{"pp_layers": None, **parallel}),
+            train=dataclasses.replace(cfg.train, **train))
+    except TypeError as err:  # a field that does not exist
+        raise MeshtronError(f"{Path(cfg.run.dir) / LAYOUT_FILE} does not hold a layout "
+                            f"({err}); delete it to run the configured layout") from None

@@ -108,3 +108,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     except UnicodeDecodeError:
         raise MeshtronError(f"{path} is not a metrics file (not UTF-8 text)") from None
     return [row for row in rows if isinstance(row, dict)]
+
+
+def format_row(row: dict, total: int) -> str:
+    text = (f"step {row['step']:>{len(str(total))}}/{total} | loss {row['loss']:.4f} | "
+            f"lr {row['lr']:.2e} | grad {row['grad_norm']:.3f} | "
+            f"{row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.1f}%")
+    if "moe/load_max_over_mean" in row:
+        text += (f" | moe load max/mean {row['moe/load_max_over_mean']:.2f}, dropped "
+                 f"{100 * row['moe/dropped_fraction']:.1f}%")
+    if "val_loss" in row:
+        text += f" | val {row['val_loss']:.4f} (ppl {row['val_ppl']:.1f})"
+    return text

@@ -16,7 +16,7 @@ import torch
 from meshtron.checkpoint import train_state
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.checkpoint.shards import check_finite
-from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint
+from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint, step_dir_name
 from meshtron.config import Config, PrecisionConfig
 from meshtron.data import TrainingData, build_training_data
 from meshtron.errors import MeshtronError
@@ -34,14 +34,20 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision, cpu_low_precision_note
-from meshtron.training.autotune import OnlineTuner, Predict, describe
+from meshtron.training.autotune import (
+    LAYOUT_FILE,
+    CostModel,
+    OnlineTuner,
+    describe,
+    write_chosen_layout,
+)
 from meshtron.training.eval_samples import eval_samples
 from meshtron.training.faults import FaultPlan
 from meshtron.training.hardware import peak_source
 from meshtron.training.memory import (
     check_state_fits,
 )
-from meshtron.training.metrics import MetricsWriter
+from meshtron.training.metrics import MetricsWriter, format_row
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
 from meshtron.training.run_dir import (
@@ -68,6 +74,8 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     val_loss: float | None = None
     checkpoint: Path | None = None
+    relayout: Path | None = None
+    """``train.autotune=layout`` chose a new layout (this file): the ranks restart into it."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -104,7 +112,7 @@ class Trainer:
     config, with the model's vocabulary resolved."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-                 device: torch.device | None = None, predict: Predict | None = None):
+                 device: torch.device | None = None, cost: CostModel | None = None):
         self.mesh = mesh or ParallelMesh.single()
         self.is_rank0 = self.mesh.global_rank == 0
         self.log = log if self.is_rank0 else _quiet
@@ -156,7 +164,7 @@ class Trainer:
         self.faults = FaultPlan(self.mesh.global_rank)
         self.stragglers = StragglerWatch(self.mesh, cfg.run.straggler_every,
                                          cfg.run.straggler_factor, self.device)
-        self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, predict, self.device) \
+        self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, cost, self.device) \
             if cfg.train.autotune != "off" else None
         size = model_size(cfg.model)
         self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
@@ -394,6 +402,9 @@ class Trainer:
                     phase(f"saving the checkpoint of step {self.step}")
                     result.checkpoint = self.save()
                     last_save = time.monotonic()
+                if self.tuner is not None and self.tuner.retuner.restart is not None:
+                    result.relayout = self._relayout(result)
+                    break
             phase("waiting for the last save of every rank")
             self.finish_saving()
         finally:
@@ -424,6 +435,14 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
                                                  plan.schedule, self.cfg.model.hidden_size)
+
+    def _relayout(self, result: TrainResult) -> Path:
+        """Checkpoint this step (unless just saved) and write what was chosen (rank 0)."""
+        if result.checkpoint is None or result.checkpoint.name != step_dir_name(self.step):
+            result.checkpoint = self.save()
+        if self.is_rank0:
+            write_chosen_layout(self.run_dir, self.step, self.tuner.retuner.restart)
+        return self.run_dir / LAYOUT_FILE
 
     def _check_skips(self, out: StepResult, consecutive: int) -> None:
         """A skipped step (agreed by every rank) is said; ``train.max_skipped`` in a row stop
@@ -466,23 +485,11 @@ def _layout_text(sizes: dict) -> str:
     return " ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
-def format_row(row: dict, total: int) -> str:
-    text = (f"step {row['step']:>{len(str(total))}}/{total} | loss {row['loss']:.4f} | "
-            f"lr {row['lr']:.2e} | grad {row['grad_norm']:.3f} | "
-            f"{row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.1f}%")
-    if "moe/load_max_over_mean" in row:
-        text += (f" | moe load max/mean {row['moe/load_max_over_mean']:.2f}, dropped "
-                 f"{100 * row['moe/dropped_fraction']:.1f}%")
-    if "val_loss" in row:
-        text += f" | val {row['val_loss']:.4f} (ppl {row['val_ppl']:.1f})"
-    return text
-
-
 def train(cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-          device: torch.device | None = None, predict: Predict | None = None) -> TrainResult:
+          device: torch.device | None = None, cost: CostModel | None = None) -> TrainResult:
     """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary;
-    ``predict``: the cost model's step time of a config, for ``train.autotune``."""
-    trainer = Trainer(cfg, mesh, log, device, predict)
+    ``cost``: the tuner's prices, for ``train.autotune``."""
+    trainer = Trainer(cfg, mesh, log, device, cost)
     result = trainer.run()
     sys.stdout.flush()
     return result

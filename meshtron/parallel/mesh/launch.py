@@ -39,12 +39,19 @@ SHUTDOWN_NOTES = ("death signal", "closing signal", "Unable to shutdown process"
 
 STALL_EXIT_CODE = 75
 """How a rank's watchdog ends it when its peers stall (``training/watchdog.py``)."""
+RELAYOUT_EXIT_CODE = 76
+"""How every rank ends when ``train.autotune=layout`` has checkpointed and chosen a new
+layout: the launcher starts them again (not counted as a restart)."""
+MAX_RELAYOUTS = 4
+"""Starts into a new layout one launch allows (a guard against a cost model that flips)."""
 
 
 def describe_exit(code: int) -> str:
     """``"was killed by SIGKILL"`` or ``"exited with code 1"``: how a rank ended."""
     if code == STALL_EXIT_CODE:
         return "gave up waiting for stalled ranks (named in its line above)"
+    if code == RELAYOUT_EXIT_CODE:
+        return "asked for a restart into a new layout (train.autotune=layout)"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
@@ -94,10 +101,10 @@ def _culprit_first(item: tuple[int, object]) -> tuple[int, float, int]:
 class RankFailed(MeshtronError):
     """A rank of the group failed (the first to fail, and how)."""
 
-    def __init__(self, rank: int, how: str, restarts: int = 0):
+    def __init__(self, rank: int, how: str, restarts: int = 0, code: int | None = None):
         used = f" (after {restarts} restarts)" if restarts else ""
         super().__init__(f"rank {rank} {how}{used}; the other ranks were stopped")
-        self.rank, self.how = rank, how
+        self.rank, self.how, self.code = rank, how, code
 
 
 def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
@@ -108,16 +115,23 @@ def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
     meets under a store prefix of its own). With ``min_nproc``, each restart continues on the
     largest world size below the failed one, down to ``min_nproc``, that ``fits`` (the plan
     accepts it); the checkpoint reshards on resume and the global batch is kept by more
-    accumulation. ``command`` names another subcommand for the ranks (``generate``)."""
-    world = nproc
-    for attempt in range(max_restarts + 1):
-        os.environ[ATTEMPT_ENV] = str(attempt)
+    accumulation. Ranks that all exit with :data:`RELAYOUT_EXIT_CODE` are started again at
+    once, uncounted. ``command`` names another subcommand for the ranks (``generate``)."""
+    world, relayouts, attempt = nproc, 0, 0
+    while True:
+        os.environ[ATTEMPT_ENV] = str(attempt + relayouts)
         try:
             return _launch(world, train_args, command)
         except RankFailed as failure:
+            if failure.code == RELAYOUT_EXIT_CODE and relayouts < MAX_RELAYOUTS:
+                relayouts += 1
+                print("meshtron: starting every rank again in the layout train.autotune chose, "
+                      "from its checkpoint", file=sys.stderr, flush=True)
+                continue
             if attempt == max_restarts:
                 raise RankFailed(failure.rank, failure.how, max_restarts) from None
-            count = f"restart {attempt + 1} of {max_restarts}"
+            attempt += 1
+            count = f"restart {attempt} of {max_restarts}"
             if min_nproc is None:
                 print(f"meshtron: rank {failure.rank} {failure.how}; restarting every rank from "
                       f"the newest checkpoint ({count})", file=sys.stderr, flush=True)
@@ -131,7 +145,6 @@ def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
                   f"(was {world}) from the newest checkpoint ({count})",
                   file=sys.stderr, flush=True)
             world = smaller
-    raise AssertionError("the loop returns or raises")
 
 
 def _launch(nproc: int, train_args: Sequence[str], command: str = "train") -> int:
@@ -155,5 +168,5 @@ def _launch(nproc: int, train_args: Sequence[str], command: str = "train") -> in
         raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = min(err.failures.items(), key=_culprit_first)
-        raise RankFailed(rank, describe_exit(failure.exitcode)) from None
+        raise RankFailed(rank, describe_exit(failure.exitcode), code=failure.exitcode) from None
     return 0
