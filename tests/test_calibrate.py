@@ -3,6 +3,7 @@ reads; the curve and fit helpers give exact answers on exact data. No assertion 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,8 +15,12 @@ import pytest
 import torch
 
 from meshtron.errors import MeshtronError
-from meshtron.tuning import calibrate
+from meshtron.tuning import calibrate, calibrate_command
+from meshtron.tuning.candidate import Candidate
+from meshtron.tuning.estimate import Estimate
+from meshtron.tuning.memory_model import MemoryEstimate
 from meshtron.tuning.profiles import load_profile, save_profile
+from meshtron.tuning.trials import Measurement, Trial
 
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -62,8 +67,8 @@ def test_group_sizes_link_and_forwarded_arguments():
     assert math.isclose(link.latency, 1e-4) and math.isclose(link.bandwidth, 1.5e9)
     assert calibrate.ring_link((1e-4, 0.0), 2) is None
     out = Path("p.json")
-    assert calibrate.forwarded(out, True) == [
-        "--calibrate", f"--output={out.resolve()}", "--quick"]
+    assert calibrate_command.forwarded(out, True) == [
+        "--calibrate", f"--output={out.resolve()}", "--quick", "--no-probe"]
 
 
 @pytest.mark.parametrize("nproc, name, fragment", [
@@ -73,7 +78,7 @@ def test_group_sizes_link_and_forwarded_arguments():
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, nproc, name, fragment):
     output = tmp_path / name
     with pytest.raises(MeshtronError) as err:
-        calibrate.run_calibrate(nproc, output, quick=True)
+        calibrate_command.run_calibrate(nproc, output, quick=True)
     assert fragment in str(err.value) and "\n" not in str(err.value)
     assert not output.exists()
 
@@ -98,3 +103,25 @@ def test_two_ranks_fit_every_collective(tmp_path):
     profile = load_profile(str(output))
     assert math.isclose(profile.intra_node.bandwidth, 1 / b) and profile.inter_node == \
         profile.intra_node
+    # the probe trained on 1 and 2 ranks and priced what the kernels miss
+    assert "probe on 1 rank:" in proc.stdout and "probe on 2 ranks:" in proc.stdout
+    assert profile.compute_correction != 1.0 and profile.memory_reserved_bytes > 0
+    assert profile.memory_reserved_per_rank_bytes >= 0
+    assert profile.time_correction == profile.memory_correction == 1.0  # trial feedback only
+
+
+def test_the_probe_fit_prices_what_the_kernels_miss():
+    """One rank: (measured - optimizer - overhead) / compute, and the peak beyond the model;
+    the N-rank probe's extra, per further rank."""
+    profile = load_profile("h100-sxm")
+    memory = MemoryEstimate(100.0, 100.0, 0.0, 200.0, 50.0, 50.0, reserved=1000.0)
+    one = Trial(Estimate(Candidate(1, 1, 1, 1, "1f1b", 1, None, 1, 0, False, 4, "none"),
+                         1.0, 0, 0, 0, memory, True, "compute",
+                         {"compute": 0.8, "optimizer": 0.1, "overhead": 0.1}), Path("."),
+                Measurement(1.4, 1800))
+    many = dataclasses.replace(one, measured=Measurement(1.5, 2000))
+    fit = calibrate_command.fitted(profile, one, many, nproc=3)
+    assert fit.compute_correction == pytest.approx(1.5)  # (1.4 - 0.2) / 0.8
+    assert fit.memory_reserved_bytes == 1800 - 500
+    assert fit.memory_reserved_per_rank_bytes == (2000 - 500 - 1300) // 2
+    assert (fit.time_correction, fit.memory_correction) == (1.0, 1.0)

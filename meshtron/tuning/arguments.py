@@ -37,6 +37,8 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--output", default="profile.json",
                    help="--calibrate: the profile to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="--calibrate: fewer, shorter probes")
+    p.add_argument("--no-probe", action="store_true",
+                   help="--calibrate: skip the probe training runs (kernels and links only)")
     p.add_argument("--nproc", type=int, default=1,
                    help="local processes for --calibrate and --trial (default 1)")
     p.add_argument("--trial", type=int, default=0, metavar="K",

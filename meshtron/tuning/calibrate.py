@@ -1,4 +1,5 @@
-"""``meshtron tune --calibrate``: measure the machine at hand and write its cluster profile.
+"""``meshtron tune --calibrate``: measure the machine at hand for its cluster profile (the
+command around it, and the probe training runs that end it: ``calibrate_command.py``).
 
 The cost model's figures, measured the way training uses the machine: GEMMs of transformer
 shapes and the attention core on one thread (the trainer's ranks run one thread each when they
@@ -31,17 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtron.errors import MeshtronError
-from meshtron.parallel.mesh.launch import launch_local
-from meshtron.parallel.mesh.process import (
-    ProcessInfo,
-    device_for,
-    die_with_launcher,
-    init_process_group,
-    process_info,
-)
 from meshtron.training.memory import device_memory_bytes
-from meshtron.tuning.profiles import COLLECTIVES, ClusterProfile, Link, save_profile
+from meshtron.tuning.profiles import COLLECTIVES, ClusterProfile, Link
 
 CPU_GPUS_PER_NODE = 8
 """A CPU profile's "GPUs per node": how many ranks the tuner may place on this one machine
@@ -438,59 +430,3 @@ def summary(profile: ClusterProfile, output: Path) -> str:
 
 def _rate(seconds_per_byte: float) -> str:
     return f"{1 / seconds_per_byte / 1e9:,.2f} GB/s" if seconds_per_byte > 0 else "no slope"
-
-
-def check_arguments(nproc: int, output: Path) -> None:
-    """Refuse what cannot work before any process starts or anything is measured."""
-    if nproc < 1:
-        raise MeshtronError(f"--nproc must be at least 1, got {nproc}")
-    if output.is_dir():
-        raise MeshtronError(f"--output {output} is a folder: name the profile file, for "
-                            f"example {output / 'profile.json'}")
-    folder = output.parent
-    if not folder.is_dir():
-        raise MeshtronError(f"--output {output}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise MeshtronError(f"--output {output}: the folder {folder} is not writable")
-
-
-def forwarded(output: Path, quick: bool) -> list[str]:
-    """The arguments of ``meshtron tune`` that every launched rank gets (no ``--nproc``: a
-    launched rank takes the world size, and torchrun's own parser would read it as its
-    ``--nproc-per-node``)."""
-    return ["--calibrate", f"--output={output.resolve()}", *(["--quick"] if quick else [])]
-
-
-def run_calibrate(nproc: int, output: Path, quick: bool = False) -> int:
-    """The ``tune --calibrate`` command: validate, launch ``nproc`` ranks (none under
-    torchrun, where the ranks exist already), measure, and write the profile from rank 0."""
-    info = process_info()
-    try:
-        check_arguments(nproc, output)
-    except MeshtronError:
-        if info.distributed and info.rank != 0:
-            return 2  # every rank sees the same error: rank 0 says it
-        raise
-    if nproc > 1 and not info.distributed:
-        return launch_local(nproc, forwarded(output, quick), command="tune")
-    profile = _calibrate_rank(info, quick)
-    if profile is not None:
-        save_profile(profile, output)
-        print(summary(profile, output), flush=True)
-    return 0
-
-
-def _calibrate_rank(info: ProcessInfo, quick: bool) -> ClusterProfile | None:
-    """This rank's part: rank 0 measures the process alone while the others wait, then all
-    measure the collectives; rank 0 returns the profile, the others None."""
-    if info.distributed:
-        die_with_launcher()
-        init_process_group(info, RANK_TIMEOUT_S)
-    device = device_for(info)
-    profile = measure_process(quick, device) if info.rank == 0 else None
-    if not info.distributed:
-        return profile
-    dist.barrier()
-    with torch_threads(1):
-        fits = measure_collectives(quick, info.world_size, info.rank, device)
-    return with_collectives(profile, fits, info.world_size, device) if profile is not None else None

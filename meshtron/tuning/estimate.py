@@ -124,6 +124,7 @@ class Estimator:
     def _work_seconds(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
         """(GEMMs, attention core, memory-bound) forward seconds of ``work``."""
         p = self.problem.profile
+        scale = scale / p.compute_correction
         peak = p.peak(self.problem.gemm_dtype) * scale
         gemm = sum(g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms)
         core_peak = p.peak(self.problem.dtype) * scale * p.attention_efficiency
@@ -316,7 +317,7 @@ class Estimator:
         assert worst is not None
         state, activations, transient = worst
         return MemoryEstimate(**state, activations=activations, transient=transient,
-                              reserved=pr.profile.memory_reserved_bytes,
+                              reserved=pr.reserved_bytes,
                               correction=pr.profile.memory_correction)
 
     # ------------------------------------------------------------------ the whole step

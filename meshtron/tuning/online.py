@@ -14,9 +14,9 @@ from meshtron.plan import plan_run
 from meshtron.training.autotune import CostModel, Overrides
 from meshtron.tuning.candidate import Candidate
 from meshtron.tuning.estimate import Estimator
+from meshtron.tuning.problem import Cluster, problem_of
 from meshtron.tuning.profiles import load_profile
 from meshtron.tuning.search import Pins, search
-from meshtron.tuning.tune_command import Cluster, problem_of
 
 
 def candidate_of(cfg: Config, world_size: int) -> Candidate:

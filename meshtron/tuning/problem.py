@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from meshtron.config import ModelConfig
+from meshtron.config import Config, ModelConfig
+from meshtron.errors import MeshtronError
 from meshtron.models.flops import training_flops_per_token
+from meshtron.tuning.memory_model import with_vocab
 from meshtron.tuning.profiles import ClusterProfile
 
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
@@ -43,6 +45,14 @@ class Problem:
         return p.memory_bytes / min(self.gpus, p.gpus_per_node)
 
     @property
+    def reserved_bytes(self) -> float:
+        """What one rank holds besides the model: the runtime, plus each other rank of its
+        node's share (gloo's buffers per peer)."""
+        p = self.profile
+        peers = min(self.gpus, p.gpus_per_node) - 1
+        return p.memory_reserved_bytes + p.memory_reserved_per_rank_bytes * peers
+
+    @property
     def gemm_dtype(self) -> str:
         return "fp8" if self.fp8 and "fp8" in self.profile.peak_flops else self.dtype
 
@@ -51,3 +61,21 @@ class Problem:
         """Model FLOPs of one optimizer step, Megatron's way (no recompute)."""
         return training_flops_per_token(self.model, self.seq_len) * self.global_batch \
             * self.seq_len
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a plan runs: a profile and how many GPUs (or CPU ranks) of it."""
+
+    profile: ClusterProfile
+    gpus: int
+
+
+def problem_of(cfg: Config, cluster: Cluster) -> Problem:
+    model = with_vocab(cfg.model, cfg.data.vocab_size)
+    if not model.vocab_size:
+        raise MeshtronError("model.vocab_size is unset: give --model.vocab_size (the tuner "
+                            "reads no tokenizer)")
+    return Problem(model, cfg.train.seq_len, cfg.train.global_batch, cluster.profile,
+                   cluster.gpus, dtype=cfg.precision.dtype, fp8=cfg.precision.fp8 != "none",
+                   reduce_dtype=cfg.precision.reduce_dtype, cp_comm=cfg.parallel.cp_comm)

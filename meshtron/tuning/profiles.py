@@ -56,6 +56,12 @@ class ClusterProfile:
     """Fraction of peak the fused attention core achieves."""
     memory_reserved_bytes: int = 0
     """Memory that is never the model's: the runtime, the allocator's slack, a CUDA context."""
+    memory_reserved_per_rank_bytes: int = 0
+    """What each further rank of a node adds to that, on every rank (gloo's buffers per peer);
+    measured by the probe runs of ``--calibrate``."""
+    compute_correction: float = 1.0
+    """Measured over predicted compute time of a probe training step (``--calibrate``): what
+    the kernel measurements miss (elementwise kernels, dispatch, the autograd engine)."""
     step_overhead_s: float = 0.0
     """Fixed time per optimizer step (launches, the loss and grad-norm reductions' latency)."""
     compute_units: int | None = None
@@ -208,7 +214,8 @@ def profile_from_dict(raw: object, where: str) -> ClusterProfile:
         raise MeshtronError(f"profile {where}: 'gpus_per_node' must be a whole number")
     optional = {k: _number(raw, k, where, positive=k.endswith(("correction", "speedup")))
                 for k in ("attention_efficiency", "memory_reserved_bytes", "step_overhead_s",
-                          "thread_speedup", "time_correction", "memory_correction") if k in raw}
+                          "thread_speedup", "time_correction", "memory_correction",
+                          "memory_reserved_per_rank_bytes", "compute_correction") if k in raw}
     return ClusterProfile(
         name=raw["name"], source=raw["source"], gpus_per_node=int(gpus),
         memory_bytes=int(_number(raw, "memory_bytes", where)),
@@ -217,7 +224,7 @@ def profile_from_dict(raw: object, where: str) -> ClusterProfile:
         intra_node=_link(raw.get("intra_node"), "intra_node", where),
         inter_node=_link(raw.get("inter_node"), "inter_node", where),
         gemm_efficiency=points, compute_units=units, collectives=collectives,
-        **{k: int(v) if k == "memory_reserved_bytes" else v for k, v in optional.items()})
+        **{k: int(v) if k.endswith("bytes") else v for k, v in optional.items()})
 
 
 def profile_to_dict(profile: ClusterProfile) -> dict:

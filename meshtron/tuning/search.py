@@ -165,7 +165,7 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
             worst = max(sum(state_bytes(estimator.stage_params(c, s), c, problem.element_size,
                                         problem.reduce_size).values()) for s in range(c.pp))
             state_fits[key] = worst * problem.profile.memory_correction \
-                + problem.profile.memory_reserved_bytes <= limit
+                + problem.reserved_bytes <= limit
         layout = (*key, c.schedule, c.sp, c.micro_batch)
         if not state_fits[key]:
             if c.recompute == "full":

@@ -201,10 +201,10 @@ def folded(profile: ClusterProfile, trials: list[Trial]) -> ClusterProfile:
     done = [t for t in trials if t.measured is not None]
     time_ratio = statistics.median(t.measured.step_time_s / t.estimate.step_time_s
                                    for t in done)
-    reserved = profile.memory_reserved_bytes
-    memory = [(t.measured.memory_bytes - reserved) / (t.estimate.memory.peak - reserved)
-              for t in done if t.measured.memory_bytes > reserved
-              and t.estimate.memory.peak > reserved]
+    memory = [(t.measured.memory_bytes - t.estimate.memory.reserved)
+              / (t.estimate.memory.peak - t.estimate.memory.reserved)
+              for t in done if t.measured.memory_bytes > t.estimate.memory.reserved
+              and t.estimate.memory.peak > t.estimate.memory.reserved]
     memory_ratio = statistics.median(memory) if memory else 1.0
     return dataclasses.replace(profile, time_correction=profile.time_correction * time_ratio,
                                memory_correction=profile.memory_correction * memory_ratio)

@@ -20,21 +20,15 @@ import yaml
 
 from meshtron.config import Config, load_config, parse_override
 from meshtron.errors import MeshtronError
-from meshtron.tuning.estimate import Estimate, Problem
-from meshtron.tuning.memory_model import with_vocab
-from meshtron.tuning.profiles import ClusterProfile, load_profile
+from meshtron.tuning.estimate import Estimate
+from meshtron.tuning.problem import Cluster, Problem, problem_of
+from meshtron.tuning.profiles import load_profile
 from meshtron.tuning.search import Pins, SearchResult, apply, search
 
 CLUSTER_FIELDS = ("gpu", "gpus", "gpus_per_node")
 PIN_FIELDS = {**{f"parallel.{k}": k for k in ("tp", "cp", "pp", "vpp", "schedule", "ep",
                                               "etp", "zero", "sp")},
               "train.micro_batch": "micro_batch", "train.recompute": "recompute"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    profile: ClusterProfile
-    gpus: int
 
 
 def split_cluster(extra: list[str]) -> tuple[dict[str, object], list[str]]:
@@ -107,16 +101,6 @@ def planning_defaults(cfg: Config, given: dict[str, object], cluster: Cluster
     return dataclasses.replace(cfg, train=train, precision=precision), said
 
 
-def problem_of(cfg: Config, cluster: Cluster) -> Problem:
-    model = with_vocab(cfg.model, cfg.data.vocab_size)
-    if not model.vocab_size:
-        raise MeshtronError("model.vocab_size is unset: give --model.vocab_size (the tuner "
-                            "reads no tokenizer)")
-    return Problem(model, cfg.train.seq_len, cfg.train.global_batch, cluster.profile,
-                   cluster.gpus, dtype=cfg.precision.dtype, fp8=cfg.precision.fp8 != "none",
-                   reduce_dtype=cfg.precision.reduce_dtype, cp_comm=cfg.parallel.cp_comm)
-
-
 def check_pins(cfg: Config, pins: Pins, cluster: Cluster) -> None:
     """Pins that contradict each other or the world size, said before searching."""
     from meshtron.parallel.mesh.layout import MeshLayout
@@ -143,7 +127,7 @@ def no_fit_message(result: SearchResult, cluster: Cluster, problem: Problem) -> 
                 "train.global_batch, the pins and --cluster.gpus)")
     best = min(result.ranked, key=lambda e: e.memory.peak)
     need = best.memory.peak
-    scale = need / max(1.0, limit - cluster.profile.memory_reserved_bytes)
+    scale = need / max(1.0, limit - problem.reserved_bytes)
     return (f"the model does not fit on {cluster.gpus} x {cluster.profile.name}: the layout "
             f"needing least memory ({best.candidate.describe()}) takes {need / 2**30:,.1f} GiB "
             f"per GPU, {(need - limit) / 2**30:,.1f} GiB over the {limit / 2**30:,.1f} GiB "
@@ -178,9 +162,9 @@ def write_config(cfg: Config, best: Estimate, path: Path, gpus: int) -> Path:
 def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
     """The ``tune`` command, after the CLI has parsed its arguments."""
     if args.calibrate:
-        from meshtron.tuning.calibrate import run_calibrate
+        from meshtron.tuning.calibrate_command import run_calibrate
 
-        return run_calibrate(args.nproc, Path(args.output), args.quick)
+        return run_calibrate(args.nproc, Path(args.output), args.quick, not args.no_probe)
     where, overrides = split_cluster(extra)
     cfg = load_config(args.config, overrides)
     cluster = cluster_of(where)

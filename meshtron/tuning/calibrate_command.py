@@ -1,0 +1,182 @@
+"""``meshtron tune --calibrate`` as a command: check the arguments, launch the ranks that
+measure (``calibrate.py``), write the profile, then train a probe model for a few steps through
+the real trainer, price it with the profile just measured, and fold in what the kernel timings
+miss.
+
+GEMM, attention and copy timings price a step's kernels. A real step also runs elementwise
+kernels (priced only by their bytes), Python dispatch, the autograd engine and the optimizer
+loop; and a training process holds more than an imported trainer (the data pipeline,
+TensorBoard's writer, autograd's buffers, gloo's buffers for each peer, the heap glibc keeps).
+So the probe model trains on one process and, with ``--nproc N``, on N data-parallel ranks,
+through ``meshtron train`` as a user runs it (the runner of ``tune --trial``), and:
+
+- ``compute_correction`` = the one-process probe's measured step time, less the predicted
+  optimizer and fixed overhead, over its predicted compute;
+- ``memory_reserved_bytes`` = its measured peak less the model's predicted bytes;
+- ``memory_reserved_per_rank_bytes`` = what the N-rank probe's peak holds beyond that, per
+  further rank.
+
+These are calibration, not trial feedback: ``time_correction`` and ``memory_correction``
+(which ``--trial`` folds in) stay as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshtron.config import Config, load_config
+from meshtron.errors import MeshtronError
+from meshtron.parallel.mesh.launch import launch_local
+from meshtron.parallel.mesh.process import (
+    ProcessInfo,
+    device_for,
+    die_with_launcher,
+    init_process_group,
+    process_info,
+)
+from meshtron.tuning.calibrate import (
+    RANK_TIMEOUT_S,
+    measure_collectives,
+    measure_process,
+    summary,
+    torch_threads,
+    with_collectives,
+)
+from meshtron.tuning.estimate import Estimate, Estimator
+from meshtron.tuning.online import candidate_of
+from meshtron.tuning.problem import Cluster, problem_of
+from meshtron.tuning.profiles import ClusterProfile, load_profile, save_profile
+from meshtron.tuning.trials import Trial, run_trial
+
+PROBE_MODEL = ["--model.preset=tiny", "--model.num_layers=2", "--model.hidden_size=256",
+               "--model.num_heads=4", "--model.num_kv_heads=4", "--model.ffn_hidden_size=768",
+               "--model.vocab_size=512", "--data.vocab_size=512", "--data.corpus_max_mb=0.3",
+               "--train.seq_len=128", "--train.global_batch=8"]
+"""A small Llama-style model on a slice of the default corpus: its step is long enough to time
+on a CPU and short enough that calibration stays a matter of a minute."""
+
+
+PROBE_STEPS = {False: 8, True: 4}
+"""Steps of a probe run, full and ``--quick`` (the first, warm-up step is not timed)."""
+
+
+def probe_config() -> Config:
+    return load_config(overrides=PROBE_MODEL)
+
+
+def price(cfg: Config, profile: ClusterProfile, nproc: int) -> Estimate:
+    return Estimator(problem_of(cfg, Cluster(profile, nproc))).estimate(candidate_of(cfg, nproc))
+
+
+def fitted(profile: ClusterProfile, one: Trial, many: Trial | None, nproc: int
+           ) -> ClusterProfile:
+    """The profile with what the probes measured folded in (see the module's docstring);
+    ``one`` and ``many`` were priced with ``profile``."""
+    e, m = one.estimate, one.measured
+    rest = e.breakdown["optimizer"] + e.breakdown["overhead"]
+    compute = max(e.breakdown["compute"], 1e-12)
+    correction = profile.compute_correction * max(0.1, (m.step_time_s - rest) / compute)
+    reserved = max(0, m.memory_bytes - (e.memory.peak - e.memory.reserved))
+    per_rank = 0
+    if many is not None and many.measured is not None and nproc > 1:
+        model = many.estimate.memory.peak - many.estimate.memory.reserved
+        per_rank = max(0, (many.measured.memory_bytes - model - reserved) / (nproc - 1))
+    return dataclasses.replace(profile, compute_correction=round(correction, 4),
+                               memory_reserved_bytes=int(reserved),
+                               memory_reserved_per_rank_bytes=int(per_rank))
+
+
+def run_probes(output: Path, nproc: int, steps: int) -> ClusterProfile:
+    """Train the probe on 1 and on ``nproc`` ranks, fold what they measured into the profile
+    at ``output`` and write it back; says what it found."""
+    profile = load_profile(str(output))
+    runs = [1] + ([nproc] if nproc > 1 else [])
+    trials: dict[int, Trial] = {}
+    with tempfile.TemporaryDirectory(prefix="meshtron-probe-") as folder:
+        for n in runs:
+            cfg = probe_config()
+            print(f"probe: training a 2-layer, 256-wide model for {steps} steps on {n} "
+                  f"rank{'s' if n > 1 else ''}", file=sys.stderr, flush=True)
+            trials[n] = run_trial(cfg, price(cfg, profile, n), n, n, steps, Path(folder))
+            if trials[n].measured is None:
+                raise MeshtronError(f"the probe run on {n} ranks failed: {trials[n].failure} "
+                                    "(calibrate with --no-probe to skip it)")
+    new = fitted(profile, trials[1], trials.get(nproc), nproc)
+    save_profile(new, output)
+    one = trials[1]
+    print(f"  probe on 1 rank: {one.measured.step_time_s:.3f} s per step measured vs "
+          f"{one.estimate.step_time_s:.3f} s from the kernels alone: compute_correction "
+          f"{new.compute_correction:.3f}; {one.measured.memory_bytes / 2**20:,.0f} MiB peak, "
+          f"{new.memory_reserved_bytes / 2**20:,.0f} MiB of it besides the model", flush=True)
+    if nproc > 1:
+        print(f"  probe on {nproc} ranks: each further rank adds "
+              f"{new.memory_reserved_per_rank_bytes / 2**20:,.1f} MiB per rank", flush=True)
+    return new
+
+
+def check_arguments(nproc: int, output: Path) -> None:
+    """Refuse what cannot work before any process starts or anything is measured."""
+    if nproc < 1:
+        raise MeshtronError(f"--nproc must be at least 1, got {nproc}")
+    if output.is_dir():
+        raise MeshtronError(f"--output {output} is a folder: name the profile file, for "
+                            f"example {output / 'profile.json'}")
+    folder = output.parent
+    if not folder.is_dir():
+        raise MeshtronError(f"--output {output}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise MeshtronError(f"--output {output}: the folder {folder} is not writable")
+
+
+def forwarded(output: Path, quick: bool) -> list[str]:
+    """The arguments of ``meshtron tune`` that every launched rank gets (no ``--nproc``: a
+    launched rank takes the world size, and torchrun's own parser would read it as its
+    ``--nproc-per-node``; no probe: the launching process runs it once the ranks are done)."""
+    return ["--calibrate", f"--output={output.resolve()}", *(["--quick"] if quick else []),
+            "--no-probe"]
+
+
+def run_calibrate(nproc: int, output: Path, quick: bool = False, probe: bool = True) -> int:
+    """The ``tune --calibrate`` command: validate, launch ``nproc`` ranks (none under
+    torchrun, where the ranks exist already), measure, write the profile from rank 0, then
+    (``probe``) train the probe model and fold in what it measured."""
+    info = process_info()
+    try:
+        check_arguments(nproc, output)
+    except MeshtronError:
+        if info.distributed and info.rank != 0:
+            return 2  # every rank sees the same error: rank 0 says it
+        raise
+    if nproc > 1 and not info.distributed:
+        launch_local(nproc, forwarded(output, quick), command="tune")
+    else:
+        profile = _calibrate_rank(info, quick)
+        if profile is None:
+            return 0
+        save_profile(profile, output)
+        print(summary(profile, output), flush=True)
+    if probe:
+        run_probes(output, max(nproc, info.world_size), PROBE_STEPS[quick])
+    return 0
+
+
+def _calibrate_rank(info: ProcessInfo, quick: bool) -> ClusterProfile | None:
+    """This rank's part: rank 0 measures the process alone while the others wait, then all
+    measure the collectives; rank 0 returns the profile, the others None."""
+    if info.distributed:
+        die_with_launcher()
+        init_process_group(info, RANK_TIMEOUT_S)
+    device = device_for(info)
+    profile = measure_process(quick, device) if info.rank == 0 else None
+    if not info.distributed:
+        return profile
+    dist.barrier()
+    with torch_threads(1):
+        fits = measure_collectives(quick, info.world_size, info.rank, device)
+    return with_collectives(profile, fits, info.world_size, device) if profile is not None else None
