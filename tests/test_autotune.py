@@ -200,6 +200,7 @@ def test_the_move_is_checked_by_measurement_at_the_next_start():
     kept = after_a_move({"layout": {"parallel.pp": 1}, "previous": before})
     [event] = kept.window(window(8, 0.22))
     assert event["action"] == "keep it" and kept.restart is None
+    assert kept.settled == {"layout": {"parallel.pp": 1}, "settled": True}
     back = after_a_move({"layout": {"parallel.pp": 1}, "previous": before})
     [event] = back.window(window(8, 0.4))
     assert event["cause"] == "the new layout measured slower"

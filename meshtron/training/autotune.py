@@ -130,6 +130,8 @@ class Retuner:
     restart: dict | None = None
     """What to write to :data:`LAYOUT_FILE` and restart into (``layout``, and ``previous``
     or ``settled``), once ``layout`` has decided."""
+    settled: dict | None = None
+    """What to write to :data:`LAYOUT_FILE` when a moved run keeps its new layout."""
     reference: float | None = None
     """The measured/predicted ratio the job is held to."""
     reference_wait: float = 0.0
@@ -199,6 +201,7 @@ class Retuner:
         if previous is not None:
             before = float(previous["measured_step_s"])
             if w.pace_s <= before * (1 + self.drift):
+                self.settled = {"layout": history["layout"], "settled": True}
                 return [self._event(w, cause="the new layout measured", before_step_s=before,
                                     action="keep it")]
             self.restart = {"layout": previous["layout"], "settled": True}
@@ -323,6 +326,7 @@ class OnlineTuner:
     def __init__(self, cfg: Config, mesh: ParallelMesh, micro_batch: int,
                  cost: CostModel | None, device: torch.device | None = None):
         t = cfg.train
+        self.run_dir, self.writes = Path(cfg.run.dir), mesh.global_rank == 0
         self.plans = micro_batch_options(cfg, mesh.layout.world_size)
         prices: dict[int, float] = {}
 
@@ -348,7 +352,12 @@ class OnlineTuner:
     def after_step(self, step: int, step_s: float, compute_s: float, memory: int) -> list[dict]:
         """Every rank after every step: the events of a window's end (the same on every rank)."""
         window = self.gather.add(step, step_s, compute_s, memory)
-        return self.retuner.window(window) if window is not None else []
+        events = self.retuner.window(window) if window is not None else []
+        if self.retuner.settled is not None:  # kept after a move: no check at later starts
+            if self.writes:
+                write_chosen_layout(self.run_dir, step, self.retuner.settled)
+            self.retuner.settled = None
+        return events
 
     @property
     def plan(self) -> RunPlan:
