@@ -80,7 +80,7 @@ def test_every_gradient_equals_transformers(case):
     assert checked == len(list(theirs.parameters()))
 
 
-@pytest.mark.parametrize("case, dtype, atol", [("llama-gqa", "fp32", 1e-5),
+@pytest.mark.parametrize("case, dtype, atol", [("llama-gqa", "fp32", 2e-5),
                                                ("gpt2-tied", "fp32", 1e-5),
                                                ("gpt2-tied", "fp64", 1e-12)])
 def test_three_adamw_steps_give_the_same_weights(case, dtype, atol):
@@ -88,7 +88,10 @@ def test_three_adamw_steps_give_the_same_weights(case, dtype, atol):
     decay on matrices only) against transformers with torch's AdamW and clip_grad_norm_. Adam
     divides by sqrt(v), so elements with near-zero gradients magnify last-bit differences of
     fp32 gradients: fp32 weights agree to 1e-5 (an update is lr = 3e-3), fp64 to 1e-12. (fp64
-    only for GPT-2: transformers' Llama computes RMSNorm in fp32 whatever the dtype.)"""
+    only for GPT-2: transformers' Llama computes RMSNorm in fp32 whatever the dtype.) Llama's
+    bound is 2e-5: transformers 5 sums its grouped-query attention in another order, and one
+    element of v_proj whose gradient is near zero lands 1.08e-5 away (the gradients agree to
+    1e-5 relative in the test above)."""
     cfg, ours, theirs = twins(*CASES[case])
     t = cfg.train
     mesh = ParallelMesh.single()
