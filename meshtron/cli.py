@@ -1,8 +1,8 @@
 """``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
 
 Commands: ``train``, ``preprocess``, ``generate``, ``serve``, ``tune``, ``hpsearch``,
-``plot``, ``schedule``, ``convert``. Heavy imports (torch and friends) happen inside each
-command so that ``meshtron --help`` and config errors are instant.
+``archsearch``, ``plot``, ``schedule``, ``convert``. Heavy imports (torch and friends) happen
+inside each command so that ``meshtron --help`` and config errors are instant.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from meshtron.errors import MeshtronError
 from meshtron.files import REASONS as OS_REASONS
 from meshtron.files import check_writable, os_reason
 from meshtron.signals import Stopped, report_stop, stop_on_signals
+from meshtron.tuning.archsearch_arguments import add_archsearch_parser
 from meshtron.tuning.arguments import add_tune_parser
 from meshtron.tuning.hpsearch_arguments import add_hpsearch_parser
 
@@ -393,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_parser(sub).set_defaults(func=cmd_tune)
     add_hpsearch_parser(sub)
+    add_archsearch_parser(sub)
 
     p = sub.add_parser("plot", help="plot loss curves of one or more runs to a PNG")
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
