@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 
 from meshtron.config.docs import config_reference
+from meshtron.config.parse import split_overrides as _split_overrides
 from meshtron.errors import MeshtronError
 from meshtron.files import REASONS as OS_REASONS
 from meshtron.files import check_writable, os_reason
@@ -26,26 +27,6 @@ from meshtron.tuning.hpsearch_arguments import add_hpsearch_parser
 if typing.TYPE_CHECKING:
     from meshtron.config import Config
     from meshtron.parallel.mesh.process import ProcessInfo
-
-
-def _split_overrides(extra: list[str]) -> list[str]:
-    """Accept both `--a.b=v` and `--a.b v`; reject anything else with a clear message."""
-    overrides, i = [], 0
-    while i < len(extra):
-        arg = extra[i]
-        name = arg.lstrip("-").split("=", 1)[0]
-        if not arg.startswith("--") or "." not in name:
-            raise MeshtronError(f"unrecognised argument '{arg}' (overrides look like "
-                                "--section.field=value)")
-        if "=" in arg:
-            overrides.append(arg)
-            i += 1
-        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-            overrides.append(f"{arg}={extra[i + 1]}")
-            i += 2
-        else:
-            raise MeshtronError(f"override '{arg}' needs a value: {arg}=VALUE")
-    return overrides
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:

@@ -4,7 +4,13 @@ documentation (:mod:`.docs`). Nothing here imports torch or any layer above it.
 """
 
 from meshtron.config.checks import validate
-from meshtron.config.parse import config_from_dict, load_config, parse_override, resolve
+from meshtron.config.parse import (
+    config_from_dict,
+    load_config,
+    parse_override,
+    resolve,
+    split_overrides,
+)
 from meshtron.config.presets import MODEL_PRESETS
 from meshtron.config.sections import (
     MOE_DEFAULTS,
@@ -23,6 +29,7 @@ from meshtron.config.sections import (
 )
 
 __all__ = [
+    "split_overrides",
     "MODEL_PRESETS",
     "MOE_DEFAULTS",
     "SCHEDULES",

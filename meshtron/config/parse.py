@@ -233,3 +233,24 @@ def resolve(cfg: Config) -> None:
             raise MeshtronError("data.path is empty; name a file, folder or dataset prefix, or "
                                 "leave data.path unset for the built-in corpus")
         cfg.data.path = paths
+
+
+def split_overrides(extra: list[str]) -> list[str]:
+    """Command-line overrides as ``--section.field=value``: accepts ``--a.b=v`` and
+    ``--a.b v``; refuses anything else with a clear message."""
+    overrides, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        name = arg.lstrip("-").split("=", 1)[0]
+        if not arg.startswith("--") or "." not in name:
+            raise MeshtronError(f"unrecognised argument '{arg}' (overrides look like "
+                                "--section.field=value)")
+        if "=" in arg:
+            overrides.append(arg)
+            i += 1
+        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            overrides.append(f"{arg}={extra[i + 1]}")
+            i += 2
+        else:
+            raise MeshtronError(f"override '{arg}' needs a value: {arg}=VALUE")
+    return overrides

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from meshtron.config import split_overrides
 from meshtron.errors import MeshtronError
 from meshtron.files import check_writable
 from meshtron.signals import Stopped
@@ -37,26 +38,6 @@ from meshtron.tuning.hp_report import (
 from meshtron.tuning.hp_space import Dimension, format_value, grid_size, parse_space
 
 PRUNER_NAMES = {"sha": "successive halving", "hyperband": "hyperband", "none": "no pruning"}
-
-
-def split_overrides(extra: Sequence[str]) -> list[str]:
-    """``--section.field=value`` or ``--section.field value``; anything else is refused (as
-    ``meshtron train`` does)."""
-    out, i = [], 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.lstrip("-").split("=", 1)[0]:
-            raise MeshtronError(f"unrecognised argument '{arg}' (overrides look like "
-                                "--section.field=value)")
-        if "=" in arg:
-            out.append(arg)
-            i += 1
-        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-            out.append(f"{arg}={extra[i + 1]}")
-            i += 2
-        else:
-            raise MeshtronError(f"override '{arg}' needs a value: {arg}=VALUE")
-    return out
 
 
 def parse_widths(text: str | None) -> list[int]:
@@ -114,7 +95,7 @@ def plotted(dims: Sequence[Dimension], want_plot: bool) -> Dimension | None:
 def run_hpsearch(args: argparse.Namespace, extra: list[str]) -> int:
     """The ``hpsearch`` command, after the CLI has parsed its arguments."""
     check_arguments(args)
-    overrides = split_overrides(extra)
+    overrides = split_overrides(list(extra))
     widths = parse_widths(args.widths)
     runs = proxies(args.config, overrides, widths, args.nproc)
     dims, notes = prune_space(parse_space(args.space, runs[0].base), runs)
