@@ -30,6 +30,13 @@ PARITY_RTOL = 1e-4
 FP64_RTOL = 1e-9
 WEIGHTS_RTOL = {PARITY_RTOL: 1e-4, FP64_RTOL: 1e-9}
 """How far final weights may be from the reference's, by the step tolerance of the run."""
+ROUNDING_RTOL = 1e-3
+"""fp32's bound for the layouts whose reductions reorder most (expert parallelism's token
+dispatch, where a flipped top-k choice amplifies a last-bit difference; interleaved pipelines'
+micro-batches of 2): on the Intel Xeon CPUs of 2026-12 their fp32 drift reaches 1.1e-4 to
+5.3e-4 by steps 8-16 while their fp64 twins agree to 1e-9 at every step and element for
+element in the final weights, so the math is the same; AMD EPYC CPUs kept them under 1e-4.
+Used only where a test names it; to be understood (the parity contract says 1e-4)."""
 STEPS = 20
 FP64_STEPS = 8
 """The fp64 twin's steps: it tells the same math from the same rounding, and a difference in
@@ -140,12 +147,14 @@ def assert_weights_equal(reference: dict, candidate: dict, what: str, rtol: floa
 
 
 def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], cache_dir: str,
-                         root) -> None:
-    """Every rank's run of every layout against one one-process reference per model."""
+                         root, rtol_of=lambda layout: PARITY_RTOL) -> None:
+    """Every rank's run of every layout against one one-process reference per model
+    (``rtol_of``: the fp32 bound of a layout)."""
     references: dict[tuple[str, ...], dict] = {}
     for i, layout in enumerate(layouts):
         key = tuple(model_overrides(layout))
         if key not in references:
             references[key] = run_layout(test_overrides(cache_dir, f"{root}/ref{i}") + list(key))
         for rank, per_rank in enumerate(results):
-            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})")
+            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})",
+                          rtol_of(layout))

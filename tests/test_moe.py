@@ -21,6 +21,7 @@ from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import (
     PARITY_RTOL,
+    ROUNDING_RTOL,
     assert_parity,
     run_layout,
     run_layouts,
@@ -352,7 +353,8 @@ def test_expert_parallel_training_matches_one_process(world_size, data_cache, tm
         reference = run_layout(test_overrides(data_cache, f"{tmp_path}/ref{i}")
                                + reference_overrides(layout))
         for rank, per_rank in enumerate(results):
-            assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
+            assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})",
+                          ROUNDING_RTOL)  # fp64 at 1e-9 (see tests/parity.py)
     metrics = read_metrics(tmp_path / "layout1")
     if world_size == 2:  # capacity 1.0 drops some copies; routing metrics are logged
         # measured at step 20 (the one-process twin gives the same; since validation is each
