@@ -194,7 +194,7 @@ def _holds_layer(folder: Path, layer: int) -> bool:
     """Whether the folder's safetensors hold any tensor of layer ``layer`` (headers only)."""
     marker = f"layers.{layer}."
     try:
-        for file in _weight_files(folder):
+        for file in weight_files(folder):
             with safe_open(str(file), framework="pt") as f:
                 if any(marker in key for key in f.keys()):  # noqa: SIM118 (not a mapping)
                     return True
@@ -203,7 +203,7 @@ def _holds_layer(folder: Path, layer: int) -> bool:
     return False
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of an HF folder (one file, or the shards of an index)."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
@@ -237,7 +237,7 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> Tensors:
     headers) before any is loaded; never unpickles."""
     stored: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # name -> file, key, shape
     try:
-        for file in _weight_files(folder):
+        for file in weight_files(folder):
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     stored[key] = (file, key, tuple(f.get_slice(key).get_shape()))

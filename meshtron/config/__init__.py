@@ -27,6 +27,7 @@ from meshtron.config.sections import (
     TrainConfig,
     config_key,
 )
+from meshtron.config.vision_section import VISION_DEFAULTS, VisionConfig
 
 __all__ = [
     "split_overrides",
@@ -43,6 +44,8 @@ __all__ = [
     "PrecisionConfig",
     "RunConfig",
     "TrainConfig",
+    "VISION_DEFAULTS",
+    "VisionConfig",
     "config_from_dict",
     "config_key",
     "load_config",

@@ -29,6 +29,7 @@ from meshtron.config.sections import (
     Config,
     ModelConfig,
 )
+from meshtron.config.vision_section import check_vision
 from meshtron.errors import MeshtronError
 
 
@@ -206,6 +207,7 @@ def check_model_shape(m: ModelConfig) -> None:
             raise MeshtronError(f"model.{extras[0]} is a llama-arch setting (gpt2 has biases "
                                 "everywhere, no q/k norms and learned positions)")
     _check_rope(m)
+    check_vision(m.vision)
     if m.is_moe:
         require(not m.mlp_bias, "model.mlp_bias is not supported with routed experts (experts "
                 "have no biases)")

@@ -20,7 +20,15 @@ import yaml
 
 from meshtron.config.checks import suggest, validate
 from meshtron.config.presets import MODEL_PRESETS
-from meshtron.config.sections import MOE_DEFAULTS, SECTIONS, Config, attribute_name, config_key
+from meshtron.config.sections import (
+    MOE_DEFAULTS,
+    SECTIONS,
+    Config,
+    TrainConfig,
+    attribute_name,
+    config_key,
+)
+from meshtron.config.vision_section import VISION_DEFAULTS
 from meshtron.errors import MeshtronError
 
 
@@ -199,6 +207,19 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def _resolve_vision_window(cfg: Config) -> None:
+    """A vision model's training window is one observation (image patches, instruction and
+    actions): train.seq_len follows from model.vision, and a different explicit value is an
+    error rather than silently replaced (the default is replaced)."""
+    window = cfg.model.vision.seq_len
+    given = cfg.train.seq_len
+    if given not in (window, TrainConfig().seq_len):
+        raise MeshtronError(f"train.seq_len={given}, but a vision model's window is {window} "
+                            "tokens (image patches + instruction + action tokens - 1, from "
+                            "model.vision); leave train.seq_len unset")
+    cfg.train.seq_len = window
+
+
 def resolve(cfg: Config) -> None:
     """Fill unset model fields from the preset; everything else keeps its explicit value."""
     m = cfg.model
@@ -208,13 +229,16 @@ def resolve(cfg: Config) -> None:
             f"choose one of {', '.join(MODEL_PRESETS)}"
         )
     for key, value in MODEL_PRESETS[m.preset].items():
-        if key == "moe":
+        if key in ("moe", "vision"):
             continue
         if getattr(m, key) is None:
             setattr(m, key, value)
     for key, value in {**MOE_DEFAULTS, **MODEL_PRESETS[m.preset].get("moe", {})}.items():
         if getattr(m.moe, key) is None:
             setattr(m.moe, key, value)
+    for key, value in {**VISION_DEFAULTS, **MODEL_PRESETS[m.preset].get("vision", {})}.items():
+        if getattr(m.vision, key) is None:
+            setattr(m.vision, key, value)
     if m.moe.expert_ffn_size is None:
         m.moe.expert_ffn_size = m.ffn_hidden_size
     if m.num_kv_heads is None:
@@ -227,6 +251,8 @@ def resolve(cfg: Config) -> None:
         m.tie_embeddings = False
     if m.mtp_depth is None:
         m.mtp_depth = 0
+    if m.vision.enabled:
+        _resolve_vision_window(cfg)
     if cfg.data.path is not None:
         paths = [p for p in cfg.data.path if p]
         if not paths:

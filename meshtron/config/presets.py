@@ -2,7 +2,8 @@
 
 ``tiny`` (its mixture-of-experts twin ``tiny-moe``, ``tiny-long`` with 16K positions for
 context parallelism, ``tiny-mla`` with latent attention and ``tiny-deepseek`` with latent
-attention, DeepSeek-V3's routing and multi-token prediction) trains in seconds on a CPU; ``small``
+attention, DeepSeek-V3's routing and multi-token prediction) trains in seconds on a CPU, as does
+``tiny-vla``, a vision-language-action policy (:mod:`meshtron.models.vision`); ``small``
 is a ~125M model; the rest are the published shapes of large models (dense and MoE), used for
 planning (parameter counts, FLOPs, the tuner) and never built on a CPU. A preset leaves
 ``vocab_size`` unset when the model should take its tokenizer's size.
@@ -38,6 +39,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                  score="sigmoid", normalize_topk=True, route_scale=2.5, groups=4,
                  topk_groups=2, aux_loss=0.0001, aux_loss_scope="sequence",
                  bias_update=0.001),
+    ),
+    "tiny-vla": dict(  # a vision-language-action policy: ViT patches + instruction -> actions
+        arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=4,
+        ffn_hidden_size=384, max_seq_len=128, tie_embeddings=False,
+        vision=dict(image_size=32, patch_size=8, hidden_size=128, num_layers=2, num_heads=4,
+                    ffn_hidden_size=512, action_dims=3, action_bins=256, action_chunk=1,
+                    instruction_len=12),
     ),
     "small": dict(
         arch="llama", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,

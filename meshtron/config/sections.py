@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from meshtron.config.vision_section import VisionConfig
+
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 REDUCE_DTYPES = ("fp32", "bf16")
 FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
@@ -200,6 +202,8 @@ class ModelConfig:
     objective."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings (model.moe.*)."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language-action settings (model.vision.*); image_size 0: a text model."""
 
     @property
     def head_size(self) -> int:
