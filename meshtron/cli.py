@@ -1,8 +1,9 @@
 """``meshtron <command>``: parse arguments, call the layers below, turn user errors into one line.
 
 Commands: ``train``, ``preprocess``, ``generate``, ``serve``, ``tune``, ``hpsearch``,
-``archsearch``, ``plot``, ``schedule``, ``convert``. Heavy imports (torch and friends) happen
-inside each command so that ``meshtron --help`` and config errors are instant.
+``archsearch``, ``vla-data``, ``evaluate``, ``plot``, ``schedule``, ``convert``. Heavy imports
+(torch and friends) happen inside each command so that ``meshtron --help`` and config errors
+are instant.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from meshtron.config.parse import split_overrides as _split_overrides
 from meshtron.errors import MeshtronError
 from meshtron.files import REASONS as OS_REASONS
 from meshtron.files import check_writable, os_reason
+from meshtron.inference.vla_arguments import add_vla_parsers
 from meshtron.signals import Stopped, report_stop, stop_on_signals
 from meshtron.tuning.archsearch_arguments import add_archsearch_parser
 from meshtron.tuning.arguments import add_tune_parser
@@ -376,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_parser(sub).set_defaults(func=cmd_tune)
     add_hpsearch_parser(sub)
     add_archsearch_parser(sub)
+    add_vla_parsers(sub)
 
     p = sub.add_parser("plot", help="plot loss curves of one or more runs to a PNG")
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")

@@ -20,8 +20,9 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
 from meshtron.config.checks import require
 from meshtron.errors import MeshtronError
 from meshtron.models.arch import architecture_of
-from meshtron.models.flops import layer_and_head_cost, padded_vocab_size
+from meshtron.models.flops import layer_and_head_cost, padded_vocab_size, training_flops_per_token
 from meshtron.models.transformer import ModelOptions, no_aux_gradient
+from meshtron.models.vision import vision_flops
 from meshtron.parallel.mesh.layout import MeshLayout
 from meshtron.parallel.pipeline.partition import (
     PipelinePartition,
@@ -63,8 +64,26 @@ class RunPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one global batch: every micro-batch's loss is divided by this count."""
+        """Tokens of one global batch whose loss counts (a vision-language-action model's: its
+        action tokens only): every micro-batch's loss sum is divided by this count."""
+        train, vision = self.config.train, self.config.model.vision
+        per_row = vision.action_tokens if vision.enabled else train.seq_len
+        return train.global_batch * per_row
+
+    @property
+    def input_tokens_per_step(self) -> int:
+        """Tokens one global batch feeds the model (image placeholders included)."""
         return self.config.train.global_batch * self.config.train.seq_len
+
+    @property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one optimizer step's forward and backward (no recompute): the
+        decoder's per token, and a vision model's encoder once per image."""
+        train, model = self.config.train, self.config.model
+        flops = training_flops_per_token(model, train.seq_len) * self.input_tokens_per_step
+        if model.vision.enabled:
+            flops += 3.0 * vision_flops(model.vision, model.hidden_size) * train.global_batch
+        return flops
 
     def model_options(self, pp_rank: int, *, fp8: Callable[[], FP8Options] | None = None,
                       aux_loss_weight: Callable[[], float] = no_aux_gradient) -> ModelOptions:
@@ -104,7 +123,9 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     partition = None
     if schedule is not None:
         costs = layer_and_head_cost(model, cfg.train.seq_len)
-        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers)
+        encoder = (vision_flops(model.vision, model.hidden_size) / cfg.train.seq_len
+                   if model.vision.enabled else 0.0)  # per token, as the layers' costs
+        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers, encoder)
     return RunPlan(dataclasses.replace(cfg, model=model), layout, micro_batch, micro_batches,
                    padded_vocab_size(model), partition, schedule)
 
@@ -186,8 +207,27 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     require(window is None or window >= m.max_seq_len or layout.cp == 1,
             f"model.sliding_window={window} does not combine with parallel.cp={layout.cp} (the "
             "cp attention paths are causal over the whole sequence)")
+    if m.vision.enabled:  # first: a vision model refuses cp outright
+        _check_vision_layout(cfg, layout)
     if layout.cp > 1:
         _check_context(cfg, layout)
+
+
+def _check_vision_layout(cfg: Config, layout: MeshLayout) -> None:
+    """A vision-language-action model: what its observation windows and encoder allow."""
+    v, tp = cfg.model.vision, layout.tp
+    require(layout.cp == 1, f"parallel.cp={layout.cp} does not combine with model.vision (an "
+            "observation window is short; use tp, pp or dp)")
+    require(not cfg.model.mtp_depth, "model.mtp_depth does not combine with model.vision "
+            "(actions are predicted token by token)")
+    require(not (cfg.data.document_mask or cfg.data.reset_positions), "data.document_mask and "
+            "data.reset_positions are for text; an observation window is one document")
+    require(not cfg.train.eval_generate, "train.eval_generate samples text; a vision model is "
+            "measured in closed loop by meshtron evaluate")
+    require(v.num_heads % tp == 0, f"parallel.tp={tp} does not divide model.vision.num_heads="
+            f"{v.num_heads}")
+    require(v.ffn_hidden_size % tp == 0, f"parallel.tp={tp} does not divide "
+            f"model.vision.ffn_hidden_size={v.ffn_hidden_size}")
 
 
 def _check_context(cfg: Config, layout: MeshLayout) -> None:

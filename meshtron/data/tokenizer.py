@@ -77,6 +77,10 @@ class Tokenizer:
         encode = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
         return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (None if it has none)."""
+        return self._hf.token_to_id(token)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
 

@@ -80,12 +80,30 @@ def initial_value(
         return torch.ones(global_shape)
     if global_name.endswith((".bias", "expert_bias")):
         return torch.zeros(global_shape)
+    if global_name == "vision.pos_embed.weight":
+        return grid_positions(*global_shape)
     if global_name.endswith(RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2 * num_layers)
     if width_mult != 1.0 and is_hidden_matrix(global_name, tuple(global_shape)):
         std = std / math.sqrt(width_mult)
     gen = torch.Generator().manual_seed(parameter_seed(seed, global_name))
     return torch.empty(global_shape).normal_(0.0, std, generator=gen)
+
+
+def grid_positions(patches: int, width: int) -> torch.Tensor:
+    """Fixed 2-D sine-cosine embeddings of a square grid of patches (MAE's), [patches,
+    width]: the vision encoder's positions start out saying where each patch is, which a
+    policy reading positions off the image needs from the first step (learned positions
+    drawn at random took thousands of steps to); they keep learning from there."""
+    side = math.isqrt(patches)
+    quarter = width // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / max(quarter, 1))
+    rows, cols = torch.meshgrid(torch.arange(side, dtype=torch.float64),
+                                torch.arange(side, dtype=torch.float64), indexing="ij")
+    parts = [f(axis.reshape(-1, 1) * omega) for axis in (rows, cols)
+             for f in (torch.sin, torch.cos)]
+    table = torch.cat(parts, dim=1)
+    return torch.nn.functional.pad(table, (0, width - table.shape[1])).float()
 
 
 @torch.no_grad()

@@ -30,11 +30,12 @@ from meshtron.models.init import width_multiplier
 from meshtron.models.moe import MoE
 from meshtron.models.mtp import MTPLayer, MTPLosses
 from meshtron.models.rotary import Rotary
+from meshtron.models.vision import VisionEncoder
 from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.mesh.params import tie_across_pipeline
 from meshtron.parallel.pipeline.partition import StageLayers
-from meshtron.parallel.tensor.collectives import local_chunk
+from meshtron.parallel.tensor.collectives import local_chunk, split_to_tp
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     TPRegion,
@@ -109,6 +110,8 @@ class Transformer(nn.Module):
         self.logit_scale = 1.0 / width_multiplier(cfg)
         if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
+        if self.has_embedding and cfg.vision.enabled:  # a vision-language-action policy
+            self.vision = VisionEncoder(cfg.vision, cfg.hidden_size, region)
         self.rotary: Rotary | None = None
         if arch.rotary:
             self.rotary = arch.attention.rotary(cfg)
@@ -162,17 +165,22 @@ class Transformer(nn.Module):
                                                p.device)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, chunk: int = 0,
-                sequence: Sequence | None = None,
-                ahead: torch.Tensor | None = None) -> torch.Tensor:
+                sequence: Sequence | None = None, ahead: torch.Tensor | None = None,
+                images: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of token ids ``x``; in a pipeline, chunk ``chunk`` of this stage: token ids
         or hidden states in, hidden states or (from the model's last chunk) logits out.
         ``sequence`` says where the tokens sit when the sequence is split over cp or holds
         masked documents (None: positions 0.. of a plain causal sequence). ``ahead``
         [mtp_depth + 1, b, s], the targets and the tokens after them (-1 past the window's
-        end), runs the multi-token-prediction modules, whose loss rides on the logits."""
+        end), runs the multi-token-prediction modules, whose loss rides on the logits.
+        ``images`` uint8 [b, H, W, C] (a vision model's first chunk): their encoded patches
+        take the place of the first positions' token embeddings."""
         new_tokens = x.shape[1]
         if self.has_embedding and chunk == 0:
-            x = self.embed_tokens(x, cache.length if cache is not None else 0, sequence)
+            start = cache.length if cache is not None else 0
+            x = self.embed_tokens(x, start, sequence)
+            if images is not None:
+                x = self.place_images(x, images, start)
         for i in self.chunks[chunk]:
             block = self.layers[str(i)]
             if self.recompute == "full" and self.training:
@@ -232,8 +240,29 @@ class Transformer(nn.Module):
             x = x + positions
         return F.dropout(x, self.cfg.dropout, self.training)
 
+    def place_images(self, x: torch.Tensor, images: torch.Tensor, start: int) -> torch.Tensor:
+        """Token embeddings ``x`` of positions ``start..`` with those of the image patches
+        (positions 0 .. patches - 1) replaced by the encoder's; under sequence parallelism
+        each rank replaces its own chunk's (the split's backward gathers their gradients)."""
+        patches = self.vision(images).to(x.dtype)
+        count = patches.shape[1]
+        full = x.shape[1] * (self.region.size if self.region.sequence_parallel else 1)
+        if start >= count:
+            return x
+        placed = F.pad(patches[:, start:], (0, 0, 0, max(0, full - (count - start))))
+        placed = placed[:, :full]
+        index = torch.arange(start, start + full, device=x.device)
+        if self.region.sequence_parallel:
+            placed = split_to_tp(placed, self.region.group)
+            index = local_chunk(index, self.region.group, dim=0)
+        return torch.where((index < count)[None, :, None], placed, x)
+
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies in fp32; padded vocabulary entries never count."""
+        """Sum of token cross-entropies in fp32; padded vocabulary entries never count, nor,
+        in a vision-language-action model, targets below 0 (everything but the actions)."""
+        if self.cfg.vision.enabled:
+            keep = targets >= 0
+            logits, targets = logits[keep], targets[keep]
         start = self.region.group.rank * logits.shape[-1]
         return vocab_parallel_loss_sum(logits, targets, self.region.group, start,
                                        self.vocab_size)

@@ -1,4 +1,5 @@
-"""What the trainer says about a run before its first step: activation memory by formula,
+"""What the trainer says about a run before its first step: the mesh, the model, its experts,
+vision encoder and pipeline, activation memory by formula,
 the training state's bytes per parameter, and how FP8 runs here. Each is one line (or none)
 computed from the plan and the built model, so it can be read and tested apart from the loop.
 """
@@ -8,10 +9,54 @@ from __future__ import annotations
 import torch
 
 from meshtron.config import Config, PrecisionConfig
+from meshtron.models.flops import model_size
+from meshtron.models.vision import vision_parameters
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.pipeline.schedules import Schedule
+from meshtron.plan import RunPlan
 from meshtron.precision.fp8 import scaled_mm_supported
 from meshtron.training.memory import activation_bytes_per_layer, formula_covers
+
+
+def run_lines(cfg: Config, plan: RunPlan, padded_vocab: int) -> list[str]:
+    """The mesh and batch split, the model, and (where they are) its experts, vision encoder
+    and pipeline, a line each."""
+    m, p = cfg.model, cfg.parallel
+    size = model_size(m)
+    unset = plan.schedule is not None and cfg.train.micro_batch is None
+    lines = [
+        f"mesh: {plan.layout.world_size} ranks, tp={p.tp} cp={p.cp} dp={plan.dp} pp={p.pp}"
+        f"{' sp' if p.sp else ''}; micro-batch {plan.micro_batch} x {plan.micro_batches} "
+        "accumulation steps"
+        + (" (train.micro_batch unset: the largest the pipeline schedule accepts)"
+           if unset else ""),
+        f"model: {m.preset} ({m.arch}), {size.params / 1e6:.2f}M parameters "
+        f"({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab {m.vocab_size} padded "
+        f"to {padded_vocab}"
+        + (f"; {m.mtp_depth} multi-token-prediction modules ({size.mtp_params / 1e6:.2f}M, "
+           f"weight {m.mtp_loss_weight})" if m.mtp_depth else "")]
+    if m.is_moe:
+        moe = m.moe
+        layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+        lines.append(f"moe: {moe.num_experts} experts (top-{moe.top_k}, {moe.shared_experts} "
+                     f"shared) in {len(layers)} of {m.num_layers} layers, "
+                     f"{moe.num_experts // p.ep} per rank (ep={p.ep}); "
+                     f"{size.matmul_params / 1e6:.2f}M matmul parameters active per token")
+    if m.vision.enabled:
+        v = m.vision
+        lines.append(
+            f"vision: {v.image_size}x{v.image_size} images as {v.num_patches} patches of "
+            f"{v.patch_size}, {v.num_layers} encoder blocks of width {v.hidden_size} "
+            f"({vision_parameters(v, m.hidden_size) / 1e6:.2f}M parameters with the "
+            f"projector); {v.instruction_len} instruction tokens; {v.action_tokens} action "
+            f"tokens ({v.action_chunk} x {v.action_dims} dimensions, {v.action_bins} bins) "
+            "per observation, the only tokens the loss counts")
+    if plan.schedule is not None:
+        lines.append(f"pipeline: {p.schedule} over {p.pp} stages with layers "
+                     f"{plan.partition.describe()}, {plan.schedule.microbatches} "
+                     f"micro-batches; bubble {100 * plan.schedule.theoretical_bubble():.1f}% "
+                     "in theory")
+    return lines
 
 
 def activation_line(cfg: Config, blocks: int, schedule: Schedule | None, pp_rank: int,

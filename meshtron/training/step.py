@@ -82,7 +82,7 @@ def train_step(
         loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
         for i, mb in enumerate(chunks):
             optimizer.begin_micro_batch(last=i == len(chunks) - 1)
-            logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead)
+            logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead, images=mb.images)
             loss = model.loss_sum(logits, mb.targets)
             if poison and i == 0:
                 loss = loss * float("nan")
@@ -140,7 +140,7 @@ def evaluate(model: nn.Module, local_batches: list[torch.Tensor], micro_batch: i
             total += pipeline.evaluate(chunks)
             continue
         for mb in chunks:
-            logits = model(mb.tokens, sequence=mb.sequence)
+            logits = model(mb.tokens, sequence=mb.sequence, images=mb.images)
             total += model.loss_sum(logits, mb.targets).double()
     model.train(was_training)
     all_reduce(total, mesh.pp)

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from meshtron.checkpoint import train_state
+from meshtron.checkpoint.hf_vision import load_hf_vision
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.checkpoint.shards import check_finite
 from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint, step_dir_name
 from meshtron.config import Config, PrecisionConfig
 from meshtron.data import TrainingData, build_training_data
+from meshtron.data.vla_data import VLATrainingData, build_policy_data
 from meshtron.errors import MeshtronError
-from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
 from meshtron.models.moe import step_routing_stats
 from meshtron.models.transformer import Transformer
@@ -57,7 +58,7 @@ from meshtron.training.run_dir import (
     set_aside_later_checkpoints,
     set_aside_later_metrics,
 )
-from meshtron.training.startup_report import activation_line, fp8_line, state_line
+from meshtron.training.startup_report import activation_line, fp8_line, run_lines, state_line
 from meshtron.training.step import StepResult, evaluate, too_many_skips, train_step
 from meshtron.training.stragglers import StragglerWatch
 from meshtron.training.watchdog import job_watchdog
@@ -124,6 +125,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
 
         self.data = self._build_data(cfg)
+        if isinstance(self.data, VLATrainingData):  # the action range, from the dataset
+            cfg = self.data.resolved(cfg)
         self.plan = plan = plan_run(cfg, self.mesh.layout.world_size,
                                     self.data.tokenizer.vocab_size)
         if plan.layout != self.mesh.layout:
@@ -141,6 +144,8 @@ class Trainer:
         self.model = Transformer(cfg.model, self.mesh, options)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
+        if cfg.model.vision.pretrained and hasattr(self.model, "vision"):
+            load_hf_vision(Path(cfg.model.vision.pretrained).expanduser(), self.model.vision)
         self.model.to(self.device).train()
         self.precision.cast_parameters(self.model)
         self.local_params = sum(p.numel() for p in self.model.parameters())  # before ZeRO-3
@@ -154,7 +159,8 @@ class Trainer:
         self.dp_share = plan.dp_share
         self.split = SequenceSplit(self.mesh.cp, cfg.data.document_mask,
                                    cfg.data.reset_positions, self.data.tokenizer.eos_id,
-                                   cfg.model.mtp_depth)
+                                   cfg.model.mtp_depth, cfg.model.vision.image_shape
+                                   if cfg.model.vision.enabled else None)
         self.pipeline = None
         if plan.schedule is not None:
             self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
@@ -166,31 +172,8 @@ class Trainer:
                                          cfg.run.straggler_factor, self.device)
         self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, cost, self.device) \
             if cfg.train.autotune != "off" else None
-        size = model_size(cfg.model)
-        self.log(f"mesh: {self.mesh.layout.world_size} ranks, tp={cfg.parallel.tp} "
-                 f"cp={cfg.parallel.cp} dp={plan.dp} pp={cfg.parallel.pp}"
-                 f"{' sp' if cfg.parallel.sp else ''}; micro-batch {plan.micro_batch} x "
-                 f"{plan.micro_batches} accumulation steps"
-                 + (" (train.micro_batch unset: the largest the pipeline schedule accepts)"
-                    if self.pipeline is not None and cfg.train.micro_batch is None else ""))
-        self.log(f"model: {cfg.model.preset} ({cfg.model.arch}), {size.params / 1e6:.2f}M "
-                 f"parameters ({size.non_embedding_params / 1e6:.2f}M non-embedding), vocab "
-                 f"{cfg.model.vocab_size} padded to {self.model.padded_vocab}"
-                 + (f"; {cfg.model.mtp_depth} multi-token-prediction modules "
-                    f"({size.mtp_params / 1e6:.2f}M, weight {cfg.model.mtp_loss_weight})"
-                    if cfg.model.mtp_depth else ""))
-        if cfg.model.is_moe:
-            moe = cfg.model.moe
-            layers = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
-            self.log(f"moe: {moe.num_experts} experts (top-{moe.top_k}, {moe.shared_experts} "
-                     f"shared) in {len(layers)} of {cfg.model.num_layers} layers, "
-                     f"{moe.num_experts // p.ep} per rank (ep={p.ep}); "
-                     f"{size.matmul_params / 1e6:.2f}M matmul parameters active per token")
-        if self.pipeline is not None:
-            schedule = plan.schedule
-            self.log(f"pipeline: {p.schedule} over {p.pp} stages with layers "
-                     f"{plan.partition.describe()}, {schedule.microbatches} micro-batches; "
-                     f"bubble {100 * schedule.theoretical_bubble():.1f}% in theory")
+        for line in run_lines(cfg, plan, self.model.padded_vocab):
+            self.log(line)
         self.optimizer.init_state()  # torch's AdamW would create it at the first step
         schedule = self.pipeline.schedule if self.pipeline is not None else None
         for line in (activation_line(cfg, len(self.model.blocks()), schedule, self.mesh.pp.rank,
@@ -217,9 +200,11 @@ class Trainer:
         """Warnings of a run that logs to the console go where errors go, not into the log."""
         print(f"warning: {message}", file=sys.stderr)
 
-    def _build_data(self, cfg: Config) -> TrainingData:
+    def _build_data(self, cfg: Config) -> TrainingData | VLATrainingData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
         def build() -> TrainingData:
+            if cfg.model.vision.enabled:
+                return build_policy_data(cfg, self.log)
             return build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, self.log)
 
         if self.mesh.world.pg is None:
@@ -309,7 +294,7 @@ class Trainer:
         batches = [self.local_share(self.data.valid_batch(i, t.global_batch))
                    for i in range(t.eval_batches)]
         return evaluate(self.model, batches, self.micro_batch,
-                        t.eval_batches * t.global_batch * t.seq_len, self.mesh, self.pipeline,
+                        t.eval_batches * self.plan.tokens_per_step, self.mesh, self.pipeline,
                         self.split)
 
     def _sample(self, writer: MetricsWriter | None) -> None:
@@ -331,7 +316,7 @@ class Trainer:
                      "raise train.steps or use a new run.dir to train more")
             return result
         tokens_per_step = self.plan.tokens_per_step
-        flops_per_step = training_flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+        flops_per_step = self.plan.flops_per_step
         peak, source = peak_source(self.device, t.peak_flops)
         self.log(f"mfu: against {peak / 1e12:.3g} TFLOP/s per rank, from {source}")
         wandb = (cfg.run.wandb, cfg.run.wandb_project, cfg.to_dict()) \
@@ -371,7 +356,8 @@ class Trainer:
                 self.skipped_steps += out.skipped
                 if out.skipped:
                     self._check_skips(out, consecutive_skips)
-                row = self._metrics_row(out, lr, elapsed, tokens_per_step, flops_per_step, peak)
+                row = self._metrics_row(out, lr, elapsed, self.plan.input_tokens_per_step,
+                                       flops_per_step, peak)
                 for straggler in self.stragglers.add(self.step, out.compute_s):
                     self.warn(straggler.line(self.step))
                     if writer:

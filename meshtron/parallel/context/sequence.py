@@ -20,6 +20,7 @@ restarts positions at every document.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,8 @@ class MicroBatch:
     """Multi-token prediction's inputs and targets, [depth + 1, b, L]: ``ahead[j]`` holds the
     token 1 + j positions after each local one (``ahead[0]`` the targets), -1 past the end of
     the window; None without multi-token prediction."""
+    images: torch.Tensor | None = None
+    """A vision-language-action model's camera images, uint8 [b, H, W, C]; None for text."""
 
 
 class SequenceSplit:
@@ -114,7 +117,8 @@ class SequenceSplit:
     document mask it only shifts (``sequence`` None: the model's plain causal path)."""
 
     def __init__(self, cp: Group, document_mask: bool = False, reset_positions: bool = False,
-                 eos_id: int | None = None, mtp_depth: int = 0):
+                 eos_id: int | None = None, mtp_depth: int = 0,
+                 image_shape: tuple[int, int, int] | None = None):
         if (document_mask or reset_positions) and eos_id is None:
             raise ValueError("document masks need the tokenizer's EOS id")
         self.cp = cp
@@ -122,12 +126,17 @@ class SequenceSplit:
         self.document_mask = document_mask
         self.reset_positions = reset_positions
         self.eos_id = eos_id
+        self.image_shape = image_shape
+        """Observation windows (vision-language-action): each row is the token window and then
+        the image's pixels, and tokens stored as -(id + 1) are read but never predicted."""
 
     @property
     def plain(self) -> bool:
         return self.cp.size == 1 and not self.document_mask and not self.reset_positions
 
     def __call__(self, window: torch.Tensor) -> MicroBatch:
+        if self.image_shape is not None:
+            return self._observations(window)
         tokens, targets = window[:, :-1], window[:, 1:]
         rank, cp, seq = self.cp.rank, self.cp.size, tokens.shape[1]
         ahead = None
@@ -148,3 +157,13 @@ class SequenceSplit:
                 positions = positions_in_documents(docs)[:, index]
         return MicroBatch(split_sequence(tokens, rank, cp), split_sequence(targets, rank, cp),
                           Sequence(positions, index, documents), ahead)
+
+    def _observations(self, rows: torch.Tensor) -> MicroBatch:
+        """Observation rows [b, S + 1 + pixels] -> tokens, targets (-1 where only read) and
+        images; the plan refuses cp, document masks and multi-token prediction for them."""
+        pixels = math.prod(self.image_shape)
+        window, image = rows[:, :-pixels], rows[:, -pixels:]
+        tokens = torch.where(window < 0, -window - 1, window)[:, :-1]
+        targets = window[:, 1:].clamp(min=-1)
+        images = image.to(torch.uint8).view(rows.shape[0], *self.image_shape)
+        return MicroBatch(tokens, targets, images=images)

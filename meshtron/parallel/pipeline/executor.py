@@ -138,7 +138,7 @@ class PipelineExecutor:
                     x.requires_grad_(True)
                 started = time.perf_counter()
                 out = model(x, chunk=c, sequence=micro_batches[m].sequence,
-                            ahead=micro_batches[m].ahead)
+                            ahead=micro_batches[m].ahead, images=micro_batches[m].images)
                 if vstage == last_virtual:
                     loss = model.loss_sum(out, micro_batches[m].targets)
                     loss_sum += loss.detach().double()
@@ -206,7 +206,7 @@ class PipelineExecutor:
                     work, x = self._post_receive(self._hidden_shape(micro_batch), dtype,
                                                  (self.stage - 1) % pp, self._tag("F", m, vstage))
                     work.wait()
-                out = model(x, chunk=c, sequence=micro_batch.sequence)
+                out = model(x, chunk=c, sequence=micro_batch.sequence, images=micro_batch.images)
                 if vstage == plan.virtual_stages - 1:
                     total += model.loss_sum(out, micro_batch.targets).double()
                 else:

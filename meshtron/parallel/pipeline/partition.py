@@ -21,21 +21,23 @@ from meshtron.errors import MeshtronError
 
 
 def balanced_counts(num_layers: int, stages: int, layer_cost: float,
-                    head_cost: float) -> list[int]:
+                    head_cost: float, first_cost: float = 0.0) -> list[int]:
     """Layers per virtual stage (each at least one) minimising the costliest stage; ties go
-    to the split that puts more layers early."""
+    to the split that puts more layers early. ``first_cost``: what the first stage runs
+    besides its layers (a vision model's image encoder)."""
     assert num_layers >= stages, "checked by check_layer_split"
 
     @cache
     def best(first: int, stages_left: int) -> tuple[float, tuple[int, ...]]:
         """Cheapest split of layers first.. into ``stages_left`` stages."""
         remaining = num_layers - first
+        extra = first_cost if first == 0 else 0.0
         if stages_left == 1:
-            return remaining * layer_cost + head_cost, (remaining,)
+            return remaining * layer_cost + head_cost + extra, (remaining,)
         options = []
         for count in range(remaining - stages_left + 1, 0, -1):
             rest_cost, rest = best(first + count, stages_left - 1)
-            options.append((max(count * layer_cost, rest_cost), (count, *rest)))
+            options.append((max(count * layer_cost + extra, rest_cost), (count, *rest)))
         return min(options, key=lambda option: option[0])
 
     return list(best(0, stages)[1])
@@ -121,9 +123,11 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int, explicit: list[int] |
 
 
 def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, float],
-                     explicit: list[int] | None = None) -> PipelinePartition:
+                     explicit: list[int] | None = None,
+                     first_cost: float = 0.0) -> PipelinePartition:
     """The split given by ``explicit`` (``parallel.pp_layers``) or the one balanced for
-    ``costs``: the forward FLOPs per token of one layer and of the output layer."""
+    ``costs``: the forward FLOPs per token of one layer and of the output layer, and
+    ``first_cost`` of what the first stage runs before its layers."""
     check_layer_split(cfg, pp, vpp, explicit)
     stages = pp * vpp
     if explicit:
@@ -131,4 +135,5 @@ def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, fl
     if vpp > 1:  # interleaving assumes equal chunks, as in Megatron
         return PipelinePartition(pp, vpp, (cfg.num_layers // stages,) * stages)
     layer, head = costs
-    return PipelinePartition(pp, vpp, tuple(balanced_counts(cfg.num_layers, stages, layer, head)))
+    counts = balanced_counts(cfg.num_layers, stages, layer, head, first_cost)
+    return PipelinePartition(pp, vpp, tuple(counts))

@@ -1,0 +1,51 @@
+"""A vision-language-action policy acting: one observation in, its action tokens out.
+
+The prefix (the image's patch placeholders and the instruction) runs once through the model with
+its KV cache, then the action tokens are decoded greedily one by one, each restricted to the
+action bins (OpenVLA decodes the same way). Several observations (environments stepping in
+lockstep) form one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtron.models.transformer import Transformer
+
+
+class PolicyRunner:
+    """Greedy action tokens of a :class:`Transformer` built with ``model.vision``."""
+
+    def __init__(self, model: Transformer, first_action_id: int):
+        self.model = model
+        self.vision = model.cfg.vision
+        self.first = first_action_id
+
+    def _action_token(self, logits: torch.Tensor) -> torch.Tensor:
+        bins = logits[:, self.first:self.first + self.vision.action_bins]
+        return bins.argmax(dim=-1) + self.first
+
+    @torch.no_grad()
+    def act(self, images: torch.Tensor, instructions: torch.Tensor) -> torch.Tensor:
+        """Action token ids [b, action_chunk x action_dims] for uint8 images [b, H, W, C] and
+        padded instruction ids [b, instruction_len]."""
+        batch = images.shape[0]
+        prefix = torch.cat([torch.zeros(batch, self.vision.num_patches, dtype=torch.long),
+                            instructions.long()], dim=1).to(images.device)
+        cache = self.model.new_cache(batch, prefix.shape[1] + self.vision.action_tokens)
+        logits = self.model(prefix, cache=cache, images=images)[:, -1]
+        tokens = [self._action_token(logits.float())]
+        for _ in range(self.vision.action_tokens - 1):
+            logits = self.model(tokens[-1][:, None], cache=cache)[:, -1]
+            tokens.append(self._action_token(logits.float()))
+        return torch.stack(tokens, dim=1)
+
+    @torch.no_grad()
+    def token_accuracy(self, tokens: torch.Tensor, targets: torch.Tensor,
+                       images: torch.Tensor) -> tuple[int, int]:
+        """(correct, counted) action tokens of teacher-forced observation windows: the
+        greedy action token at each position whose target is an action."""
+        logits = self.model(tokens, images=images)
+        keep = targets >= 0
+        predicted = self._action_token(logits[keep].float())
+        return int((predicted == targets[keep]).sum()), int(keep.sum())

@@ -1,0 +1,181 @@
+"""Vision-language-action policies: observation windows, training under the mesh with parity,
+the policy's cached decoding, closed-loop evaluation and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from meshtron.cli import main
+from meshtron.config import load_config
+from meshtron.data.demonstrations import generate_demonstrations
+from meshtron.data.vla_data import build_policy_data, encode_instruction
+from meshtron.errors import MeshtronError
+from meshtron.models.init import initialize
+from meshtron.models.policy_runner import PolicyRunner
+from meshtron.models.transformer import Transformer
+from meshtron.parallel.context.sequence import SequenceSplit
+from meshtron.parallel.mesh.groups import ParallelMesh
+from tests.parity import FP64_STEPS, STEPS, assert_parity, run_layout
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory) -> str:
+    """40 demonstrations at 32x32 (a second or two to write)."""
+    path = tmp_path_factory.mktemp("vla") / "demos"
+    generate_demonstrations(40, 7, 32, path, log=lambda m: None)
+    return str(path)
+
+
+def vla_overrides(demos: str, cache_dir: str, run_dir: str, steps: int = STEPS) -> list[str]:
+    """tiny-vla shrunk: a 2-layer, 64-wide decoder and a 1-block, 32-wide encoder."""
+    return [
+        "--model.preset=tiny-vla", "--model.num_layers=2", "--model.hidden_size=64",
+        "--model.num_heads=4", "--model.num_kv_heads=4", "--model.ffn_hidden_size=128",
+        "--model.vision.hidden_size=32", "--model.vision.num_layers=1",
+        "--model.vision.num_heads=2", "--model.vision.ffn_hidden_size=64",
+        f"--data.path={demos}", f"--data.cache_dir={cache_dir}", "--data.valid_fraction=0.1",
+        "--train.global_batch=8", f"--train.steps={steps}", "--train.lr=0.003",
+        "--train.warmup_steps=2", "--train.eval_every=0", "--train.log_every=5",
+        "--run.progress=false", "--run.plot=false", "--checkpoint.resume=false",
+        f"--run.dir={run_dir}",
+    ]
+
+
+def test_observation_windows_read_everything_and_predict_only_actions(demos, tmp_path):
+    cfg = load_config(overrides=vla_overrides(demos, str(tmp_path), str(tmp_path / "run")))
+    data = build_policy_data(cfg, log=lambda m: None)
+    v = data.vision
+    assert cfg.train.seq_len == v.num_patches + v.instruction_len + v.action_tokens - 1 == 30
+    assert v.action_low is not None and len(v.action_low) == v.action_dims
+    batch = data.train_batch(0, 8)
+    assert batch.shape == (8, 31 + 32 * 32 * 3)
+    assert torch.equal(batch, data.train_batch(0, 8))  # a function of (seed, k)
+    mb = SequenceSplit(ParallelMesh.single().cp, image_shape=v.image_shape)(batch)
+    assert mb.images.shape == (8, 32, 32, 3) and mb.images.dtype == torch.uint8
+    assert (mb.tokens >= 0).all() and (mb.tokens[:, :v.num_patches] == 0).all()
+    predicted = mb.targets >= 0
+    assert predicted.sum(dim=1).tolist() == [v.action_tokens] * 8  # the actions alone
+    assert predicted[:, -v.action_tokens:].all()
+    first = data.codec.first_id
+    assert ((mb.targets[predicted] >= first) & (mb.targets[predicted] < first + 256)).all()
+    # the instruction is read where the window says, and decodes to the episode's words
+    instruction = mb.tokens[0, v.num_patches:v.num_patches + v.instruction_len].tolist()
+    words = data.tokenizer.decode(t for t in instruction if t)
+    assert words.split()[-1] in ("block", "cube") and "<a" not in words
+    with pytest.raises(MeshtronError, match="outside the policy's vocabulary"):
+        encode_instruction(data.tokenizer, "pick up the purple elephant", v.instruction_len)
+
+
+def test_cached_action_decoding_equals_the_full_forward():
+    cfg = load_config(overrides=["--model.preset=tiny-vla", "--model.vocab_size=300"]).model
+    model = Transformer(cfg)
+    initialize(model, seed=3, std=0.02, num_layers=cfg.num_layers)
+    runner = PolicyRunner(model, first_action_id=40)
+    images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8)
+    instructions = torch.randint(2, 20, (2, cfg.vision.instruction_len))
+    actions = runner.act(images, instructions)
+    assert actions.shape == (2, 3) and ((actions >= 40) & (actions < 296)).all()
+    prefix = torch.cat([torch.zeros(2, cfg.vision.num_patches, dtype=torch.long),
+                        instructions, actions[:, :-1]], dim=1)
+    logits = model(prefix, images=images)[:, -3:, 40:296]
+    assert torch.equal(logits.argmax(-1) + 40, actions)
+    # the images matter: other pixels, other patch embeddings in the first positions
+    other = model(prefix, images=255 - images)
+    assert not torch.allclose(other[:, :16], model(prefix, images=images)[:, :16])
+
+
+def _vla_layouts(rank: int, world_size: int, demos: str, cache_dir: str, root: str,
+                 layouts: list[list[str]]) -> list[dict]:
+    return [run_layout(vla_overrides(demos, cache_dir, f"{root}/layout{i}") + layout,
+                       rank, world_size) for i, layout in enumerate(layouts)]
+
+
+@pytest.mark.slow
+def test_policy_training_keeps_parity_under_tp_sp_pp_and_zero1(demos, tmp_path):
+    """tp=2 with sp (encoder heads and MLP split, the decoder's sequence split after the
+    image patches are placed), pp=2 with the encoder on stage 0, dp=2 with ZeRO-1: per-step
+    loss and grad norm of the one-process run (fp32 at 1e-4, fp64 at 1e-9)."""
+    from tests.distributed import run_distributed
+
+    cache = str(tmp_path / "cache")
+    layouts = [["--parallel.tp=2", "--parallel.sp=true"],
+               ["--parallel.pp=2", "--train.micro_batch=2"],
+               ["--parallel.zero=1"]]
+    results = run_distributed(_vla_layouts, 2, demos, cache, str(tmp_path), layouts)
+    reference = run_layout(vla_overrides(demos, cache, str(tmp_path / "ref")))
+    assert len(reference["loss"]) == STEPS and len(reference["fp64"]["loss"]) == FP64_STEPS
+    assert reference["loss"][-1] < reference["loss"][0]  # it learns
+    for i, layout in enumerate(layouts):
+        for rank, per_rank in enumerate(results):
+            assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
+
+
+@pytest.mark.slow
+def test_evaluate_rolls_the_policy_out_and_reports(demos, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *vla_overrides(demos, str(tmp_path / "cache"), str(run), steps=4)]) == 0
+    out = tmp_path / "eval.json"
+    code = main(["evaluate", "--checkpoint", str(run), "--episodes", "6", "--json", str(out),
+                 "--video", str(tmp_path / "videos"), "--videos", "2"])
+    assert code == 0
+    summary = json.loads(out.read_text())
+    assert summary["episodes"] == 6
+    assert 0.0 <= summary["success_rate"] <= 1.0
+    assert 0.0 <= summary["action_token_accuracy"] <= 1.0
+    assert summary["control_steps_per_s"] > 0
+    gifs = sorted((tmp_path / "videos").glob("*.gif"))
+    assert len(gifs) == 2
+    assert "success rate" in capsys.readouterr().out
+
+
+def test_bad_vla_input_is_one_line(demos, tmp_path, capsys, tiny_overrides):
+    cache = str(tmp_path / "cache")
+    cases = [
+        (["--model.vision.image_size=30"], "not divisible by model.vision.patch_size"),
+        (["--model.vision.image_size=64"], "holds 32x32 images"),
+        (["--model.vision.action_dims=2"], "3-dimensional actions"),
+        (["--train.seq_len=64"], "a vision model's window is 30 tokens"),
+        (["--parallel.cp=2"], "does not combine with model.vision"),
+    ]
+    for extra, message in cases:
+        code = main(["train", *vla_overrides(demos, cache, str(tmp_path / "run")), *extra,
+                     *(["--nproc=2"] if "cp" in extra[0] else [])])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (extra, err)
+    text = [o for o in tiny_overrides if not o.startswith("--train.steps=")]
+    assert main(["train", *text, "--train.steps=1"]) == 0
+    run = next(o.split("=", 1)[1] for o in text if o.startswith("--run.dir="))
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", run, "--episodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "is a text model's checkpoint" in err and "Traceback" not in err
+
+
+def test_a_pretrained_siglip_tower_starts_the_encoder(demos, tmp_path):
+    """``model.vision.pretrained``: the trainer's encoder is the Hugging Face tower's (the
+    projector and the decoder stay drawn from the seed)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from meshtron.training.trainer import Trainer
+
+    tower = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8, layer_norm_eps=1e-6)).eval()
+    tower.save_pretrained(tmp_path / "siglip")
+    overrides = vla_overrides(demos, str(tmp_path / "cache"), str(tmp_path / "run"))
+    trainer = Trainer(load_config(overrides=[*overrides,
+                                             f"--model.vision.pretrained={tmp_path}/siglip"]),
+                      log=lambda m: None)
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        expected = tower(pixel_values=pixels).last_hidden_state
+        got = trainer.model.vision.encode(pixels)
+    assert torch.allclose(got, expected, atol=1e-5)
+    with pytest.raises(MeshtronError, match="lacks|differ|does not match|not"):
+        Trainer(load_config(overrides=[*overrides, "--model.vision.hidden_size=64",
+                                       "--model.vision.ffn_hidden_size=128",
+                                       f"--model.vision.pretrained={tmp_path}/siglip"]),
+                log=lambda m: None)
