@@ -179,3 +179,22 @@ def test_a_pretrained_siglip_tower_starts_the_encoder(demos, tmp_path):
                                        "--model.vision.ffn_hidden_size=128",
                                        f"--model.vision.pretrained={tmp_path}/siglip"]),
                 log=lambda m: None)
+
+
+def test_the_encoder_starts_knowing_where_each_patch_is():
+    """Its positions start as a 2-D sine-cosine grid and its patch embedding as LeCun normal:
+    with both at std 0.02 the policy took thousands of steps to read positions (docs/vla.md)."""
+    from meshtron.models.init import grid_positions, initial_value
+
+    table = grid_positions(16, 128)
+    assert table.shape == (16, 128)
+    assert torch.equal(table[0, :32], torch.zeros(32)) and torch.equal(table[0, 32:64],
+                                                                        torch.ones(32))
+    rows_first = table[:, :64].reshape(4, 4, 64)  # the first half varies with the row only
+    assert torch.equal(rows_first[:, 0], rows_first[:, 3])
+    assert not torch.equal(rows_first[0, 0], rows_first[1, 0])
+    assert torch.equal(initial_value("vision.pos_embed.weight", (16, 128), seed=1, std=0.02,
+                                     num_layers=2), table)
+    patch = initial_value("vision.patch_embed.weight", (128, 3, 8, 8), seed=1, std=0.02,
+                          num_layers=2)
+    assert abs(float(patch.std()) - 1 / 192 ** 0.5) < 0.005

@@ -82,6 +82,8 @@ def initial_value(
         return torch.zeros(global_shape)
     if global_name == "vision.pos_embed.weight":
         return grid_positions(*global_shape)
+    if global_name == "vision.patch_embed.weight":  # LeCun normal, as ViTs draw it: at
+        std = 1.0 / math.sqrt(math.prod(global_shape[1:]))  # 0.02 pixels barely showed
     if global_name.endswith(RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2 * num_layers)
     if width_mult != 1.0 and is_hidden_matrix(global_name, tuple(global_shape)):
