@@ -27,8 +27,9 @@ from meshtron.parallel.tensor.layers import (
 )
 
 
-def check_vision(vision: VisionConfig, decoder_hidden: int, tp: int) -> None:
-    """One line on the first setting the encoder cannot be built with."""
+def check_buildable(vision: VisionConfig, decoder_hidden: int, tp: int) -> None:
+    """One line on the first setting the encoder cannot be built with (a VisionConfig built
+    in code, such as an imported tower's, has not been through the config's checks)."""
     if not vision.enabled:
         raise MeshtronError("model.vision.image_size is 0: the model has no vision encoder")
     if vision.image_size % vision.patch_size:
@@ -126,7 +127,7 @@ class VisionEncoder(nn.Module):
 
     def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion):
         super().__init__()
-        check_vision(vision, decoder_hidden, region.size)
+        check_buildable(vision, decoder_hidden, region.size)
         region = TPRegion(region.group)  # never sequence-parallel
         self.vision = vision
         h, p = vision.hidden_size, vision.patch_size
