@@ -12,6 +12,7 @@ from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import build_policy_data, encode_instruction
+from meshtron.data.vla_tokens import ActionCodec
 from meshtron.errors import MeshtronError
 from meshtron.models.init import initialize
 from meshtron.models.policy_runner import PolicyRunner
@@ -139,12 +140,27 @@ def test_bad_vla_input_is_one_line(demos, tmp_path, capsys, tiny_overrides):
         (["--model.vision.action_dims=2"], "3-dimensional actions"),
         (["--train.seq_len=64"], "a vision model's window is 30 tokens"),
         (["--parallel.cp=2"], "does not combine with model.vision"),
+        (["--model.mtp_depth=1"], "model.mtp_depth does not combine with model.vision"),
+        (["--data.document_mask=true"], "are for text; an observation window"),
+        (["--train.eval_generate=2"], "measured in closed loop by meshtron evaluate"),
+        (["--model.vision.action_low=-1,-1,-1"], "are set together"),
+        (["--model.vision.action_low=-1,-1", "--model.vision.action_high=1,1"],
+         "has 2 values for 3 action dimensions"),
+        (["--model.vision.action_low=1,-1,-1", "--model.vision.action_high=1,1,1"],
+         "must be below action_high"),
+        (["--model.vision.action_bins=1"], "action_bins must be at least 2"),
     ]
     for extra, message in cases:
         code = main(["train", *vla_overrides(demos, cache, str(tmp_path / "run")), *extra,
                      *(["--nproc=2"] if "cp" in extra[0] else [])])
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (extra, err)
+    data = build_policy_data(load_config(overrides=vla_overrides(demos, cache, "unused")),
+                             log=lambda m: None)
+    with pytest.raises(MeshtronError, match="more than model.vision.instruction_len=2"):
+        encode_instruction(data.tokenizer, "grab the red cube", 2)
+    with pytest.raises(MeshtronError, match="has no 300 action tokens"):
+        ActionCodec.of(data.tokenizer, [-1.0], [1.0], 300)
     text = [o for o in tiny_overrides if not o.startswith("--train.steps=")]
     assert main(["train", *text, "--train.steps=1"]) == 0
     run = next(o.split("=", 1)[1] for o in text if o.startswith("--run.dir="))
