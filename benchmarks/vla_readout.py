@@ -14,8 +14,8 @@ cross-entropy over the action bins (AdamW, constant lr, one thread):
 - ``decoder``: the policy as meshtron trains it, image tokens -> decoder -> action tokens;
 - ``mlp``: the encoder's patch outputs flattened (each patch at its own input position) into a
   two-layer GELU MLP that outputs the three action dimensions' bins;
-- ``mlp-norm``: the same MLP with an RMSNorm before its last layer (the decoder normalises
-  every read of a token).
+- ``mlp-norm``: the same MLP with one more linear layer into the decoder's width and an
+  RMSNorm before its last layer (the decoder normalises every read of a token).
 
 Every 100 steps it prints the validation action-token accuracy per dimension and how often the
 predicted dx and dy have the expert's sign (chance is about 50%).
@@ -27,13 +27,14 @@ import argparse
 import dataclasses
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from meshtron.config import load_config
+from meshtron.config import Config, load_config
 from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import VLATrainingData, build_policy_data
 from meshtron.models.init import initialize
@@ -62,8 +63,9 @@ class PatchHead(nn.Module):
         return self.head(self.vision(images).flatten(1)).view(-1, self.dims, self.bins)
 
 
-def train_readout(readout: str, cfg, data: VLATrainingData, steps: int, lr: float,
-                  log) -> list[dict]:
+def train_readout(readout: str, cfg: Config, data: VLATrainingData, steps: int, lr: float,
+                  log: Callable[[str], object]) -> list[dict]:
+    """Train ``readout`` from a fresh initialisation; its held-out rows every 100 steps."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, ParallelMesh.single(), WHOLE_MODEL)
     initialize(model, seed=0, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
