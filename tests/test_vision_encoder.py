@@ -161,7 +161,8 @@ def _vision(**overrides) -> VisionConfig:
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(patch_size=4, hidden_size=48, num_layers=3,
-                                                 num_heads=3, ffn_hidden_size=80, channels=1)])
+                                                 num_heads=3, ffn_hidden_size=80, channels=1,
+                                                 keypoints=0)])
 def test_flops_and_parameters_match_the_module(overrides):
     vision = _vision(**overrides)
     encoder = _wrapped(vision, _single()).vision
@@ -177,13 +178,19 @@ def test_flops_and_parameters_match_the_module(overrides):
 
 
 def test_formulas_by_hand():
-    vision = _vision(hidden_size=64, ffn_hidden_size=128)  # 16 patches of 8x8x3, 2 layers
+    vision = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=0)  # 16 8x8x3 patches
     block = 2 * 64 + 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 + 64 * 128 + 128 + 128 * 64 + 64
     params = 192 * 64 + 64 + 16 * 64 + 2 * block + 2 * 64 + 64 * 96 + 96 + 96 * 96 + 96
     assert vision_parameters(vision, 96) == params == 96000
     macs = 16 * (192 * 64 + 2 * (64 * 192 + 16 * 64 * 2 + 64 * 64 + 2 * 64 * 128)
                  + 64 * 96 + 96 * 96)
     assert vision_flops(vision, 96) == 2 * macs
+    # the readout token: 8 keypoint maps over 16 patches, their (x, y) into a 96-wide MLP
+    readout = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=8)
+    assert vision_parameters(readout, 96) - params == (64 * 8 + 8) + (16 * 96 + 96) + (
+        96 * 96 + 96) + 96
+    assert vision_flops(readout, 96) - 2 * macs == 2 * (16 * 64 * 8 + 2 * 8 * 16 + 16 * 96
+                                                         + 96 * 96)
 
 
 # ----------------------------------------------------------------------------- refusals

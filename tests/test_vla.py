@@ -49,7 +49,8 @@ def test_observation_windows_read_everything_and_predict_only_actions(demos, tmp
     cfg = load_config(overrides=vla_overrides(demos, str(tmp_path), str(tmp_path / "run")))
     data = build_policy_data(cfg, log=lambda m: None)
     v = data.vision
-    assert cfg.train.seq_len == v.num_patches + v.instruction_len + v.action_tokens - 1 == 30
+    assert cfg.train.seq_len == (v.num_patches + v.instruction_len + v.readout_tokens
+                                 + v.action_tokens - 1) == 30
     assert v.action_low is not None and len(v.action_low) == v.action_dims
     batch = data.train_batch(0, 8)
     assert batch.shape == (8, 31 + 32 * 32 * 3)
@@ -80,12 +81,30 @@ def test_cached_action_decoding_equals_the_full_forward():
     actions = runner.act(images, instructions)
     assert actions.shape == (2, 3) and ((actions >= 40) & (actions < 296)).all()
     prefix = torch.cat([torch.zeros(2, cfg.vision.num_patches, dtype=torch.long),
-                        instructions, actions[:, :-1]], dim=1)
+                        instructions, torch.zeros(2, 1, dtype=torch.long), actions[:, :-1]],
+                       dim=1)
     logits = model(prefix, images=images)[:, -3:, 40:296]
     assert torch.equal(logits.argmax(-1) + 40, actions)
     # the images matter: other pixels, other patch embeddings in the first positions
     other = model(prefix, images=255 - images)
     assert not torch.allclose(other[:, :16], model(prefix, images=images)[:, :16])
+
+
+def test_image_tokens_go_to_the_patches_and_the_readout_position():
+    """The encoder's 16 patch tokens fill positions 0..15 and its readout token the position
+    after the instruction (27), also for a window that starts part-way (a KV-cache chunk)."""
+    cfg = load_config(overrides=["--model.preset=tiny-vla", "--model.vocab_size=300"]).model
+    model = Transformer(cfg)
+    initialize(model, seed=3, std=0.02, num_layers=cfg.num_layers)
+    images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        tokens = model.vision(images)
+        placed = model.place_images(torch.zeros(2, 30, 128), images, start=0)
+        late = model.place_images(torch.zeros(2, 10, 128), images, start=20)
+    assert cfg.vision.image_token_positions == [*range(16), 27] and tokens.shape[1] == 17
+    assert torch.equal(placed[:, :16], tokens[:, :16]) and torch.equal(placed[:, 27], tokens[:, 16])
+    assert not placed[:, 16:27].any() and not placed[:, 28:].any()
+    assert torch.equal(late[:, 7], tokens[:, 16]) and not late[:, :7].any()
 
 
 def _vla_layouts(rank: int, world_size: int, demos: str, cache_dir: str, root: str,

@@ -227,10 +227,11 @@ def _hf_shapes(vision: VisionConfig) -> dict[str, tuple[int, ...]]:
 @torch.no_grad()
 def load_hf_vision(folder: Path, encoder: VisionEncoder) -> None:
     """Fill ``encoder``'s parameters from the SigLIP tower in ``folder``: each rank copies its
-    slice of every global tensor (in the parameters' dtype); the projector is left as is."""
+    slice of every global tensor (in the parameters' dtype); the projector and the readout
+    token, which HF towers lack, are left as they are."""
     tensors = read_hf_vision(Path(folder), encoder.vision)
     for name, param in encoder.named_parameters():
-        if name.startswith("projector."):
+        if name.startswith(("projector.", "readout.")):
             continue
         full = tensors[name]
         shard = layout_of(param).shard

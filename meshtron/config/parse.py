@@ -208,15 +208,15 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def _resolve_vision_window(cfg: Config) -> None:
-    """A vision model's training window is one observation (image patches, instruction and
-    actions): train.seq_len follows from model.vision, and a different explicit value is an
-    error rather than silently replaced (the default is replaced)."""
+    """A vision model's training window is one observation (image patches, instruction, the
+    readout token and actions): train.seq_len follows from model.vision, and a different
+    explicit value is an error rather than silently replaced (the default is replaced)."""
     window = cfg.model.vision.seq_len
     given = cfg.train.seq_len
     if given not in (window, TrainConfig().seq_len):
         raise MeshtronError(f"train.seq_len={given}, but a vision model's window is {window} "
-                            "tokens (image patches + instruction + action tokens - 1, from "
-                            "model.vision); leave train.seq_len unset")
+                            "tokens (image patches + instruction + readout token + action "
+                            "tokens - 1, from model.vision); leave train.seq_len unset")
     cfg.train.seq_len = window
 
 

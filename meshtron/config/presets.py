@@ -45,7 +45,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         ffn_hidden_size=384, max_seq_len=128, tie_embeddings=False,
         vision=dict(image_size=32, patch_size=8, hidden_size=128, num_layers=2, num_heads=4,
                     ffn_hidden_size=512, action_dims=3, action_bins=256, action_chunk=1,
-                    instruction_len=12),
+                    instruction_len=11),
     ),
     "small": dict(
         arch="llama", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,

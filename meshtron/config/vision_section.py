@@ -44,6 +44,11 @@ class VisionConfig:
     """Lower end of each action dimension's range; None: taken from the dataset."""
     action_high: list[float] | None = None
     """Upper end of each action dimension's range; None: taken from the dataset."""
+    keypoints: int | None = None
+    """Spatial-softmax keypoints of the readout token (0: no readout token). The token sits
+    right before the actions and carries where things are: per keypoint a softmax over the
+    patches and its expected (x, y), through an MLP into the decoder's width. Without it the
+    decoder did not learn to read positions off the patch tokens (docs/vla.md)."""
     pretrained: str | None = None
     """A Hugging Face SigLIP vision folder (save_pretrained's) the encoder starts from, as
     OpenVLA starts from pretrained towers; its shape must match these fields. None: drawn
@@ -63,10 +68,23 @@ class VisionConfig:
         return self.action_chunk * self.action_dims if self.enabled else 0
 
     @property
+    def readout_tokens(self) -> int:
+        """Keypoint readout tokens per observation: 1 with ``keypoints``, else 0."""
+        return 1 if self.enabled and self.keypoints else 0
+
+    @property
+    def image_token_positions(self) -> list[int]:
+        """Where the encoder's tokens go in the window: the patches first (0 .. patches - 1),
+        the readout token right after the instruction, before the actions."""
+        readout = [self.num_patches + self.instruction_len] * self.readout_tokens
+        return list(range(self.num_patches)) + readout
+
+    @property
     def seq_len(self) -> int:
-        """The decoder's input length per observation: image patches, instruction tokens and
-        the action tokens but the last (which is only predicted)."""
-        return self.num_patches + self.instruction_len + self.action_tokens - 1
+        """The decoder's input length per observation: image patches, instruction tokens, the
+        readout token and the action tokens but the last (which is only predicted)."""
+        return (self.num_patches + self.instruction_len + self.readout_tokens
+                + self.action_tokens - 1)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -91,6 +109,8 @@ def check_vision(v: VisionConfig) -> None:
     if v.hidden_size % v.num_heads:
         raise MeshtronError(f"model.vision.hidden_size={v.hidden_size} is not divisible by "
                             f"model.vision.num_heads={v.num_heads}")
+    if v.keypoints < 0:
+        raise MeshtronError(f"model.vision.keypoints must not be negative, got {v.keypoints}")
     if v.action_bins < 2:
         raise MeshtronError(f"model.vision.action_bins must be at least 2, got {v.action_bins}")
     if not (math.isfinite(v.norm_eps) and v.norm_eps > 0):
@@ -113,5 +133,5 @@ def check_vision(v: VisionConfig) -> None:
 VISION_DEFAULTS: dict[str, Any] = dict(
     image_size=0, patch_size=8, channels=3, hidden_size=128, num_layers=2, num_heads=4,
     ffn_hidden_size=512, norm_eps=1e-6, action_dims=3, action_bins=256, action_chunk=1,
-    instruction_len=12,
+    instruction_len=11, keypoints=16,
 )

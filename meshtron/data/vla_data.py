@@ -3,7 +3,8 @@
 Every frame of a demonstration is one sample: the camera image, the episode's instruction and
 the next ``action_chunk`` expert actions (the last action repeats past the episode's end). Its
 token window is ``patches`` placeholders (the model puts the image there), the instruction
-left-padded to ``instruction_len`` and the action tokens; every token but the actions is stored as
+left-padded to ``instruction_len``, the readout token's placeholder (``model.vision.keypoints``)
+and the action tokens; every token but the actions is stored as
 -(id + 1), "read, never predicted", so the loss counts the action tokens only
 (:class:`~meshtron.parallel.context.sequence.SequenceSplit` with ``image_shape`` undoes it). A
 row of a batch is that window followed by the image's pixels, so batches split over data
@@ -70,8 +71,10 @@ def encode_instruction(tokenizer: Tokenizer, instruction: str, length: int) -> l
 
 def observation_window(vision: VisionConfig, instruction_ids: list[int],
                        action_ids: np.ndarray) -> np.ndarray:
-    """One sample's window [S + 1]: placeholders, instruction (both read only), actions."""
-    read_only = np.asarray([0] * vision.num_patches + instruction_ids, dtype=np.int64)
+    """One sample's window [S + 1]: patch placeholders, instruction, readout placeholder (all
+    read only), actions."""
+    read_only = np.asarray([0] * vision.num_patches + instruction_ids
+                           + [0] * vision.readout_tokens, dtype=np.int64)
     return np.concatenate([-read_only - 1, np.asarray(action_ids, dtype=np.int64).ravel()])
 
 

@@ -1,9 +1,9 @@
 """A vision-language-action policy acting: one observation in, its action tokens out.
 
-The prefix (the image's patch placeholders and the instruction) runs once through the model with
-its KV cache, then the action tokens are decoded greedily one by one, each restricted to the
-action bins (OpenVLA decodes the same way). Several observations (environments stepping in
-lockstep) form one batch.
+The prefix (the image's patch placeholders, the instruction and the readout token's
+placeholder) runs once through the model with its KV cache, then the action tokens are
+decoded greedily one by one, each restricted to the action bins (OpenVLA decodes the same
+way). Several observations (environments stepping in lockstep) form one batch.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ class PolicyRunner:
         """Action token ids [b, action_chunk x action_dims] for uint8 images [b, H, W, C] and
         padded instruction ids [b, instruction_len]."""
         batch = images.shape[0]
-        prefix = torch.cat([torch.zeros(batch, self.vision.num_patches, dtype=torch.long),
-                            instructions.long()], dim=1).to(images.device)
+        v = self.vision
+        prefix = torch.cat([torch.zeros(batch, v.num_patches, dtype=torch.long),
+                            instructions.long().cpu(),
+                            torch.zeros(batch, v.readout_tokens, dtype=torch.long)],
+                           dim=1).to(images.device)
         cache = self.model.new_cache(batch, prefix.shape[1] + self.vision.action_tokens)
         logits = self.model(prefix, cache=cache, images=images)[:, -1]
         tokens = [self._action_token(logits.float())]

@@ -173,8 +173,8 @@ class Transformer(nn.Module):
         masked documents (None: positions 0.. of a plain causal sequence). ``ahead``
         [mtp_depth + 1, b, s], the targets and the tokens after them (-1 past the window's
         end), runs the multi-token-prediction modules, whose loss rides on the logits.
-        ``images`` uint8 [b, H, W, C] (a vision model's first chunk): their encoded patches
-        take the place of the first positions' token embeddings."""
+        ``images`` uint8 [b, H, W, C] (a vision model's first chunk): their encoded tokens
+        take the place of the token embeddings at the image positions (see place_images)."""
         new_tokens = x.shape[1]
         if self.has_embedding and chunk == 0:
             start = cache.length if cache is not None else 0
@@ -241,21 +241,24 @@ class Transformer(nn.Module):
         return F.dropout(x, self.cfg.dropout, self.training)
 
     def place_images(self, x: torch.Tensor, images: torch.Tensor, start: int) -> torch.Tensor:
-        """Token embeddings ``x`` of positions ``start..`` with those of the image patches
-        (positions 0 .. patches - 1) replaced by the encoder's; under sequence parallelism
-        each rank replaces its own chunk's (the split's backward gathers their gradients)."""
-        patches = self.vision(images).to(x.dtype)
-        count = patches.shape[1]
+        """Token embeddings ``x`` of positions ``start..`` with those at the image tokens'
+        positions (``vision.image_token_positions``: the patches, the readout token) replaced
+        by the encoder's; under sequence parallelism each rank replaces its own chunk's (the
+        split's backward gathers their gradients). A window past them all runs no encoder."""
         full = x.shape[1] * (self.region.size if self.region.sequence_parallel else 1)
-        if start >= count:
+        slot = torch.full((full,), -1, dtype=torch.long)
+        for j, position in enumerate(self.cfg.vision.image_token_positions):
+            if start <= position < start + full:
+                slot[position - start] = j
+        if bool((slot < 0).all()):
             return x
-        placed = F.pad(patches[:, start:], (0, 0, 0, max(0, full - (count - start))))
-        placed = placed[:, :full]
-        index = torch.arange(start, start + full, device=x.device)
+        tokens = self.vision(images).to(x.dtype)
+        slot = slot.to(x.device)
+        placed, keep = tokens[:, slot.clamp(min=0)], slot >= 0
         if self.region.sequence_parallel:
             placed = split_to_tp(placed, self.region.group)
-            index = local_chunk(index, self.region.group, dim=0)
-        return torch.where((index < count)[None, :, None], placed, x)
+            keep = local_chunk(keep, self.region.group, dim=0)
+        return torch.where(keep[None, :, None], placed, x)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies in fp32; padded vocabulary entries never count, nor,

@@ -13,6 +13,8 @@ them, and its output (replicated over tp) enters the decoder, which scatters it 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,6 +116,35 @@ class Projector(nn.Module):
         return self.fc2(F.gelu(self.fc1(self.region.enter(x))))
 
 
+class KeypointReadout(nn.Module):
+    """One token that says where things are: ``keypoints`` softmax maps over the patches
+    (spatial softmax, as in visuomotor policies since Levine et al. 2016), each map's expected
+    (x, y) on the patch grid in [-1, 1], through Linear -> GELU -> Linear into the decoder's
+    width, then an RMSNorm so that the token starts at the residual stream's scale (at the
+    projector's scale the decoder never read it). Small, so replicated over tp."""
+
+    def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion):
+        super().__init__()
+        k, d = vision.keypoints, decoder_hidden
+        self.attend = nn.Linear(vision.hidden_size, k)
+        self.fc1 = nn.Linear(2 * k, d)
+        self.fc2 = nn.Linear(d, d)
+        self.out_norm = nn.RMSNorm(d, eps=vision.norm_eps)
+        for param in self.parameters():
+            replicated(param, region)
+        side = math.isqrt(vision.num_patches)
+        axis = torch.linspace(-1.0, 1.0, side)
+        rows, cols = torch.meshgrid(axis, axis, indexing="ij")
+        self.register_buffer("grid", torch.stack([cols.reshape(-1), rows.reshape(-1)], dim=1),
+                             persistent=False)  # [patches, 2]: (x, y) of each patch centre
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Encoder states [b, patches, vision hidden] -> the readout token [b, 1, decoder]."""
+        maps = torch.softmax(self.attend(hidden).transpose(1, 2).float(), dim=-1)
+        points = (maps @ self.grid.to(maps.dtype)).to(hidden.dtype).flatten(1)  # [b, 2 * keypoints]
+        return self.out_norm(self.fc2(F.gelu(self.fc1(points))))[:, None]
+
+
 class VisionEncoder(nn.Module):
     """Camera images -> image tokens in the decoder's width, replicated on every tp rank.
 
@@ -122,7 +153,8 @@ class VisionEncoder(nn.Module):
     [hidden, channels, patch, patch] (a Conv2d's, as in SigLIP) and ``.bias``,
     ``pos_embed.weight``, ``layers.{i}.{attn_norm,mlp_norm}.{weight,bias}``,
     ``layers.{i}.attn.{qkv,proj}.{weight,bias}``, ``layers.{i}.mlp.{up,down}.{weight,bias}``,
-    ``post_norm.{weight,bias}``, ``projector.{fc1,fc2}.{weight,bias}``.
+    ``post_norm.{weight,bias}``, ``projector.{fc1,fc2}.{weight,bias}`` and, with
+    ``keypoints``, ``readout.{attend,fc1,fc2}.{weight,bias}``, ``readout.out_norm.weight``.
     """
 
     def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion):
@@ -138,10 +170,14 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionBlock(vision, region) for _ in range(vision.num_layers))
         self.post_norm = _layer_norm(h, vision.norm_eps, region)
         self.projector = Projector(h, decoder_hidden, region)
+        self.readout = (KeypointReadout(vision, decoder_hidden, region)
+                        if vision.readout_tokens else None)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 images [b, H, W, C] (as a camera gives them) -> [b, num_patches,
-        decoder_hidden] in the parameters' dtype; normalised as SigLIP's processor does."""
+        """uint8 images [b, H, W, C] (as a camera gives them) -> the image tokens [b,
+        num_patches + readout_tokens, decoder_hidden] in the parameters' dtype (for the
+        window positions ``vision.image_token_positions``); normalised as SigLIP's processor
+        does."""
         v = self.vision
         if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != (
                 v.image_size, v.image_size, v.channels):
@@ -149,7 +185,11 @@ class VisionEncoder(nn.Module):
                 f"images must be uint8 [batch, {v.image_size}, {v.image_size}, {v.channels}], "
                 f"got {images.dtype} {list(images.shape)}")
         pixels = (images.permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
-        return self.project(self.encode(pixels))
+        hidden = self.encode(pixels)
+        tokens = self.project(hidden)
+        if self.readout is None:
+            return tokens
+        return torch.cat([tokens, self.readout(hidden).to(tokens.dtype)], dim=1)
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Float pixels [b, C, H, W] (HF's layout) -> the last hidden state after the final
@@ -166,18 +206,23 @@ class VisionEncoder(nn.Module):
 
 
 def vision_parameters(vision: VisionConfig, decoder_hidden: int) -> int:
-    """Parameters of the encoder and projector (global: each counted once)."""
+    """Parameters of the encoder, projector and readout token (global: each counted once)."""
     h, f, d = vision.hidden_size, vision.ffn_hidden_size, decoder_hidden
     patch = vision.channels * vision.patch_size ** 2
     block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h)
+    k = vision.keypoints if vision.readout_tokens else 0
+    readout = (h * k + k) + (2 * k * d + d) + (d * d + d) + d if k else 0
     return (patch * h + h + vision.num_patches * h + vision.num_layers * block + 2 * h
-            + (h * d + d) + (d * d + d))
+            + (h * d + d) + (d * d + d) + readout)
 
 
 def vision_flops(vision: VisionConfig, decoder_hidden: int) -> int:
     """Forward FLOPs for one image: 2 x the multiply-adds of every matrix product (patch
-    embedding, q/k/v, scores, values, output projection, MLP, projector)."""
+    embedding, q/k/v, scores, values, output projection, MLP, projector; the readout's
+    keypoint logits, expected positions and MLP)."""
     h, f, d, n = vision.hidden_size, vision.ffn_hidden_size, decoder_hidden, vision.num_patches
     patch = vision.channels * vision.patch_size ** 2
     block = 4 * h * h + 2 * n * h + 2 * h * f
-    return 2 * n * (patch * h + vision.num_layers * block + h * d + d * d)
+    k = vision.keypoints if vision.readout_tokens else 0
+    readout = n * h * k + 2 * k * n + 2 * k * d + d * d if k else 0
+    return 2 * (n * (patch * h + vision.num_layers * block + h * d + d * d) + readout)
