@@ -142,7 +142,8 @@ def test_evaluate_rolls_the_policy_out_and_reports(demos, tmp_path, capsys):
                  "--video", str(tmp_path / "videos"), "--videos", "2"])
     assert code == 0
     summary = json.loads(out.read_text())
-    assert summary["episodes"] == 6
+    assert summary["episodes"] == 6 == sum(summary["outcomes"].values())
+    assert summary["outcomes"]["success"] == round(6 * summary["success_rate"])
     assert 0.0 <= summary["success_rate"] <= 1.0
     assert 0.0 <= summary["action_token_accuracy"] <= 1.0
     assert summary["control_steps_per_s"] > 0

@@ -7,6 +7,7 @@ ignore the instruction (go to some block) fail most of the time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -30,7 +31,7 @@ from meshtron.envs import (
     save_gif,
 )
 from meshtron.envs.expert import CLOSE_TOLERANCE
-from meshtron.envs.tabletop import MAX_STEP
+from meshtron.envs.tabletop import MAX_STEP, block_under
 from meshtron.errors import MeshtronError
 
 SEEDS = range(200)
@@ -106,6 +107,26 @@ def test_expert_succeeds_and_baselines_fail():
         return lambda obs, state: towards(state, state.blocks[k].x, state.blocks[k].y)
 
     assert success_rate(some_block) <= 0.35
+
+
+def test_each_ending_is_named():
+    """meshtron evaluate's failure breakdown: closed over the named block, over another block,
+    over bare table, or never closed."""
+    from meshtron.inference.policy_eval import outcome_of
+
+    env = TabletopEnv()
+    env.reset(seed=5)
+    state = env.state
+    other = next(b for i, b in enumerate(state.blocks) if i != state.target)
+    assert outcome_of(state) == "timeout"
+    target = state.target_block
+    assert outcome_of(dataclasses.replace(state, gripper=(target.x, target.y), closed=True,
+                                          success=True)) == "success"
+    assert outcome_of(dataclasses.replace(state, gripper=(other.x, other.y),
+                                          closed=True)) == "other_block"
+    bare = next((x, y) for x in np.linspace(0, 1, 21) for y in np.linspace(0, 1, 21)
+                if block_under(state, x, y) is None)
+    assert outcome_of(dataclasses.replace(state, gripper=bare, closed=True)) == "table"
 
 
 def test_env_rejects_bad_use():

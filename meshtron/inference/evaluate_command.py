@@ -65,6 +65,9 @@ def run_evaluate(args: argparse.Namespace, extra: list[str]) -> int:
           f"held-out episodes, mean return {result.mean_return:.3f}, action-token accuracy "
           f"{100 * result.action_token_accuracy:.1f}%, {1000 * result.latency_s:.1f} ms per "
           f"control step ({summary['control_steps_per_s']:.1f} steps/s)")
+    failures = {k: n for k, n in result.outcomes.items() if k != "success"}
+    print("failures: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in failures.items())
+          + " (closed over another block, over bare table, not closed in time)")
     if args.video:
         for index, episode in enumerate(result.episodes[:kept]):
             outcome = "success" if episode.success else "failure"

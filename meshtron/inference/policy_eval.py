@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,12 +23,18 @@ from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_data import VLATrainingData, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec
 from meshtron.envs import TabletopEnv
+from meshtron.envs.tabletop import TabletopState, block_under
 from meshtron.models.policy_runner import PolicyRunner
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
 
 EVAL_SEED_BASE = 2**32
 """Seed of the first evaluation episode: far from the demonstrations' seeds."""
+
+
+OUTCOMES = ("success", "other_block", "table", "timeout")
+"""How an episode ends: closed over the named block, over another block, over bare table, or
+not closed within the step limit."""
 
 
 @dataclass
@@ -38,6 +45,17 @@ class Episode:
     steps: int
     episode_return: float
     frames: list[np.ndarray]
+    outcome: str = "timeout"
+    """One of :data:`OUTCOMES`."""
+
+
+def outcome_of(state: TabletopState) -> str:
+    """How the episode of final ``state`` ended (:data:`OUTCOMES`)."""
+    if state.success:
+        return "success"
+    if not state.closed:
+        return "timeout"
+    return "table" if block_under(state, *state.gripper) is None else "other_block"
 
 
 @dataclass
@@ -55,9 +73,15 @@ class Evaluation:
     def mean_return(self) -> float:
         return statistics.fmean(e.episode_return for e in self.episodes)
 
-    def summary(self) -> dict[str, float | int]:
+    @property
+    def outcomes(self) -> dict[str, int]:
+        """Episodes by how they ended, every one of :data:`OUTCOMES` present."""
+        return {name: sum(e.outcome == name for e in self.episodes) for name in OUTCOMES}
+
+    def summary(self) -> dict[str, Any]:
         """The JSON of ``meshtron evaluate --json``."""
         return {"success_rate": self.success_rate, "episodes": len(self.episodes),
+                "outcomes": self.outcomes,
                 "mean_return": self.mean_return,
                 "action_token_accuracy": self.action_token_accuracy,
                 "latency_ms": 1000 * self.latency_s,
@@ -108,6 +132,7 @@ def rollouts(actor: PolicyActor, count: int, image_size: int, batch: int = 16,
                         episode.frames.append(obs[i]["image"])
                     done = terminated or truncated
                     if done:
+                        episode.outcome = outcome_of(envs[i].state)
                         break
                 if not done:
                     still.append(i)
