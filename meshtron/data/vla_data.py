@@ -32,7 +32,7 @@ from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_tokens import ActionCodec, vla_tokenizer
 from meshtron.errors import MeshtronError
 
-DEFAULT_EPISODES = 2000
+DEFAULT_EPISODES = 10_000
 """Demonstrations generated when a vision model is given no data.path."""
 DEFAULT_DATA_SEED = 0
 """Their seed: the default set is the same for every training seed (and cached once)."""
