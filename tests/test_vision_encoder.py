@@ -178,7 +178,8 @@ def test_flops_and_parameters_match_the_module(overrides):
 
 
 def test_formulas_by_hand():
-    vision = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=0)  # 16 8x8x3 patches
+    vision = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=0,
+                     instruction_keypoints=0)  # 16 8x8x3 patches
     block = 2 * 64 + 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 + 64 * 128 + 128 + 128 * 64 + 64
     params = 192 * 64 + 64 + 16 * 64 + 2 * block + 2 * 64 + 64 * 96 + 96 + 96 * 96 + 96
     assert vision_parameters(vision, 96) == params == 96000
@@ -186,11 +187,17 @@ def test_formulas_by_hand():
                  + 64 * 96 + 96 * 96)
     assert vision_flops(vision, 96) == 2 * macs
     # the readout token: 8 keypoint maps over 16 patches, their (x, y) into a 96-wide MLP
-    readout = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=8)
+    readout = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=8, instruction_keypoints=0)
     assert vision_parameters(readout, 96) - params == (64 * 8 + 8) + (16 * 96 + 96) + (
         96 * 96 + 96) + 96
     assert vision_flops(readout, 96) - 2 * macs == 2 * (16 * 64 * 8 + 2 * 8 * 16 + 16 * 96
                                                          + 96 * 96)
+    # + 2 maps queried by the instruction: a 20-word table, a query per map, its 16 scores
+    asked = _vision(hidden_size=64, ffn_hidden_size=128, keypoints=8, instruction_keypoints=2)
+    assert vision_parameters(asked, 96, vocab_size=20) - vision_parameters(readout, 96) == (
+        20 * 64 + 64 * 2 * 64 + 2 * 64 + 2 * 2 * 96)
+    assert vision_flops(asked, 96) - vision_flops(readout, 96) == 2 * (
+        64 * 2 * 64 + 2 * 16 * 64 + 2 * 2 * 16 + 2 * 2 * 96)
 
 
 # ----------------------------------------------------------------------------- refusals

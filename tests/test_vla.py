@@ -92,19 +92,24 @@ def test_cached_action_decoding_equals_the_full_forward():
 
 def test_image_tokens_go_to_the_patches_and_the_readout_position():
     """The encoder's 16 patch tokens fill positions 0..15 and its readout token the position
-    after the instruction (27), also for a window that starts part-way (a KV-cache chunk)."""
+    after the instruction (27); the instruction's words query the readout; a later window
+    without the instruction but with the readout position is refused in one line."""
     cfg = load_config(overrides=["--model.preset=tiny-vla", "--model.vocab_size=300"]).model
     model = Transformer(cfg)
     initialize(model, seed=3, std=0.02, num_layers=cfg.num_layers)
     images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8)
+    ids = torch.randint(1, 300, (2, 30))
     with torch.no_grad():
-        tokens = model.vision(images)
-        placed = model.place_images(torch.zeros(2, 30, 128), images, start=0)
-        late = model.place_images(torch.zeros(2, 10, 128), images, start=20)
+        tokens = model.vision(images, ids[:, 16:27])
+        placed = model.place_images(torch.zeros(2, 30, 128), images, 0, ids)
+        other = model.place_images(torch.zeros(2, 30, 128), images, 0, ids.flip(1))
     assert cfg.vision.image_token_positions == [*range(16), 27] and tokens.shape[1] == 17
     assert torch.equal(placed[:, :16], tokens[:, :16]) and torch.equal(placed[:, 27], tokens[:, 16])
     assert not placed[:, 16:27].any() and not placed[:, 28:].any()
-    assert torch.equal(late[:, 7], tokens[:, 16]) and not late[:, :7].any()
+    assert torch.equal(other[:, :16], placed[:, :16]) and not torch.equal(other[:, 27],
+                                                                          placed[:, 27])
+    with pytest.raises(MeshtronError, match="instruction in the same forward call"):
+        model.place_images(torch.zeros(2, 10, 128), images, 20, ids[:, 20:])
 
 
 def _vla_layouts(rank: int, world_size: int, demos: str, cache_dir: str, root: str,

@@ -49,6 +49,9 @@ class VisionConfig:
     right before the actions and carries where things are: per keypoint a softmax over the
     patches and its expected (x, y), through an MLP into the decoder's width. Without it the
     decoder did not learn to read positions off the patch tokens (docs/vla.md)."""
+    instruction_keypoints: int | None = None
+    """Keypoint maps of the readout token queried by the instruction's words, beside the
+    ``keypoints`` fixed ones: they can point at the block the instruction names."""
     pretrained: str | None = None
     """A Hugging Face SigLIP vision folder (save_pretrained's) the encoder starts from, as
     OpenVLA starts from pretrained towers; its shape must match these fields. None: drawn
@@ -69,8 +72,8 @@ class VisionConfig:
 
     @property
     def readout_tokens(self) -> int:
-        """Keypoint readout tokens per observation: 1 with ``keypoints``, else 0."""
-        return 1 if self.enabled and self.keypoints else 0
+        """Keypoint readout tokens per observation: 1 with (instruction) keypoints, else 0."""
+        return 1 if self.enabled and (self.keypoints or self.instruction_keypoints) else 0
 
     @property
     def image_token_positions(self) -> list[int]:
@@ -109,8 +112,10 @@ def check_vision(v: VisionConfig) -> None:
     if v.hidden_size % v.num_heads:
         raise MeshtronError(f"model.vision.hidden_size={v.hidden_size} is not divisible by "
                             f"model.vision.num_heads={v.num_heads}")
-    if v.keypoints < 0:
-        raise MeshtronError(f"model.vision.keypoints must not be negative, got {v.keypoints}")
+    for name in ("keypoints", "instruction_keypoints"):
+        if getattr(v, name) < 0:
+            raise MeshtronError(f"model.vision.{name} must not be negative, got "
+                                f"{getattr(v, name)}")
     if v.action_bins < 2:
         raise MeshtronError(f"model.vision.action_bins must be at least 2, got {v.action_bins}")
     if not (math.isfinite(v.norm_eps) and v.norm_eps > 0):
@@ -133,5 +138,5 @@ def check_vision(v: VisionConfig) -> None:
 VISION_DEFAULTS: dict[str, Any] = dict(
     image_size=0, patch_size=8, channels=3, hidden_size=128, num_layers=2, num_heads=4,
     ffn_hidden_size=512, norm_eps=1e-6, action_dims=3, action_bins=256, action_chunk=1,
-    instruction_len=11, keypoints=16,
+    instruction_len=11, keypoints=16, instruction_keypoints=4,
 )

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.autograd import attach_loss
 from meshtron.config import ModelConfig
+from meshtron.errors import MeshtronError
 from meshtron.models.arch import architecture_of
 from meshtron.models.blocks import Block, KVCache, make_norm
 from meshtron.models.flops import padded_vocab_size
@@ -111,7 +112,7 @@ class Transformer(nn.Module):
         if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         if self.has_embedding and cfg.vision.enabled:  # a vision-language-action policy
-            self.vision = VisionEncoder(cfg.vision, cfg.hidden_size, region)
+            self.vision = VisionEncoder(cfg.vision, cfg.hidden_size, region, cfg.vocab_size)
         self.rotary: Rotary | None = None
         if arch.rotary:
             self.rotary = arch.attention.rotary(cfg)
@@ -178,9 +179,9 @@ class Transformer(nn.Module):
         new_tokens = x.shape[1]
         if self.has_embedding and chunk == 0:
             start = cache.length if cache is not None else 0
-            x = self.embed_tokens(x, start, sequence)
+            tokens, x = x, self.embed_tokens(x, start, sequence)
             if images is not None:
-                x = self.place_images(x, images, start)
+                x = self.place_images(x, images, start, tokens)
         for i in self.chunks[chunk]:
             block = self.layers[str(i)]
             if self.recompute == "full" and self.training:
@@ -240,11 +241,13 @@ class Transformer(nn.Module):
             x = x + positions
         return F.dropout(x, self.cfg.dropout, self.training)
 
-    def place_images(self, x: torch.Tensor, images: torch.Tensor, start: int) -> torch.Tensor:
+    def place_images(self, x: torch.Tensor, images: torch.Tensor, start: int,
+                     tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``x`` of positions ``start..`` with those at the image tokens'
         positions (``vision.image_token_positions``: the patches, the readout token) replaced
         by the encoder's; under sequence parallelism each rank replaces its own chunk's (the
-        split's backward gathers their gradients). A window past them all runs no encoder."""
+        split's backward gathers their gradients). A window past them all runs no encoder.
+        ``tokens``: the window's ids (whole under sp), whose instruction queries the readout."""
         full = x.shape[1] * (self.region.size if self.region.sequence_parallel else 1)
         slot = torch.full((full,), -1, dtype=torch.long)
         for j, position in enumerate(self.cfg.vision.image_token_positions):
@@ -252,7 +255,13 @@ class Transformer(nn.Module):
                 slot[position - start] = j
         if bool((slot < 0).all()):
             return x
-        tokens = self.vision(images).to(x.dtype)
+        v = self.cfg.vision
+        first = v.num_patches - start
+        if v.instruction_keypoints and not 0 <= first <= tokens.shape[1] - v.instruction_len:
+            raise MeshtronError("the readout token's instruction keypoints need the "
+                                "instruction in the same forward call as the image")
+        instruction = tokens[:, first:first + v.instruction_len] if first >= 0 else None
+        tokens = self.vision(images, instruction).to(x.dtype)
         slot = slot.to(x.device)
         placed, keep = tokens[:, slot.clamp(min=0)], slot >= 0
         if self.region.sequence_parallel:

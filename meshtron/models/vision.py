@@ -117,17 +117,27 @@ class Projector(nn.Module):
 
 
 class KeypointReadout(nn.Module):
-    """One token that says where things are: ``keypoints`` softmax maps over the patches
-    (spatial softmax, as in visuomotor policies since Levine et al. 2016), each map's expected
-    (x, y) on the patch grid in [-1, 1], through Linear -> GELU -> Linear into the decoder's
-    width, then an RMSNorm so that the token starts at the residual stream's scale (at the
-    projector's scale the decoder never read it). Small, so replicated over tp."""
+    """One token that says where things are: softmax maps over the patches (spatial softmax,
+    as visuomotor policies since Levine et al. 2016 read images), each map's expected (x, y)
+    on the patch grid in [-1, 1], through Linear -> GELU -> Linear into the decoder's width,
+    then an RMSNorm so that the token starts at the residual stream's scale (at the
+    projector's scale the decoder never read it). ``keypoints`` maps are fixed (one logit per
+    patch state); ``instruction_keypoints`` maps are queried by the instruction (the mean of
+    its words' embeddings, a table of the readout's own), so they can point at the block the
+    instruction names (RT-1 conditions its image encoder on the instruction likewise, by
+    FiLM). Small, so replicated over tp."""
 
-    def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion):
+    def __init__(self, vision: VisionConfig, decoder_hidden: int, vocab_size: int,
+                 region: TPRegion):
         super().__init__()
-        k, d = vision.keypoints, decoder_hidden
-        self.attend = nn.Linear(vision.hidden_size, k)
-        self.fc1 = nn.Linear(2 * k, d)
+        h, k, m, d = vision.hidden_size, vision.keypoints, vision.instruction_keypoints, \
+            decoder_hidden
+        self.hidden, self.queried = h, m
+        self.attend = nn.Linear(h, k) if k else None
+        if m:
+            self.words = nn.Embedding(vocab_size, h)
+            self.query = nn.Linear(h, m * h)
+        self.fc1 = nn.Linear(2 * (k + m), d)
         self.fc2 = nn.Linear(d, d)
         self.out_norm = nn.RMSNorm(d, eps=vision.norm_eps)
         for param in self.parameters():
@@ -138,10 +148,20 @@ class KeypointReadout(nn.Module):
         self.register_buffer("grid", torch.stack([cols.reshape(-1), rows.reshape(-1)], dim=1),
                              persistent=False)  # [patches, 2]: (x, y) of each patch centre
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Encoder states [b, patches, vision hidden] -> the readout token [b, 1, decoder]."""
-        maps = torch.softmax(self.attend(hidden).transpose(1, 2).float(), dim=-1)
-        points = (maps @ self.grid.to(maps.dtype)).to(hidden.dtype).flatten(1)  # [b, 2 * keypoints]
+    def forward(self, hidden: torch.Tensor,
+                instruction: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder states [b, patches, vision hidden] and instruction ids [b, instruction_len]
+        (pad id 0; None: no words) -> the readout token [b, 1, decoder hidden]."""
+        logits = [] if self.attend is None else [self.attend(hidden).transpose(1, 2)]
+        if self.queried:
+            words = torch.zeros_like(hidden[:, 0])
+            if instruction is not None:
+                real = (instruction > 0).to(hidden.dtype)[..., None]
+                words = (self.words(instruction) * real).sum(1) / real.sum(1).clamp(min=1)
+            query = self.query(words).view(-1, self.queried, self.hidden)
+            logits.append(query @ hidden.transpose(1, 2) / math.sqrt(self.hidden))
+        maps = torch.softmax(torch.cat(logits, dim=1).float(), dim=-1)  # [b, maps, patches]
+        points = (maps @ self.grid.to(maps.dtype)).to(hidden.dtype).flatten(1)
         return self.out_norm(self.fc2(F.gelu(self.fc1(points))))[:, None]
 
 
@@ -154,10 +174,12 @@ class VisionEncoder(nn.Module):
     ``pos_embed.weight``, ``layers.{i}.{attn_norm,mlp_norm}.{weight,bias}``,
     ``layers.{i}.attn.{qkv,proj}.{weight,bias}``, ``layers.{i}.mlp.{up,down}.{weight,bias}``,
     ``post_norm.{weight,bias}``, ``projector.{fc1,fc2}.{weight,bias}`` and, with
-    ``keypoints``, ``readout.{attend,fc1,fc2}.{weight,bias}``, ``readout.out_norm.weight``.
+    a readout token, ``readout.{attend,fc1,fc2}.{weight,bias}``, ``readout.out_norm.weight``
+    and, with instruction keypoints, ``readout.words.weight``, ``readout.query.{weight,bias}``.
     """
 
-    def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion):
+    def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion,
+                 vocab_size: int = 0):
         super().__init__()
         check_buildable(vision, decoder_hidden, region.size)
         region = TPRegion(region.group)  # never sequence-parallel
@@ -170,14 +192,16 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionBlock(vision, region) for _ in range(vision.num_layers))
         self.post_norm = _layer_norm(h, vision.norm_eps, region)
         self.projector = Projector(h, decoder_hidden, region)
-        self.readout = (KeypointReadout(vision, decoder_hidden, region)
+        self.readout = (KeypointReadout(vision, decoder_hidden, vocab_size, region)
                         if vision.readout_tokens else None)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor,
+                instruction: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 images [b, H, W, C] (as a camera gives them) -> the image tokens [b,
         num_patches + readout_tokens, decoder_hidden] in the parameters' dtype (for the
         window positions ``vision.image_token_positions``); normalised as SigLIP's processor
-        does."""
+        does. ``instruction`` (ids [b, instruction_len]) queries the readout's instruction
+        keypoints."""
         v = self.vision
         if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != (
                 v.image_size, v.image_size, v.channels):
@@ -189,7 +213,8 @@ class VisionEncoder(nn.Module):
         tokens = self.project(hidden)
         if self.readout is None:
             return tokens
-        return torch.cat([tokens, self.readout(hidden).to(tokens.dtype)], dim=1)
+        readout = self.readout(hidden, instruction).to(tokens.dtype)
+        return torch.cat([tokens, readout], dim=1)
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Float pixels [b, C, H, W] (HF's layout) -> the last hidden state after the final
@@ -205,13 +230,17 @@ class VisionEncoder(nn.Module):
         return self.projector(hidden)
 
 
-def vision_parameters(vision: VisionConfig, decoder_hidden: int) -> int:
-    """Parameters of the encoder, projector and readout token (global: each counted once)."""
+def vision_parameters(vision: VisionConfig, decoder_hidden: int, vocab_size: int = 0) -> int:
+    """Parameters of the encoder, projector and readout token (global: each counted once;
+    ``vocab_size``: the rows of the readout's word table)."""
     h, f, d = vision.hidden_size, vision.ffn_hidden_size, decoder_hidden
     patch = vision.channels * vision.patch_size ** 2
     block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h)
-    k = vision.keypoints if vision.readout_tokens else 0
-    readout = (h * k + k) + (2 * k * d + d) + (d * d + d) + d if k else 0
+    readout = 0
+    if vision.readout_tokens:
+        k, m = vision.keypoints, vision.instruction_keypoints
+        readout = ((h * k + k if k else 0) + (vocab_size * h + h * m * h + m * h if m else 0)
+                   + (2 * (k + m) * d + d) + (d * d + d) + d)
     return (patch * h + h + vision.num_patches * h + vision.num_layers * block + 2 * h
             + (h * d + d) + (d * d + d) + readout)
 
@@ -219,10 +248,13 @@ def vision_parameters(vision: VisionConfig, decoder_hidden: int) -> int:
 def vision_flops(vision: VisionConfig, decoder_hidden: int) -> int:
     """Forward FLOPs for one image: 2 x the multiply-adds of every matrix product (patch
     embedding, q/k/v, scores, values, output projection, MLP, projector; the readout's
-    keypoint logits, expected positions and MLP)."""
+    keypoint logits, instruction queries and their scores, expected positions and MLP)."""
     h, f, d, n = vision.hidden_size, vision.ffn_hidden_size, decoder_hidden, vision.num_patches
     patch = vision.channels * vision.patch_size ** 2
     block = 4 * h * h + 2 * n * h + 2 * h * f
-    k = vision.keypoints if vision.readout_tokens else 0
-    readout = n * h * k + 2 * k * n + 2 * k * d + d * d if k else 0
+    readout = 0
+    if vision.readout_tokens:
+        k, m = vision.keypoints, vision.instruction_keypoints
+        readout = (n * h * k + h * m * h + m * n * h + 2 * (k + m) * n + 2 * (k + m) * d
+                   + d * d)
     return 2 * (n * (patch * h + vision.num_layers * block + h * d + d * d) + readout)

@@ -47,7 +47,7 @@ def run_lines(cfg: Config, plan: RunPlan, padded_vocab: int) -> list[str]:
         lines.append(
             f"vision: {v.image_size}x{v.image_size} images as {v.num_patches} patches of "
             f"{v.patch_size}, {v.num_layers} encoder blocks of width {v.hidden_size} "
-            f"({vision_parameters(v, m.hidden_size) / 1e6:.2f}M parameters with the "
+            f"({vision_parameters(v, m.hidden_size, m.vocab_size) / 1e6:.2f}M parameters with the "
             f"projector{' and the readout token' if v.readout_tokens else ''}); "
             f"{v.instruction_len} instruction tokens; {v.action_tokens} action "
             f"tokens ({v.action_chunk} x {v.action_dims} dimensions, {v.action_bins} bins) "
