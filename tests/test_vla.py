@@ -174,6 +174,7 @@ def test_bad_vla_input_is_one_line(demos, tmp_path, capsys, tiny_overrides):
         (["--model.vision.action_low=1,-1,-1", "--model.vision.action_high=1,1,1"],
          "must be below action_high"),
         (["--model.vision.action_bins=1"], "action_bins must be at least 2"),
+        (["--model.vision.instruction_keypoints=-1"], "instruction_keypoints must not be negative"),
     ]
     for extra, message in cases:
         code = main(["train", *vla_overrides(demos, cache, str(tmp_path / "run")), *extra,
