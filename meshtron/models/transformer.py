@@ -261,9 +261,9 @@ class Transformer(nn.Module):
             raise MeshtronError("the readout token's instruction keypoints need the "
                                 "instruction in the same forward call as the image")
         instruction = tokens[:, first:first + v.instruction_len] if first >= 0 else None
-        tokens = self.vision(images, instruction).to(x.dtype)
+        encoded = self.vision(images, instruction).to(x.dtype)
         slot = slot.to(x.device)
-        placed, keep = tokens[:, slot.clamp(min=0)], slot >= 0
+        placed, keep = encoded[:, slot.clamp(min=0)], slot >= 0
         if self.region.sequence_parallel:
             placed = split_to_tp(placed, self.region.group)
             keep = local_chunk(keep, self.region.group, dim=0)

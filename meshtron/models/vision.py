@@ -3,9 +3,11 @@
 SigLIP's vision tower (``transformers``' ``SiglipVisionModel`` without its pooling head): a
 patch embedding, learned positions, pre-norm blocks of bidirectional multi-head attention and
 a GELU (tanh) MLP, a final LayerNorm; then OpenVLA's projector, Linear -> GELU -> Linear, into
-the decoder's width. It is written on the same tensor-parallel layers as the decoder, so tp
-splits its heads and MLP units (and the projector's hidden units) exactly as there, and
-initialisation, checkpoints and the grad norm read its parameters' layouts like any other.
+the decoder's width, and a keypoint readout token that says where things are (the token the
+policy reads the motion from; :class:`KeypointReadout`). It is written on the same
+tensor-parallel layers as the decoder, so tp splits its heads and MLP units (and the
+projector's hidden units) exactly as there, and initialisation, checkpoints and the grad norm
+read its parameters' layouts like any other.
 
 The encoder never uses sequence parallelism: its tokens are few, every tp rank holds all of
 them, and its output (replicated over tp) enters the decoder, which scatters it under SP.
