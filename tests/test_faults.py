@@ -116,7 +116,7 @@ def test_a_killed_rank_restarts_the_group_with_the_same_numbers(data_cache, tmp_
     assert proc.returncode == 0, proc.stderr
     assert ("meshtron: rank 1 was killed by SIGKILL; restarting every rank from the newest "
             "checkpoint (restart 1 of 1)") in proc.stderr
-    assert "Traceback" not in proc.stderr and "resumed from" in proc.stdout
+    assert "Traceback" not in proc.stderr and "resumed from" in proc.stdout, proc.stderr
     losses = _losses(killed)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     # Step 3 ran before the kill (its row was set aside by the resume) and again after it:

@@ -36,6 +36,10 @@ def survive_a_dead_peer(rank: int, world_size: int) -> tuple[str | None, list]:
     # Errors of our own code that merely mention a timeout keep their traceback.
     own = [_peer_failure(RuntimeError("Timeout while reading the config")),
            _peer_failure(ValueError("Connection reset by peer"))]
+    # gloo's wordings of a pair whose peer has gone (tcp/pair.cc) are peer failures
+    for text in ("Socket closed [127.0.0.1]:4242", "Read error [127.0.0.1]:4242: Connection "
+                 "reset by peer", "Application timeout caused pair closure"):
+        assert _peer_failure(RuntimeError(f"[gloo/transport/tcp/pair.cc:1] {text}")), text
     time.sleep(2)
     try:
         dist.all_reduce(torch.ones(4))

@@ -8,8 +8,11 @@ import traceback
 
 import torch.distributed as dist
 
-PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "timed out",
-                      "Timed out", "NCCL communicator was aborted")
+PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Socket closed",
+                      "Broken pipe", "timed out", "Timed out", "Read timeout",
+                      "pair closure", "NCCL communicator was aborted")
+"""How gloo (tcp/pair.cc: a read or write on a pair whose peer is gone, or its timeout) and
+NCCL word a collective that a dead or stalled peer broke."""
 TRACEBACK_ENV = "MESHTRON_TRACEBACK"
 
 
