@@ -104,14 +104,15 @@ def test_two_ranks_fit_every_collective(tmp_path):
     assert math.isclose(profile.intra_node.bandwidth, 1 / b) and profile.inter_node == \
         profile.intra_node
     # the probe trained on 1 and 2 ranks and priced what the kernels miss
-    assert "probe on 1 rank:" in proc.stdout and "probe on 2 ranks:" in proc.stdout
+    assert "probes on 1 rank" in proc.stdout and "probe on 2 ranks:" in proc.stdout
     assert profile.compute_correction != 1.0 and profile.memory_reserved_bytes > 0
     assert profile.memory_reserved_per_rank_bytes >= 0
     assert profile.time_correction == profile.memory_correction == 1.0  # trial feedback only
 
 
 def test_the_probe_fit_prices_what_the_kernels_miss():
-    """One rank: (measured - optimizer - overhead) / compute, and the peak beyond the model;
+    """One rank: (measured - optimizer - overhead) / compute (over two probes, the slope
+    through the origin), and the smaller probe's peak beyond the model;
     the N-rank probe's extra, per further rank."""
     profile = load_profile("h100-sxm")
     memory = MemoryEstimate(100.0, 100.0, 0.0, 200.0, 50.0, 50.0, reserved=1000.0)
@@ -120,8 +121,30 @@ def test_the_probe_fit_prices_what_the_kernels_miss():
                          {"compute": 0.8, "optimizer": 0.1, "overhead": 0.1}), Path("."),
                 Measurement(1.4, 1800))
     many = dataclasses.replace(one, measured=Measurement(1.5, 2000))
-    fit = calibrate_command.fitted(profile, one, many, nproc=3)
+    fit = calibrate_command.fitted(profile, [one], many, nproc=3)
     assert fit.compute_correction == pytest.approx(1.5)  # (1.4 - 0.2) / 0.8
+    # a second, four times larger probe: the slope through the origin over both points
+    big = dataclasses.replace(one, estimate=dataclasses.replace(
+        one.estimate, breakdown={"compute": 3.2, "optimizer": 0.1, "overhead": 0.1}),
+        measured=Measurement(4.0, 2500))
+    slope = (0.8 * 1.2 + 3.2 * 3.8) / (0.8**2 + 3.2**2)
+    fit = calibrate_command.fitted(profile, [one, big], many, nproc=3)
+    assert fit.compute_correction == pytest.approx(round(slope, 4))
     assert fit.memory_reserved_bytes == 1800 - 500
     assert fit.memory_reserved_per_rank_bytes == (2000 - 500 - 1300) // 2
     assert (fit.time_correction, fit.memory_correction) == (1.0, 1.0)
+
+
+def test_a_launch_leaves_this_process_on_every_thread(monkeypatch):
+    """torchrun's argument handling sets OMP_NUM_THREADS=1 in the launching process; after a
+    launch the calibration's one-process probe (and a tuning trial) must not inherit it."""
+    from torch.distributed import run as torchrun
+
+    from meshtron.parallel.mesh.launch import launcher_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = torchrun.parse_args(["--nproc-per-node=2", "--module", "meshtron", "train"])
+    with launcher_environment():
+        torchrun.config_from_args(args)
+        assert os.environ.get("OMP_NUM_THREADS") == "1"  # what the ranks get
+    assert "OMP_NUM_THREADS" not in os.environ

@@ -10,9 +10,13 @@ TensorBoard's writer, autograd's buffers, gloo's buffers for each peer, the heap
 So the probe model trains on one process and, with ``--nproc N``, on N data-parallel ranks,
 through ``meshtron train`` as a user runs it (the runner of ``tune --trial``), and:
 
-- ``compute_correction`` = the one-process probe's measured step time, less the predicted
-  optimizer and fixed overhead, over its predicted compute;
-- ``memory_reserved_bytes`` = its measured peak less the model's predicted bytes;
+- ``compute_correction`` = the one-process probes' measured step time, less the predicted
+  optimizer and fixed overhead, over their predicted compute: a least-squares slope through
+  the origin over two batch sizes (8 and 32 sequences), so that the larger step, whose time a
+  scheduling hiccup of a few milliseconds hardly moves, weighs most (one 0.1 s probe step
+  measured 0.169 s in one calibration and 0.106 s a minute later);
+- ``memory_reserved_bytes`` = the smaller one-process probe's measured peak less the model's
+  predicted bytes;
 - ``memory_reserved_per_rank_bytes`` = what the N-rank probe's peak holds beyond that, per
   further rank.
 
@@ -65,23 +69,36 @@ on a CPU and short enough that calibration stays a matter of a minute."""
 PROBE_STEPS = {False: 8, True: 4}
 """Steps of a probe run, full and ``--quick`` (the first, warm-up step is not timed)."""
 
+PROBE_BATCHES = (8, 32)
+"""Global batches of the one-process probes (one micro-batch each): the compute correction's
+two points; the N-rank probe trains the first."""
 
-def probe_config() -> Config:
-    return load_config(overrides=PROBE_MODEL)
+
+def probe_config(global_batch: int = PROBE_BATCHES[0]) -> Config:
+    return load_config(overrides=[*PROBE_MODEL, f"--train.global_batch={global_batch}"])
 
 
 def price(cfg: Config, profile: ClusterProfile, nproc: int) -> Estimate:
     return Estimator(problem_of(cfg, Cluster(profile, nproc))).estimate(candidate_of(cfg, nproc))
 
 
-def fitted(profile: ClusterProfile, one: Trial, many: Trial | None, nproc: int
+def compute_ratio(ones: list[Trial]) -> float:
+    """Measured over predicted compute of the one-process probes: the least-squares slope
+    through the origin of (measured step less optimizer and overhead) against compute."""
+    points = [(t.estimate.breakdown["compute"], t.measured.step_time_s
+               - t.estimate.breakdown["optimizer"] - t.estimate.breakdown["overhead"])
+              for t in ones]
+    squares = max(sum(c * c for c, _ in points), 1e-24)
+    return max(0.1, sum(c * m for c, m in points) / squares)
+
+
+def fitted(profile: ClusterProfile, ones: list[Trial], many: Trial | None, nproc: int
            ) -> ClusterProfile:
     """The profile with what the probes measured folded in (see the module's docstring);
-    ``one`` and ``many`` were priced with ``profile``."""
-    e, m = one.estimate, one.measured
-    rest = e.breakdown["optimizer"] + e.breakdown["overhead"]
-    compute = max(e.breakdown["compute"], 1e-12)
-    correction = profile.compute_correction * max(0.1, (m.step_time_s - rest) / compute)
+    ``ones`` (the one-process probes, smallest first) and ``many`` were priced with
+    ``profile``."""
+    e, m = ones[0].estimate, ones[0].measured
+    correction = profile.compute_correction * compute_ratio(ones)
     reserved = max(0, m.memory_bytes - (e.memory.peak - e.memory.reserved))
     per_rank = 0
     if many is not None and many.measured is not None and nproc > 1:
@@ -96,23 +113,27 @@ def run_probes(output: Path, nproc: int, steps: int) -> ClusterProfile:
     """Train the probe on 1 and on ``nproc`` ranks, fold what they measured into the profile
     at ``output`` and write it back; says what it found."""
     profile = load_profile(str(output))
-    runs = [1] + ([nproc] if nproc > 1 else [])
-    trials: dict[int, Trial] = {}
+    runs = [(1, b) for b in PROBE_BATCHES] + ([(nproc, PROBE_BATCHES[0])] if nproc > 1 else [])
+    trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="meshtron-probe-") as folder:
-        for n in runs:
-            cfg = probe_config()
-            print(f"probe: training a 2-layer, 256-wide model for {steps} steps on {n} "
-                  f"rank{'s' if n > 1 else ''}", file=sys.stderr, flush=True)
-            trials[n] = run_trial(cfg, price(cfg, profile, n), n, n, steps, Path(folder))
-            if trials[n].measured is None:
-                raise MeshtronError(f"the probe run on {n} ranks failed: {trials[n].failure} "
+        for index, (n, batch) in enumerate(runs):
+            cfg = probe_config(batch)
+            print(f"probe: training a 2-layer, 256-wide model for {steps} steps of {batch} "
+                  f"sequences on {n} rank{'s' if n > 1 else ''}", file=sys.stderr, flush=True)
+            trials.append(run_trial(cfg, price(cfg, profile, n), index, n, steps,
+                                    Path(folder)))
+            if trials[-1].measured is None:
+                raise MeshtronError(f"the probe run on {n} ranks failed: {trials[-1].failure} "
                                     "(calibrate with --no-probe to skip it)")
-    new = fitted(profile, trials[1], trials.get(nproc), nproc)
+    ones = trials[:len(PROBE_BATCHES)]
+    new = fitted(profile, ones, trials[-1] if nproc > 1 else None, nproc)
     save_profile(new, output)
-    one = trials[1]
-    print(f"  probe on 1 rank: {one.measured.step_time_s:.3f} s per step measured vs "
-          f"{one.estimate.step_time_s:.3f} s from the kernels alone: compute_correction "
-          f"{new.compute_correction:.3f}; {one.measured.memory_bytes / 2**20:,.0f} MiB peak, "
+    measured = ", ".join(f"{t.measured.step_time_s:.3f} s vs {t.estimate.step_time_s:.3f} s"
+                         for t in ones)
+    one = ones[0]
+    print(f"  probes on 1 rank ({' and '.join(map(str, PROBE_BATCHES))} sequences): {measured} "
+          f"from the kernels alone: compute_correction {new.compute_correction:.3f}; "
+          f"{one.measured.memory_bytes / 2**20:,.0f} MiB peak, "
           f"{new.memory_reserved_bytes / 2**20:,.0f} MiB of it besides the model", flush=True)
     if nproc > 1:
         print(f"  probe on {nproc} ranks: each further rank adds "

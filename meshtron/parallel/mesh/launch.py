@@ -147,6 +147,20 @@ def launch_local(nproc: int, train_args: Sequence[str], max_restarts: int = 0,
             world = smaller
 
 
+@contextlib.contextmanager
+def launcher_environment() -> Iterator[None]:
+    """This process's environment as it was once the ranks have finished: torchrun's argument
+    handling sets ``OMP_NUM_THREADS=1`` in the launching process itself (for its ranks), and
+    a one-process run this process starts later (a tuning trial, the calibration's probe)
+    would inherit it and train on one thread instead of every core."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def _launch(nproc: int, train_args: Sequence[str], command: str = "train") -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -159,11 +173,12 @@ def _launch(nproc: int, train_args: Sequence[str], command: str = "train") -> in
         f"--signals-to-handle={AGENT_SIGNALS}",
         "--module", "meshtron", command, *train_args,
     ])
-    config, entrypoint, entry_args = torchrun.config_from_args(args)
-    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process
     try:
-        with _agent_log():
-            elastic_launch(config, entrypoint)(*entry_args)
+        with launcher_environment():
+            config, entrypoint, entry_args = torchrun.config_from_args(args)
+            os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process
+            with _agent_log():
+                elastic_launch(config, entrypoint)(*entry_args)
     except SignalException as err:  # SIGHUP, SIGQUIT: the agent has stopped the ranks
         raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
