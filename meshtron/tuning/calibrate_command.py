@@ -13,8 +13,7 @@ through ``meshtron train`` as a user runs it (the runner of ``tune --trial``), a
 - ``compute_correction`` = the one-process probes' measured step time, less the predicted
   optimizer and fixed overhead, over their predicted compute: a least-squares slope through
   the origin over two batch sizes (8 and 32 sequences), so that the larger step, whose time a
-  scheduling hiccup of a few milliseconds hardly moves, weighs most (one 0.1 s probe step
-  measured 0.169 s in one calibration and 0.106 s a minute later);
+  scheduling hiccup of a few milliseconds hardly moves, weighs most;
 - ``memory_reserved_bytes`` = the smaller one-process probe's measured peak less the model's
   predicted bytes;
 - ``memory_reserved_per_rank_bytes`` = what the N-rank probe's peak holds beyond that, per
