@@ -73,7 +73,7 @@ PROBE_BATCHES = (8, 32)
 two points; the N-rank probe trains the first."""
 
 
-def probe_config(global_batch: int = PROBE_BATCHES[0]) -> Config:
+def probe_config(global_batch: int) -> Config:
     return load_config(overrides=[*PROBE_MODEL, f"--train.global_batch={global_batch}"])
 
 
