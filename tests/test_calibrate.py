@@ -107,6 +107,9 @@ def test_two_ranks_fit_every_collective(tmp_path):
     assert "probes on 1 rank" in proc.stdout and "probe on 2 ranks:" in proc.stdout
     assert profile.compute_correction != 1.0 and profile.memory_reserved_bytes > 0
     assert profile.memory_reserved_per_rank_bytes >= 0
+    # gloo copies a queued reduce-scatter's whole input (NCCL would not): a measured 1.0
+    assert 0.5 < profile.reduce_scatter_copy < 1.5
+    assert profile.memory_step_slack >= 0 and "the heap keeps" in proc.stdout
     assert profile.time_correction == profile.memory_correction == 1.0  # trial feedback only
 
 
@@ -133,6 +136,23 @@ def test_the_probe_fit_prices_what_the_kernels_miss():
     assert fit.memory_reserved_bytes == 1800 - 500
     assert fit.memory_reserved_per_rank_bytes == (2000 - 500 - 1300) // 2
     assert (fit.time_correction, fit.memory_correction) == (1.0, 1.0)
+
+
+def test_the_heap_slack_is_the_default_heaps_excess_per_byte_of_step_buffers():
+    """The larger probe run twice: the default heap's extra peak over the exact heap's, per
+    byte of the step's buffers; the reserved bytes are then what the model with that slack
+    leaves of the smaller probe's peak."""
+    profile = load_profile("h100-sxm")
+    memory = MemoryEstimate(100.0, 100.0, 0.0, 200.0, 50.0, 50.0, reserved=1000.0)
+    estimate = Estimate(Candidate(1, 1, 1, 1, "1f1b", 1, None, 1, 0, False, 4, "none"),
+                        1.0, 0, 0, 0, memory, True, "compute",
+                        {"compute": 0.8, "optimizer": 0.1, "overhead": 0.1})
+    one = Trial(estimate, Path("."), Measurement(1.0, 1800))
+    exact = dataclasses.replace(one, measured=Measurement(1.2, 1700))
+    fit = calibrate_command.fitted(profile, [one], None, nproc=1, exact=exact)
+    assert fit.memory_step_slack == pytest.approx(1.0)  # (1800 - 1700) / (50 + 50)
+    assert fit.memory_reserved_bytes == 1800 - (400 + 2 * 100)
+    assert calibrate_command.fitted(profile, [one], None, nproc=1).memory_step_slack == 0.0
 
 
 def test_a_launch_leaves_this_process_on_every_thread(monkeypatch):

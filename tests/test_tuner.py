@@ -226,6 +226,28 @@ def test_llama3_8b_on_8_gpus_state_per_gpu_is_the_zero_closed_form(zero, per_par
     assert est.memory.state == pytest.approx(params * per_param, rel=1e-12)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_a_copying_backend_holds_the_whole_gradient_at_the_end_of_the_backward(zero):
+    """A backend that copies each queued reduce-scatter's input (gloo, ``reduce_scatter_copy``
+    1) holds the rank's whole gradient buffer once more under ZeRO 1 (the state's gradient
+    bytes) and ZeRO 3 (the full gradient of every unit); ZeRO 0 all-reduces in place. The
+    step's buffers are the larger of that and activations plus transients, and the heap's
+    slack scales them, not the state."""
+    cfg = load_config(overrides=["--model.preset=small", "--precision.dtype=fp32",
+                                 "--train.seq_len=128", "--train.global_batch=2"])
+    profile = dataclasses.replace(load_profile("h100-sxm"), reduce_scatter_copy=1.0,
+                                  memory_step_slack=0.5)
+    problem = Problem(cfg.model, 128, 2, profile, 2, dtype="fp32", reduce_dtype="fp32")
+    memory = Estimator(problem).memory(candidate(dp=2, zero=zero, micro_batch=1))
+    whole = model_size(cfg.model).params * 4
+    assert memory.collective_copies == pytest.approx(0 if zero == 0 else whole, rel=1e-12)
+    if zero == 1:
+        assert memory.collective_copies == memory.grads
+    buffers = max(memory.activations + memory.transient, memory.collective_copies)
+    assert memory.step_buffers == buffers
+    assert memory.peak == pytest.approx(memory.state + 1.5 * buffers + memory.reserved)
+
+
 # ----------------------------------------------------------------------------- pipeline
 
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-EXACT_ALLOCATOR = MappingProxyType({"MALLOC_MMAP_THRESHOLD_": "65536"})
-"""glibc: every allocation of 64 KiB or more is its own mapping, unmapped when freed (a fixed
-threshold also stops glibc from raising it), so RSS follows the live tensors instead of the heap
-glibc retains (with the default dynamic threshold, freed buffers below 32 MiB stay in the heap).
-Give it to ``spawn(..., env=EXACT_ALLOCATOR)``: glibc reads it when the process starts."""
+from meshtron.tuning.calibrate_command import EXACT_HEAP
+
+EXACT_ALLOCATOR = EXACT_HEAP
+"""Give it to ``spawn(..., env=EXACT_ALLOCATOR)``: glibc reads it when the process starts."""
 
 
 def vm_status() -> dict[str, int]:

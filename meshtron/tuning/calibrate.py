@@ -379,6 +379,40 @@ def measure_collectives(quick: bool, world: int, rank: int,
     return fits
 
 
+COPY_PROBE_BYTES = 32 * 2**20
+"""The buffer whose reduce-scatter shows how much the backend copies: far above the
+allocator's page granularity, small enough for any machine."""
+
+
+def resident_peak_kib() -> int:
+    """This process's resident peak (``VmHWM``), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise OSError("/proc/self/status has no VmHWM")
+
+
+def reduce_scatter_copy(world: int, device: torch.device) -> float:
+    """Bytes the backend holds per byte of an in-place reduce-scatter's input while it runs,
+    over the whole world (every rank calls it): the growth of this process's resident peak,
+    reset first (``/proc/self/clear_refs``). 0 on a GPU (NCCL reduces in place) and where the
+    kernel cannot reset the peak."""
+    if device.type == "cuda" or world == 1:
+        return 0.0
+    flat = torch.ones(COPY_PROBE_BYTES // ELEMENT_BYTES, device=device)
+    chunk = flat.numel() // world
+    mine = flat[dist.get_rank() * chunk:(dist.get_rank() + 1) * chunk]
+    dist.barrier()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak is now the current size
+        before = resident_peak_kib()
+    except OSError:
+        return 0.0
+    _reduce_scatter(mine, flat[:chunk * world], async_op=True).wait()
+    grown = (resident_peak_kib() - before) * 1024
+    return round(max(0.0, grown / flat.nbytes), 3)
+
+
 def ring_link(fit: tuple[float, float], n: int) -> Link | None:
     """The link a ring all-reduce over ``n`` ranks implies: 2(n-1) steps of latency, and
     2(n-1)/n of the buffer moved one way by each rank (None without a slope)."""
@@ -388,14 +422,15 @@ def ring_link(fit: tuple[float, float], n: int) -> Link | None:
 
 
 def with_collectives(profile: ClusterProfile, fits: dict[str, dict[int, tuple[float, float]]],
-                     world: int, device: torch.device) -> ClusterProfile:
-    """The process profile with the collectives' fits, and its link (inside and across nodes:
-    there is one machine) from the all_reduce over the most ranks that shows a slope."""
+                     world: int, device: torch.device, copy: float = 0.0) -> ClusterProfile:
+    """The process profile with the collectives' fits, the backend's reduce-scatter copy, and
+    its link (inside and across nodes: there is one machine) from the all_reduce over the most
+    ranks that shows a slope."""
     reduce = fits.get("all_reduce", {})
     links = (ring_link(reduce[n], n) for n in sorted(reduce, reverse=True))
     link = next((link for link in links if link is not None), profile.intra_node)
     return dataclasses.replace(profile, source=source(device, world), collectives=fits,
-                               intra_node=link, inter_node=link)
+                               intra_node=link, inter_node=link, reduce_scatter_copy=copy)
 
 
 def summary(profile: ClusterProfile, output: Path) -> str:
@@ -412,6 +447,9 @@ def summary(profile: ClusterProfile, output: Path) -> str:
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s, "
         f"{profile.memory_reserved_bytes / 2**20:,.0f} MiB held by the runtime",
     ]
+    if profile.reduce_scatter_copy:
+        lines.append(f"  a queued reduce-scatter holds {profile.reduce_scatter_copy:.2f} bytes "
+                     "per byte of its input until it completes")
     if profile.compute_units is not None:
         lines.append(f"  {profile.compute_units} cores: a large fp32 GEMM runs "
                      f"{profile.thread_speedup:.2f}x faster on all of them than on one")

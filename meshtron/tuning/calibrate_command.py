@@ -14,8 +14,12 @@ through ``meshtron train`` as a user runs it (the runner of ``tune --trial``), a
   optimizer and fixed overhead, over their predicted compute: a least-squares slope through
   the origin over two batch sizes (8 and 32 sequences), so that the larger step, whose time a
   scheduling hiccup of a few milliseconds hardly moves, weighs most;
+- on a CPU, ``memory_step_slack`` = what the larger one-process probe's peak holds beyond the
+  same run's on the exact heap (``EXACT_HEAP``), per byte of its predicted step buffers
+  (activations, logits): glibc's heap keeps freed chunks, and how much grows with what a step
+  allocates and frees, not with the model's state;
 - ``memory_reserved_bytes`` = the smaller one-process probe's measured peak less the model's
-  predicted bytes;
+  predicted bytes (with that slack);
 - ``memory_reserved_per_rank_bytes`` = what the N-rank probe's peak holds beyond that, per
   further rank.
 
@@ -30,6 +34,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import MappingProxyType
 
 import torch.distributed as dist
 
@@ -47,11 +52,13 @@ from meshtron.tuning.calibrate import (
     RANK_TIMEOUT_S,
     measure_collectives,
     measure_process,
+    reduce_scatter_copy,
     summary,
     torch_threads,
     with_collectives,
 )
 from meshtron.tuning.estimate import Estimate, Estimator
+from meshtron.tuning.memory_model import MemoryEstimate
 from meshtron.tuning.online import candidate_of
 from meshtron.tuning.problem import Cluster, problem_of
 from meshtron.tuning.profiles import ClusterProfile, load_profile, save_profile
@@ -63,6 +70,13 @@ PROBE_MODEL = ["--model.preset=tiny", "--model.num_layers=2", "--model.hidden_si
                "--train.seq_len=128", "--train.global_batch=8"]
 """A small Llama-style model on a slice of the default corpus: its step is long enough to time
 on a CPU and short enough that calibration stays a matter of a minute."""
+
+
+EXACT_HEAP = MappingProxyType({"MALLOC_MMAP_THRESHOLD_": "65536"})
+"""glibc's setting under which a process's resident memory follows its live tensors: every
+allocation of 64 KiB or more is mapped on its own and unmapped when freed (a fixed threshold
+also stops glibc raising it: with the default dynamic one, freed buffers under 32 MiB stay in
+the heap)."""
 
 
 PROBE_STEPS = {False: 8, True: 4}
@@ -91,41 +105,64 @@ def compute_ratio(ones: list[Trial]) -> float:
     return max(0.1, sum(c * m for c, m in points) / squares)
 
 
-def fitted(profile: ClusterProfile, ones: list[Trial], many: Trial | None, nproc: int
-           ) -> ClusterProfile:
+def model_bytes(memory: MemoryEstimate, slack: float) -> float:
+    """The predicted peak beyond the reserved bytes, with the allocator's ``slack``."""
+    return dataclasses.replace(memory, slack=slack).peak - memory.reserved
+
+
+def step_slack(held: Trial, exact: Trial | None) -> float:
+    """What the default heap holds beyond the exact one's, per byte of the probe's step
+    buffers: the same probe run twice, once with the heap that returns what it frees."""
+    if exact is None or exact.measured is None:
+        return 0.0
+    buffers = max(1.0, held.estimate.memory.step_buffers)
+    return round(max(0.0, held.measured.memory_bytes - exact.measured.memory_bytes) / buffers, 3)
+
+
+def fitted(profile: ClusterProfile, ones: list[Trial], many: Trial | None, nproc: int,
+           exact: Trial | None = None) -> ClusterProfile:
     """The profile with what the probes measured folded in (see the module's docstring);
-    ``ones`` (the one-process probes, smallest first) and ``many`` were priced with
-    ``profile``."""
-    e, m = ones[0].estimate, ones[0].measured
+    ``ones`` (the one-process probes, smallest first), ``many`` and ``exact`` (the largest
+    one-process probe on the exact heap) were priced with ``profile``."""
+    slack = step_slack(ones[-1], exact)
     correction = profile.compute_correction * compute_ratio(ones)
-    reserved = max(0, m.memory_bytes - (e.memory.peak - e.memory.reserved))
+    first = ones[0]
+    reserved = max(0, first.measured.memory_bytes - model_bytes(first.estimate.memory, slack))
     per_rank = 0
     if many is not None and many.measured is not None and nproc > 1:
-        model = many.estimate.memory.peak - many.estimate.memory.reserved
+        model = model_bytes(many.estimate.memory, slack)
         per_rank = max(0, (many.measured.memory_bytes - model - reserved) / (nproc - 1))
     return dataclasses.replace(profile, compute_correction=round(correction, 4),
                                memory_reserved_bytes=int(reserved),
-                               memory_reserved_per_rank_bytes=int(per_rank))
+                               memory_reserved_per_rank_bytes=int(per_rank),
+                               memory_step_slack=slack)
 
 
 def run_probes(output: Path, nproc: int, steps: int) -> ClusterProfile:
-    """Train the probe on 1 and on ``nproc`` ranks, fold what they measured into the profile
-    at ``output`` and write it back; says what it found."""
+    """Train the probe on 1 and on ``nproc`` ranks (on a CPU also the larger one-process probe
+    on the exact heap), fold what they measured into the profile at ``output`` and write it
+    back; says what it found."""
     profile = load_profile(str(output))
-    runs = [(1, b) for b in PROBE_BATCHES] + ([(nproc, PROBE_BATCHES[0])] if nproc > 1 else [])
+    cpu = profile.compute_units is not None
+    runs = [(1, b, None) for b in PROBE_BATCHES] + \
+        ([(nproc, PROBE_BATCHES[0], None)] if nproc > 1 else []) + \
+        ([(1, PROBE_BATCHES[-1], EXACT_HEAP)] if cpu else [])
     trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="meshtron-probe-") as folder:
-        for index, (n, batch) in enumerate(runs):
+        for index, (n, batch, env) in enumerate(runs):
             cfg = probe_config(batch)
+            heap = " on the exact heap" if env else ""
             print(f"probe: training a 2-layer, 256-wide model for {steps} steps of {batch} "
-                  f"sequences on {n} rank{'s' if n > 1 else ''}", file=sys.stderr, flush=True)
+                  f"sequences on {n} rank{'s' if n > 1 else ''}{heap}", file=sys.stderr,
+                  flush=True)
             trials.append(run_trial(cfg, price(cfg, profile, n), index, n, steps,
-                                    Path(folder)))
+                                    Path(folder), env))
             if trials[-1].measured is None:
                 raise MeshtronError(f"the probe run on {n} ranks failed: {trials[-1].failure} "
                                     "(calibrate with --no-probe to skip it)")
     ones = trials[:len(PROBE_BATCHES)]
-    new = fitted(profile, ones, trials[-1] if nproc > 1 else None, nproc)
+    many = trials[len(PROBE_BATCHES)] if nproc > 1 else None
+    new = fitted(profile, ones, many, nproc, trials[-1] if cpu else None)
     save_profile(new, output)
     measured = ", ".join(f"{t.measured.step_time_s:.3f} s vs {t.estimate.step_time_s:.3f} s"
                          for t in ones)
@@ -134,6 +171,9 @@ def run_probes(output: Path, nproc: int, steps: int) -> ClusterProfile:
           f"from the kernels alone: compute_correction {new.compute_correction:.3f}; "
           f"{one.measured.memory_bytes / 2**20:,.0f} MiB peak, "
           f"{new.memory_reserved_bytes / 2**20:,.0f} MiB of it besides the model", flush=True)
+    if cpu:
+        print(f"  the heap keeps {new.memory_step_slack:.2f} bytes per byte of a step's "
+              "buffers (the larger probe on the default heap vs the exact one)", flush=True)
     if nproc > 1:
         print(f"  probe on {nproc} ranks: each further rank adds "
               f"{new.memory_reserved_per_rank_bytes / 2**20:,.1f} MiB per rank", flush=True)
@@ -199,4 +239,7 @@ def _calibrate_rank(info: ProcessInfo, quick: bool) -> ClusterProfile | None:
     dist.barrier()
     with torch_threads(1):
         fits = measure_collectives(quick, info.world_size, info.rank, device)
-    return with_collectives(profile, fits, info.world_size, device) if profile is not None else None
+        copy = reduce_scatter_copy(info.world_size, device)
+    if profile is None:
+        return None
+    return with_collectives(profile, fits, info.world_size, device, copy)

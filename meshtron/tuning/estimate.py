@@ -25,6 +25,7 @@ from meshtron.tuning.layer_comms import edge_communication, layer_communication
 from meshtron.tuning.memory_model import (
     MemoryEstimate,
     StageParams,
+    collective_copy_bytes,
     layer_activation_bytes,
     rank_params,
     stage_params,
@@ -305,20 +306,23 @@ class Estimator:
             state = self._state[key]
             per_shape.append((state, sum(state.values()), chunk, chunk_extra,
                               transient_bytes(pr.model, params, c, pr.seq_len, shape.head,
-                                              pr.element_size, pr.reduce_size)))
+                                              pr.element_size, pr.reduce_size),
+                              collective_copy_bytes(params, c, pr.reduce_size,
+                                                    pr.profile.reduce_scatter_copy)))
         worst, peak = None, -1.0
         for s, number in enumerate(self._shape_index[(c.pp, c.vpp)]):
             if stage is not None and s != stage:
                 continue
-            state, held, chunk, extra, transient = per_shape[number]
-            total = held + in_flight[s] * chunk + extra + transient
+            state, held, chunk, extra, transient, copies = per_shape[number]
+            total = held + max(in_flight[s] * chunk + extra + transient, copies)
             if total > peak:
-                worst, peak = (state, in_flight[s] * chunk + extra, transient), total
+                worst, peak = (state, in_flight[s] * chunk + extra, transient, copies), total
         assert worst is not None
-        state, activations, transient = worst
+        state, activations, transient, copies = worst
         return MemoryEstimate(**state, activations=activations, transient=transient,
                               reserved=pr.reserved_bytes,
-                              correction=pr.profile.memory_correction)
+                              correction=pr.profile.memory_correction,
+                              collective_copies=copies, slack=pr.profile.memory_step_slack)
 
     # ------------------------------------------------------------------ the whole step
 

@@ -11,6 +11,10 @@ does not cover) times the layers of a chunk times the micro-batches the schedule
 flight on that stage (:meth:`Schedule.peak_in_flight`). Transients are the largest buffers a
 step creates on top: the fp32 logits of the loss on the last stage, the gathered units and
 gradient buckets of ZeRO-3 (this unit and the prefetched next one) or ZeRO-2 (one unit).
+Under ZeRO a backend that copies a queued reduce-scatter's input (gloo) holds that copy of the
+whole gradient at the end of the backward, when the activations are freed: the step's buffers
+at their peak are the larger of the two. An allocator that keeps freed memory (glibc's heap on
+a CPU rank) adds the profile's slack per byte of those buffers.
 """
 
 from __future__ import annotations
@@ -112,6 +116,10 @@ class MemoryEstimate:
     transient: float
     reserved: float
     correction: float = 1.0
+    collective_copies: float = 0.0
+    """The backend's copies of the reduce-scatters queued at the end of the backward."""
+    slack: float = 0.0
+    """The allocator's retention per byte of the step's buffers."""
 
     @property
     def state(self) -> float:
@@ -119,8 +127,13 @@ class MemoryEstimate:
         return self.params + self.grads + self.master + self.optimizer
 
     @property
+    def step_buffers(self) -> float:
+        """What a step allocates and frees on top of the state, at its peak."""
+        return max(self.activations + self.transient, self.collective_copies)
+
+    @property
     def peak(self) -> float:
-        return (self.state + self.activations + self.transient) * self.correction \
+        return (self.state + (1 + self.slack) * self.step_buffers) * self.correction \
             + self.reserved
 
 
@@ -189,6 +202,16 @@ def transient_bytes(cfg: ModelConfig, stage: StageParams, c: Candidate, seq_len:
     else:
         units = 0.0
     return logits + units
+
+
+def collective_copy_bytes(stage: StageParams, c: Candidate, reduce_bytes: int,
+                          copy: float) -> float:
+    """The backend's copies of the reduce-scatters of one backward: the rank's whole gradient,
+    in buckets, under ZeRO 1-3 on more than one data-parallel rank (ZeRO 0 all-reduces, which
+    gloo does in place)."""
+    if c.zero == 0 or c.dp * c.cp == 1:
+        return 0.0
+    return copy * sum(rank_params(stage, c)) * reduce_bytes
 
 
 def with_vocab(cfg: ModelConfig, vocab: int | None) -> ModelConfig:

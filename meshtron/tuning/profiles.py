@@ -59,6 +59,15 @@ class ClusterProfile:
     memory_reserved_per_rank_bytes: int = 0
     """What each further rank of a node adds to that, on every rank (gloo's buffers per peer);
     measured by the probe runs of ``--calibrate``."""
+    memory_step_slack: float = 0.0
+    """What the allocator holds at a step's peak beyond the step's own buffers (activations,
+    logits, gathered units, collective copies), per byte of them: glibc's heap keeps freed
+    chunks that the next step's differently sized ones do not reuse. Measured by the probes of
+    ``--calibrate`` (0 on a GPU, whose peak counts live tensors)."""
+    reduce_scatter_copy: float = 0.0
+    """Bytes the collective backend holds per byte of a queued reduce-scatter's input until it
+    completes (gloo copies the whole input at launch; NCCL works in place). Measured by
+    ``--calibrate``."""
     compute_correction: float = 1.0
     """Measured over predicted compute time of a probe training step (``--calibrate``): what
     the kernel measurements miss (elementwise kernels, dispatch, the autograd engine)."""
@@ -215,7 +224,8 @@ def profile_from_dict(raw: object, where: str) -> ClusterProfile:
     optional = {k: _number(raw, k, where, positive=k.endswith(("correction", "speedup")))
                 for k in ("attention_efficiency", "memory_reserved_bytes", "step_overhead_s",
                           "thread_speedup", "time_correction", "memory_correction",
-                          "memory_reserved_per_rank_bytes", "compute_correction") if k in raw}
+                          "memory_reserved_per_rank_bytes", "compute_correction",
+                          "memory_step_slack", "reduce_scatter_copy") if k in raw}
     return ClusterProfile(
         name=raw["name"], source=raw["source"], gpus_per_node=int(gpus),
         memory_bytes=int(_number(raw, "memory_bytes", where)),
