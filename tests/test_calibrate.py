@@ -110,6 +110,7 @@ def test_two_ranks_fit_every_collective(tmp_path):
     # gloo copies a queued reduce-scatter's whole input (NCCL would not): a measured 1.0
     assert 0.5 < profile.reduce_scatter_copy < 1.5
     assert profile.memory_step_slack >= 0 and "the heap keeps" in proc.stdout
+    assert 1.0 <= profile.thread_speedup <= os.cpu_count()
     assert profile.time_correction == profile.memory_correction == 1.0  # trial feedback only
 
 
@@ -124,18 +125,39 @@ def test_the_probe_fit_prices_what_the_kernels_miss():
                          {"compute": 0.8, "optimizer": 0.1, "overhead": 0.1}), Path("."),
                 Measurement(1.4, 1800))
     many = dataclasses.replace(one, measured=Measurement(1.5, 2000))
-    fit = calibrate_command.fitted(profile, [one], many, nproc=3)
+    Probes = calibrate_command.Probes
+    fit = calibrate_command.fitted(profile, Probes([one], many=many), nproc=3)
     assert fit.compute_correction == pytest.approx(1.5)  # (1.4 - 0.2) / 0.8
     # a second, four times larger probe: the slope through the origin over both points
     big = dataclasses.replace(one, estimate=dataclasses.replace(
         one.estimate, breakdown={"compute": 3.2, "optimizer": 0.1, "overhead": 0.1}),
         measured=Measurement(4.0, 2500))
     slope = (0.8 * 1.2 + 3.2 * 3.8) / (0.8**2 + 3.2**2)
-    fit = calibrate_command.fitted(profile, [one, big], many, nproc=3)
+    fit = calibrate_command.fitted(profile, Probes([one, big], many=many), nproc=3)
     assert fit.compute_correction == pytest.approx(round(slope, 4))
     assert fit.memory_reserved_bytes == 1800 - 500
     assert fit.memory_reserved_per_rank_bytes == (2000 - 500 - 1300) // 2
     assert (fit.time_correction, fit.memory_correction) == (1.0, 1.0)
+    assert fit.thread_speedup == profile.thread_speedup  # a GPU profile: no thread probes
+
+
+def test_on_a_cpu_the_one_thread_probes_fit_the_correction_and_the_threads_gain():
+    """The correction comes from the one-thread probes (as every CPU rank of a layout
+    computes); a process's gain from its cores is the larger probe's compute on one thread
+    over the same on all of them, between 1 and the cores."""
+    cores = dataclasses.replace(load_profile("h100-sxm"), compute_units=2, thread_speedup=2.1)
+    memory = MemoryEstimate(100.0, 100.0, 0.0, 200.0, 50.0, 50.0, reserved=1000.0)
+    est = Estimate(Candidate(1, 1, 1, 1, "1f1b", 1, None, 1, 0, False, 4, "none"),
+                   1.0, 0, 0, 0, memory, True, "compute",
+                   {"compute": 1.0, "optimizer": 0.1, "overhead": 0.1})
+    threaded = Trial(est, Path("."), Measurement(1.0, 1800))  # 0.8 s of compute
+    single = Trial(est, Path("."), Measurement(1.6, 1700))  # 1.4 s of compute
+    fit = calibrate_command.fitted(cores, calibrate_command.Probes([threaded], [single]), 1)
+    assert fit.compute_correction == pytest.approx(1.4)
+    assert fit.thread_speedup == pytest.approx(1.75)  # 1.4 / 0.8
+    slow = Trial(est, Path("."), Measurement(9.0, 1700))
+    fit = calibrate_command.fitted(cores, calibrate_command.Probes([threaded], [slow]), 1)
+    assert fit.thread_speedup == 2.0  # never more than the cores
 
 
 def test_the_heap_slack_is_the_default_heaps_excess_per_byte_of_step_buffers():
@@ -149,10 +171,11 @@ def test_the_heap_slack_is_the_default_heaps_excess_per_byte_of_step_buffers():
                         {"compute": 0.8, "optimizer": 0.1, "overhead": 0.1})
     one = Trial(estimate, Path("."), Measurement(1.0, 1800))
     exact = dataclasses.replace(one, measured=Measurement(1.2, 1700))
-    fit = calibrate_command.fitted(profile, [one], None, nproc=1, exact=exact)
+    Probes = calibrate_command.Probes
+    fit = calibrate_command.fitted(profile, Probes([one], exact=exact), nproc=1)
     assert fit.memory_step_slack == pytest.approx(1.0)  # (1800 - 1700) / (50 + 50)
     assert fit.memory_reserved_bytes == 1800 - (400 + 2 * 100)
-    assert calibrate_command.fitted(profile, [one], None, nproc=1).memory_step_slack == 0.0
+    assert calibrate_command.fitted(profile, Probes([one]), nproc=1).memory_step_slack == 0.0
 
 
 def test_a_launch_leaves_this_process_on_every_thread(monkeypatch):

@@ -13,7 +13,12 @@ through ``meshtron train`` as a user runs it (the runner of ``tune --trial``), a
 - ``compute_correction`` = the one-process probes' measured step time, less the predicted
   optimizer and fixed overhead, over their predicted compute: a least-squares slope through
   the origin over two batch sizes (8 and 32 sequences), so that the larger step, whose time a
-  scheduling hiccup of a few milliseconds hardly moves, weighs most;
+  scheduling hiccup of a few milliseconds hardly moves, weighs most. On a CPU these probes run
+  on one thread, as every rank of a multi-rank CPU layout does, and are priced on one;
+- on a CPU, ``thread_speedup`` = the larger probe's compute time on one thread over the same
+  probe's on every core: what a one-process layout gains from its cores in a training step
+  (a large GEMM alone gains more, and its timing swung from 1.7x to 2.1x on 2 cores between
+  two calibrations);
 - on a CPU, ``memory_step_slack`` = what the larger one-process probe's peak holds beyond the
   same run's on the exact heap (``EXACT_HEAP``), per byte of its predicted step buffers
   (activations, logits): glibc's heap keeps freed chunks, and how much grows with what a step
@@ -33,6 +38,8 @@ import dataclasses
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -79,6 +86,10 @@ also stops glibc raising it: with the default dynamic one, freed buffers under 3
 the heap)."""
 
 
+ONE_THREAD = MappingProxyType({"OMP_NUM_THREADS": "1"})
+"""A probe run as each rank of a CPU layout computes: on one thread."""
+
+
 PROBE_STEPS = {False: 8, True: 4}
 """Steps of a probe run, full and ``--quick`` (the first, warm-up step is not timed)."""
 
@@ -95,12 +106,16 @@ def price(cfg: Config, profile: ClusterProfile, nproc: int) -> Estimate:
     return Estimator(problem_of(cfg, Cluster(profile, nproc))).estimate(candidate_of(cfg, nproc))
 
 
+def compute_seconds(t: Trial) -> float:
+    """A probe's measured step less its predicted optimizer step and fixed overhead."""
+    return t.measured.step_time_s - t.estimate.breakdown["optimizer"] \
+        - t.estimate.breakdown["overhead"]
+
+
 def compute_ratio(ones: list[Trial]) -> float:
     """Measured over predicted compute of the one-process probes: the least-squares slope
     through the origin of (measured step less optimizer and overhead) against compute."""
-    points = [(t.estimate.breakdown["compute"], t.measured.step_time_s
-               - t.estimate.breakdown["optimizer"] - t.estimate.breakdown["overhead"])
-              for t in ones]
+    points = [(t.estimate.breakdown["compute"], compute_seconds(t)) for t in ones]
     squares = max(sum(c * c for c, _ in points), 1e-24)
     return max(0.1, sum(c * m for c, m in points) / squares)
 
@@ -119,61 +134,98 @@ def step_slack(held: Trial, exact: Trial | None) -> float:
     return round(max(0.0, held.measured.memory_bytes - exact.measured.memory_bytes) / buffers, 3)
 
 
-def fitted(profile: ClusterProfile, ones: list[Trial], many: Trial | None, nproc: int,
-           exact: Trial | None = None) -> ClusterProfile:
-    """The profile with what the probes measured folded in (see the module's docstring);
-    ``ones`` (the one-process probes, smallest first), ``many`` and ``exact`` (the largest
-    one-process probe on the exact heap) were priced with ``profile``."""
-    slack = step_slack(ones[-1], exact)
-    correction = profile.compute_correction * compute_ratio(ones)
-    first = ones[0]
+@dataclass(frozen=True)
+class Probes:
+    """What the probe runs measured, each priced with the profile being fitted."""
+
+    threaded: list[Trial]
+    """One process on every thread, at each of PROBE_BATCHES."""
+    single: list[Trial] = field(default_factory=list)
+    """CPU: the same on one thread (priced on one), as each rank of a CPU layout runs."""
+    many: Trial | None = None
+    """The N data-parallel ranks."""
+    exact: Trial | None = None
+    """CPU: the largest threaded probe again on the exact heap."""
+
+
+def fitted(profile: ClusterProfile, probes: Probes, nproc: int) -> ClusterProfile:
+    """The profile with what the probes measured folded in (see the module's docstring)."""
+    threaded = probes.threaded
+    slack = step_slack(threaded[-1], probes.exact)
+    speedup = profile.thread_speedup
+    if probes.single:  # one-thread compute is what every CPU rank prices; a process's cores
+        correction = profile.compute_correction * compute_ratio(probes.single)
+        gain = compute_seconds(probes.single[-1]) / max(1e-9, compute_seconds(threaded[-1]))
+        speedup = round(min(max(1.0, gain), float(profile.compute_units or 1)), 3)
+    else:
+        correction = profile.compute_correction * compute_ratio(threaded)
+    first = threaded[0]
     reserved = max(0, first.measured.memory_bytes - model_bytes(first.estimate.memory, slack))
     per_rank = 0
+    many = probes.many
     if many is not None and many.measured is not None and nproc > 1:
         model = model_bytes(many.estimate.memory, slack)
         per_rank = max(0, (many.measured.memory_bytes - model - reserved) / (nproc - 1))
     return dataclasses.replace(profile, compute_correction=round(correction, 4),
-                               memory_reserved_bytes=int(reserved),
+                               thread_speedup=speedup, memory_reserved_bytes=int(reserved),
                                memory_reserved_per_rank_bytes=int(per_rank),
                                memory_step_slack=slack)
 
 
+@dataclass(frozen=True, eq=False)
+class ProbeRun:
+    ranks: int
+    batch: int
+    env: Mapping[str, str] | None = None
+    how: str = ""
+    """How the run differs, for the log: ' on one thread', ' on the exact heap'."""
+
+    def describe(self) -> str:
+        return f"{self.batch} sequences on {self.ranks} rank{'s' if self.ranks > 1 else ''}" \
+            f"{self.how}"
+
+
 def run_probes(output: Path, nproc: int, steps: int) -> ClusterProfile:
-    """Train the probe on 1 and on ``nproc`` ranks (on a CPU also the larger one-process probe
-    on the exact heap), fold what they measured into the profile at ``output`` and write it
-    back; says what it found."""
+    """Train the probes (see the module's docstring), fold what they measured into the
+    profile at ``output`` and write it back; says what it found."""
     profile = load_profile(str(output))
     cpu = profile.compute_units is not None
-    runs = [(1, b, None) for b in PROBE_BATCHES] + \
-        ([(nproc, PROBE_BATCHES[0], None)] if nproc > 1 else []) + \
-        ([(1, PROBE_BATCHES[-1], EXACT_HEAP)] if cpu else [])
-    trials: list[Trial] = []
+    threaded = [ProbeRun(1, b) for b in PROBE_BATCHES]
+    single = [ProbeRun(1, b, ONE_THREAD, " on one thread") for b in PROBE_BATCHES] if cpu else []
+    many = [ProbeRun(nproc, PROBE_BATCHES[0])] if nproc > 1 else []
+    exact = [ProbeRun(1, PROBE_BATCHES[-1], EXACT_HEAP, " on the exact heap")] if cpu else []
+    done: dict[ProbeRun, Trial] = {}
     with tempfile.TemporaryDirectory(prefix="meshtron-probe-") as folder:
-        for index, (n, batch, env) in enumerate(runs):
-            cfg = probe_config(batch)
-            heap = " on the exact heap" if env else ""
-            print(f"probe: training a 2-layer, 256-wide model for {steps} steps of {batch} "
-                  f"sequences on {n} rank{'s' if n > 1 else ''}{heap}", file=sys.stderr,
-                  flush=True)
-            trials.append(run_trial(cfg, price(cfg, profile, n), index, n, steps,
-                                    Path(folder), env))
-            if trials[-1].measured is None:
-                raise MeshtronError(f"the probe run on {n} ranks failed: {trials[-1].failure} "
+        for index, run in enumerate(threaded + single + many + exact):
+            cfg = probe_config(run.batch)
+            print(f"probe: training a 2-layer, 256-wide model for {steps} steps of "
+                  f"{run.describe()}", file=sys.stderr, flush=True)
+            priced = dataclasses.replace(profile, thread_speedup=1.0) \
+                if run.env is ONE_THREAD else profile
+            trial = run_trial(cfg, price(cfg, priced, run.ranks), index, run.ranks, steps,
+                              Path(folder), run.env)
+            if trial.measured is None:
+                raise MeshtronError(f"the probe of {run.describe()} failed: {trial.failure} "
                                     "(calibrate with --no-probe to skip it)")
-    ones = trials[:len(PROBE_BATCHES)]
-    many = trials[len(PROBE_BATCHES)] if nproc > 1 else None
-    new = fitted(profile, ones, many, nproc, trials[-1] if cpu else None)
+            done[run] = trial
+    probes = Probes([done[r] for r in threaded], [done[r] for r in single],
+                    done[many[0]] if many else None, done[exact[0]] if exact else None)
+    new = fitted(profile, probes, nproc)
     save_profile(new, output)
+    fit = probes.single or probes.threaded
     measured = ", ".join(f"{t.measured.step_time_s:.3f} s vs {t.estimate.step_time_s:.3f} s"
-                         for t in ones)
-    one = ones[0]
-    print(f"  probes on 1 rank ({' and '.join(map(str, PROBE_BATCHES))} sequences): {measured} "
+                         for t in fit)
+    one = probes.threaded[0]
+    print(f"  probes on 1 rank{' and one thread' if cpu else ''} "
+          f"({' and '.join(map(str, PROBE_BATCHES))} sequences): {measured} "
           f"from the kernels alone: compute_correction {new.compute_correction:.3f}; "
           f"{one.measured.memory_bytes / 2**20:,.0f} MiB peak, "
           f"{new.memory_reserved_bytes / 2**20:,.0f} MiB of it besides the model", flush=True)
     if cpu:
-        print(f"  the heap keeps {new.memory_step_slack:.2f} bytes per byte of a step's "
-              "buffers (the larger probe on the default heap vs the exact one)", flush=True)
+        print(f"  on every core a step computes {new.thread_speedup:.2f}x faster than on one "
+              f"(a large GEMM: {profile.thread_speedup:.2f}x); the heap keeps "
+              f"{new.memory_step_slack:.2f} bytes per byte of a step's buffers (the larger "
+              "probe on the default heap vs the exact one)", flush=True)
     if nproc > 1:
         print(f"  probe on {nproc} ranks: each further rank adds "
               f"{new.memory_reserved_per_rank_bytes / 2**20:,.1f} MiB per rank", flush=True)
