@@ -17,8 +17,8 @@ through ``meshtron train`` as a user runs it (the runner of ``tune --trial``), a
   on one thread, as every rank of a multi-rank CPU layout does, and are priced on one;
 - on a CPU, ``thread_speedup`` = the larger probe's compute time on one thread over the same
   probe's on every core: what a one-process layout gains from its cores in a training step
-  (a large GEMM alone gains more, and its timing swung from 1.7x to 2.1x on 2 cores between
-  two calibrations);
+  (a large GEMM alone, timed by the kernel measurement, read from 1.1x to 2.1x on 2 cores
+  across three calibrations);
 - on a CPU, ``memory_step_slack`` = what the larger one-process probe's peak holds beyond the
   same run's on the exact heap (``EXACT_HEAP``), per byte of its predicted step buffers
   (activations, logits): glibc's heap keeps freed chunks, and how much grows with what a step

@@ -314,7 +314,8 @@ class Estimator:
             if stage is not None and s != stage:
                 continue
             state, held, chunk, extra, transient, copies = per_shape[number]
-            total = held + max(in_flight[s] * chunk + extra + transient, copies)
+            buffers = max(in_flight[s] * chunk + extra + transient, copies)
+            total = held + (1 + pr.profile.memory_step_slack) * buffers
             if total > peak:
                 worst, peak = (state, in_flight[s] * chunk + extra, transient, copies), total
         assert worst is not None
