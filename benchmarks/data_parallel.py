@@ -298,12 +298,13 @@ def setup_task(rank: int, world: int, *args: Any) -> dict[str, Any]:
 
 
 def formula_bytes(zero: int, numel: int, padded: int) -> dict[str, int]:
-    """docs/parallelism.md: bytes kept per rank for N parameters (fp32, Adam), dp ranks."""
+    """docs/parallelism.md: bytes kept per rank for N parameters (fp32, Adam), dp ranks (fp32
+    parameters are their own master weights)."""
     if zero == 0:
         return {"params": 4 * numel, "grads": 4 * padded, "master": 0, "optimizer": 8 * numel}
     return {"params": 4 * padded // (WORLD if zero == 3 else 1),
             "grads": 4 * padded // (1 if zero == 1 else WORLD),
-            "master": 4 * padded // WORLD, "optimizer": 8 * padded // WORLD}
+            "master": 0, "optimizer": 8 * padded // WORLD}
 
 
 def step_times(run: list[dict[str, Any]], key: str = "times") -> list[float]:

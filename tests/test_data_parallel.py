@@ -75,9 +75,9 @@ def test_memory_and_bytes_follow_the_zero_formulas(data_cache, tmp_path):
             if zero == 0:
                 expected = {"params": fp32 * n, "grads": fp32 * padded, "master": 0,
                             "optimizer": 2 * fp32 * n}
-            else:  # flat (padded) parameter buffers; fp32 master + 2 moments for a 1/dp chunk
+            else:  # flat (padded) parameter buffers, their own masters; 2 moments of a chunk
                 expected = {"params": fp32 * padded // (dp if zero == 3 else 1),
-                            "master": fp32 * padded // dp, "optimizer": 2 * fp32 * padded // dp,
+                            "master": 0, "optimizer": 2 * fp32 * padded // dp,
                             "grads": fp32 * padded // (1 if zero == 1 else dp)}
             assert r["memory"] == expected, (rank, zero)
             # Not the optimizer's own accounting: every storage reachable from the model and

@@ -14,7 +14,7 @@ import torch
 
 from meshtron.cli import main
 from meshtron.config import load_config
-from meshtron.models.flops import model_size, training_flops_per_token
+from meshtron.models.flops import layer_size, model_size, training_flops_per_token
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
@@ -139,11 +139,9 @@ def test_state_bytes_equal_the_optimizers_own_accounting_on_one_rank(preset, dty
     assert got == predicted
 
 
-# BUG (meshtron/tuning/memory_model.py, state_bytes): build_optimizer runs any ZeRO stage as
-# stage 0 when dp x cp is one rank, and fp32 stage 0 keeps no master weights; state_bytes
-# decides "replicated_fp32" from c.zero alone, so a pinned --parallel.zero=1/2/3 with dp*cp=1
-# in fp32 is charged 4 bytes per parameter of masters that never exist.
 def test_one_rank_fp32_zero_1_to_3_holds_no_master_weights():
+    """fp32 parameters are their own masters, and one data-parallel rank runs every stage as
+    stage 0 (an earlier state_bytes charged a pinned ZeRO 1-3 for masters that never exist)."""
     for zero in (1, 2, 3):
         got, predicted, _ = optimizer_accounting("tiny", "fp32", zero, ParallelMesh.single())
         assert got["master"] == 0
@@ -227,20 +225,25 @@ def test_llama3_8b_on_8_gpus_state_per_gpu_is_the_zero_closed_form(zero, per_par
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
-def test_a_copying_backend_holds_the_whole_gradient_at_the_end_of_the_backward(zero):
+def test_a_copying_backend_holds_the_queued_gradients_at_the_end_of_the_backward(zero):
     """A backend that copies each queued reduce-scatter's input (gloo, ``reduce_scatter_copy``
     1) holds the rank's whole gradient buffer once more under ZeRO 1 (the state's gradient
-    bytes) and ZeRO 3 (the full gradient of every unit); ZeRO 0 all-reduces in place. The
-    step's buffers are the larger of that and activations plus transients, and the heap's
-    slack scales them, not the state."""
+    bytes: every bucket is queued before the first is waited for) and under ZeRO 3 the two
+    latest units' full gradients (the reducer keeps no more queued; the largest unit of
+    ``small`` is its root: embedding, final norm and output layer); ZeRO 0 all-reduces in
+    place. The step's buffers are the larger of that and activations plus transients, and the
+    heap's slack scales them, not the state."""
     cfg = load_config(overrides=["--model.preset=small", "--precision.dtype=fp32",
                                  "--train.seq_len=128", "--train.global_batch=2"])
     profile = dataclasses.replace(load_profile("h100-sxm"), reduce_scatter_copy=1.0,
                                   memory_step_slack=0.5)
     problem = Problem(cfg.model, 128, 2, profile, 2, dtype="fp32", reduce_dtype="fp32")
     memory = Estimator(problem).memory(candidate(dp=2, zero=zero, micro_batch=1))
-    whole = model_size(cfg.model).params * 4
-    assert memory.collective_copies == pytest.approx(0 if zero == 0 else whole, rel=1e-12)
+    size = model_size(cfg.model)
+    whole = size.params * 4
+    root = size.params - sum(layer_size(cfg.model, i)[0] for i in range(cfg.model.num_layers))
+    expected = {0: 0, 1: whole, 3: 2 * 4 * root}[zero]
+    assert memory.collective_copies == pytest.approx(expected, rel=1e-12)
     if zero == 1:
         assert memory.collective_copies == memory.grads
     buffers = max(memory.activations + memory.transient, memory.collective_copies)

@@ -7,13 +7,14 @@ fp32, Adam; gradient buckets padded to a multiple of dp):
 stage        parameters  gradients   optimizer state     communication per step
 ===========  ==========  ==========  ==================  ===================================
 0 (DDP)      4N          4N          8N (two moments)    all-reduce of the gradients
-1            4N          4N          12N / dp (+master)  reduce-scatter + all-gather
-2            4N          4N / dp     12N / dp            reduce-scatter per micro-batch + all-gather
-3            4N / dp     4N / dp     12N / dp            + parameter all-gathers per block,
+1            4N          4N          8N / dp             reduce-scatter + all-gather
+2            4N          4N / dp     8N / dp             reduce-scatter per micro-batch + all-gather
+3            4N / dp     4N / dp     8N / dp             + parameter all-gathers per block,
                                                          forward and backward
 ===========  ==========  ==========  ==================  ===================================
 
 With a single data-parallel rank there is nothing to shard: any stage runs as stage 0.
+fp32 parameters are their own master weights (the rank's chunk is updated in place);
 bf16/fp16 parameters (2N) always get fp32 master weights (4N, sharded like the moments), so
 stage 0 then runs the same flat-buffer AdamW as the sharded stages, on whole buckets.
 
@@ -271,7 +272,8 @@ class ShardedOptimizer(DataParallelOptimizer):
 
     def masters_from_params(self) -> None:
         for flat, master in zip(self.flats, self.adamw.master):
-            master.copy_(flat.chunk)
+            if master is not flat.chunk:
+                master.copy_(flat.chunk)
 
     def memory_bytes(self) -> dict[str, int]:
         params = sum(flat.nbytes() for flat in self.flats)

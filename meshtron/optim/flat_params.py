@@ -4,6 +4,13 @@ Under ZeRO-1/2 the full buffer persists and the parameters are views into it; af
 optimizer updates this rank's chunk, an all-gather refreshes the rest. Under ZeRO-3 only the
 chunk persists: the full buffer is gathered just before its parameters are used and freed
 after, and the parameters point at an empty tensor in between.
+
+Freeing empties the full buffer's storage (``resize_(0)``) rather than dropping the tensor, and
+the next gather refills that same storage, as FSDP2 does: a layer may save for backward a view
+of its weight (a slice, a transpose), and such a view would otherwise keep the whole unit's
+gathered buffer alive from its forward to its backward, next to the copy gathered again for
+the backward. The refill writes through a detached alias (``.data``), so autograd's version
+counter of those saved views does not change: their values are the same as at forward.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class FlatParams:
         self.work: dist.Work | None = None
         if sharded:
             self.chunk = full[self.start : self.end].clone()
+            self.buffer = full
+            """The full buffer, its storage emptied while the parameters are not gathered."""
             self.free()
         else:
             self.full = full
@@ -45,7 +54,9 @@ class FlatParams:
         """Begin rebuilding the full buffer from every rank's chunk (ZeRO-3)."""
         if self.full is not None or self.work is not None:
             return
-        full = torch.empty(self.bucket.padded, dtype=self.chunk.dtype, device=self.chunk.device)
+        storage = self.buffer.untyped_storage()
+        storage.resize_(self.bucket.padded * self.buffer.element_size())
+        full = self.buffer.data  # an alias with its own version counter (see the module)
         full[self.start : self.end].copy_(self.chunk)
         self.work = start_all_gather(full, self.group)
         self._pending = full
@@ -70,6 +81,7 @@ class FlatParams:
         empty = torch.empty(0, dtype=self.chunk.dtype, device=self.chunk.device)
         for param in self.bucket.params:
             param.data = empty
+        self.buffer.untyped_storage().resize_(0)
         self.full = None
 
     def after_update(self) -> dist.Work | None:

@@ -15,6 +15,11 @@ What the reduction is depends on the ZeRO stage:
 - stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
   (one transformer block each), so a unit can be freed as soon as its gradients are out.
 
+Under stages 2 and 3 at most :data:`REDUCE_SCATTERS_IN_FLIGHT` reduce-scatters stay queued:
+launching one more first completes the oldest and frees its full-size buffer, so the backward
+does not hold every bucket's full gradient (and, on gloo, a copy of each queued input) until
+its end, as FSDP2 does not.
+
 Buckets never mix parameters with different weight decay, learning-rate multiplier (muP),
 replication, gradient-sync group or data-parallel group, so the optimizer and the grad norm
 can treat a bucket's chunk as one flat tensor, and a tied embedding's two pipeline copies sit
@@ -27,6 +32,7 @@ is reduced and sharded over its own group.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +58,10 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
     for t, reduced in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(reduced.view_as(t))
 
+
+REDUCE_SCATTERS_IN_FLIGHT = 2
+"""Stage 2/3 reduce-scatters queued at once: the one just launched and the one before it, which
+has had a bucket's worth of backward to complete."""
 
 SQUARES_ROW = 4096
 """Elements per row of :func:`sum_of_squares` (each row's norm is accumulated in one go)."""
@@ -186,6 +196,8 @@ class GradReducer:
                 bucket.shard_grad = torch.zeros(bucket.padded // bucket.group.size, dtype=dtype,
                                                 device=bucket.params[0].device)
         self.sync = True
+        self._in_flight: deque[Bucket] = deque()
+        """Stage 2/3: launched buckets whose full-size buffer is not yet summed and freed."""
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -216,35 +228,46 @@ class GradReducer:
             self.on_event("reduce", bucket.index)
         if self.on_launch:
             self.on_launch(bucket)
-        if bucket.group.pg is None:
-            return
-        if self.stage == 0:
-            bucket.work = start_all_reduce(bucket.grad, bucket.group)
-        elif self.stage == 1:
-            bucket.work = start_reduce_scatter(bucket.grad, bucket.group)
-        else:
-            bucket.scratch = torch.empty_like(bucket.shard_grad)
-            bucket.work = start_reduce_scatter(bucket.grad, bucket.group, out=bucket.scratch)
+        if self.stage >= 2:
+            self._in_flight.append(bucket)
+        if bucket.group.pg is not None:
+            if self.stage == 0:
+                bucket.work = start_all_reduce(bucket.grad, bucket.group)
+            elif self.stage == 1:
+                bucket.work = start_reduce_scatter(bucket.grad, bucket.group)
+            else:
+                bucket.scratch = torch.empty_like(bucket.shard_grad)
+                bucket.work = start_reduce_scatter(bucket.grad, bucket.group, out=bucket.scratch)
+        while len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())
+
+    def _finish(self, bucket: Bucket) -> None:
+        """Stage 2/3: wait for the bucket's reduce-scatter, add this rank's summed chunk into
+        its persistent gradient and free the full-size buffer."""
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        start, end = bucket.chunk_range()
+        summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
+        bucket.shard_grad.add_(summed)
+        bucket.grad = bucket.scratch = None
 
     def end_micro_batch(self) -> None:
         """Launch what did not complete (parameters without gradient) and wait for all."""
         if not self.sync:
             return
         for bucket in self.buckets:
-            if bucket.grad is None:  # stage 2: nothing of this bucket arrived
-                bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype,
-                                          device=bucket.params[0].device)
             if not bucket.launched:
+                if bucket.grad is None:  # stage 2: nothing of this bucket arrived
+                    bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype,
+                                              device=bucket.params[0].device)
                 self._launch(bucket)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if self.stage >= 2:
-                start, end = bucket.chunk_range()
-                summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
-                bucket.shard_grad.add_(summed)
-                bucket.grad = bucket.scratch = None
 
     # ------------------------------------------------------------------ after the step's backward
 

@@ -3,7 +3,7 @@
 Persistent state follows the optimizers of :mod:`meshtron.optim.data_parallel` (their
 ``memory_bytes()`` is the check): parameters in the model's dtype, gradient buckets in the
 reduction dtype (whole under ZeRO 0/1, the rank's 1/dp chunk under 2/3), fp32 master weights
-(none only for fp32 parameters under ZeRO 0, which updates the parameters themselves) and the
+(none for fp32 parameters, which are updated in place: their own masters) and the
 two Adam moments, sharded over the data-parallel group from ZeRO 1 (experts over their own
 expert-data-parallel group). Activations are the trainer's per-layer formula
 (:func:`meshtron.training.memory.activation_bytes_per_layer`, a close analogue for blocks it
@@ -11,8 +11,9 @@ does not cover) times the layers of a chunk times the micro-batches the schedule
 flight on that stage (:meth:`Schedule.peak_in_flight`). Transients are the largest buffers a
 step creates on top: the fp32 logits of the loss on the last stage, the gathered units and
 gradient buckets of ZeRO-3 (this unit and the prefetched next one) or ZeRO-2 (one unit).
-Under ZeRO a backend that copies a queued reduce-scatter's input (gloo) holds that copy of the
-whole gradient at the end of the backward, when the activations are freed: the step's buffers
+Under ZeRO a backend that copies a queued reduce-scatter's input (gloo) holds those copies
+(of the whole gradient under ZeRO 1, of the two latest buckets under ZeRO 2 and 3, which keep
+no more queued) at the end of the backward, when the activations are freed: the step's buffers
 at their peak are the larger of the two. An allocator that keeps freed memory (glibc's heap on
 a CPU rank) adds the profile's slack per byte of those buffers.
 """
@@ -22,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, ParallelConfig
 from meshtron.models.arch import architecture_of
 from meshtron.models.flops import layer_size, mlp_matmul_params, model_size, padded_vocab_size
+from meshtron.optim.grad_buckets import REDUCE_SCATTERS_IN_FLIGHT
 from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 from meshtron.tuning.candidate import Candidate
 from meshtron.tuning.workload import capacity_padding
@@ -41,6 +43,9 @@ class StageParams:
     replicated: int = 0
     """Of ``dense``, what every tp rank holds whole: norms, row-parallel biases, the router,
     latent attention's norms, learned positions."""
+    outside_layers: int = 0
+    """Of ``dense`` and ``experts``, what lies outside the transformer layers: embedding, final
+    norm, output layer, multi-token-prediction modules (ZeRO-3's root unit)."""
 
 
 def expert_params(cfg: ModelConfig, layer: int) -> int:
@@ -103,7 +108,8 @@ def stage_params(cfg: ModelConfig, layers: list[int], embedding: bool, head: boo
             # each module's three norms and its merge projection (2h -> h) are whole too
             replicated += sum(replicated_params(cfg, i) + 3 * arch.norm_vectors * h + 2 * h * h
                               for i in mtp)
-    return StageParams(dense, experts, max(sizes, default=0), replicated)
+    outside = dense + experts - sum(sizes)
+    return StageParams(dense, experts, max(sizes, default=0), replicated, outside)
 
 
 @dataclass(frozen=True)
@@ -154,12 +160,12 @@ def state_bytes(stage: StageParams, c: Candidate, param_bytes: int,
     expert_dp = max(1, dp * (c.tp if c.etp == 1 else 1) // c.ep)
     owned = dense / dp + experts / expert_dp  # the 1/dp chunks this rank updates
     total = dense + experts
-    replicated_fp32 = zero == 0 and param_bytes >= 4
+    own_master = param_bytes >= 4  # fp32 (fp64) parameters are updated in place
     master_bytes = max(4, param_bytes)
     return {
         "params": (owned if zero == 3 else total) * param_bytes,
         "grads": (owned if zero >= 2 else total) * reduce_bytes,
-        "master": 0.0 if replicated_fp32 else (total if zero == 0 else owned) * master_bytes,
+        "master": 0.0 if own_master else (total if zero == 0 else owned) * master_bytes,
         "optimizer": 2 * master_bytes * (total if zero == 0 else owned),
     }
 
@@ -206,12 +212,22 @@ def transient_bytes(cfg: ModelConfig, stage: StageParams, c: Candidate, seq_len:
 
 def collective_copy_bytes(stage: StageParams, c: Candidate, reduce_bytes: int,
                           copy: float) -> float:
-    """The backend's copies of the reduce-scatters of one backward: the rank's whole gradient,
-    in buckets, under ZeRO 1-3 on more than one data-parallel rank (ZeRO 0 all-reduces, which
-    gloo does in place)."""
+    """The backend's copies of the reduce-scatters queued at once in one backward, on more
+    than one data-parallel rank: under ZeRO 1 the rank's whole gradient (every bucket is
+    queued before the first is waited for); under ZeRO 2 and 3 the
+    :data:`~meshtron.optim.grad_buckets.REDUCE_SCATTERS_IN_FLIGHT` latest buckets (of
+    ``parallel.bucket_mb``'s default size; ZeRO 3's buckets are its units: a block, or the
+    root of everything outside the blocks). ZeRO 0 all-reduces, which gloo does in place."""
     if c.zero == 0 or c.dp * c.cp == 1:
         return 0.0
-    return copy * sum(rank_params(stage, c)) * reduce_bytes
+    whole = sum(rank_params(stage, c)) * reduce_bytes
+    if c.zero == 1:
+        return copy * whole
+    if c.zero == 2:
+        bucket = ParallelConfig().bucket_mb * 2**20
+    else:
+        bucket = max(stage.largest_layer, stage.outside_layers) / c.tp * reduce_bytes
+    return copy * min(whole, REDUCE_SCATTERS_IN_FLIGHT * bucket)
 
 
 def with_vocab(cfg: ModelConfig, vocab: int | None) -> ModelConfig:
