@@ -7,8 +7,8 @@ Run from the repository root::
         [--configs SWEEP ...] [--json OUT] [--plot PNG] [--quick]
 
 Every point is one shape of meshtron's training step (``scaling_point.py``: ``train_step`` on
-one process, fp32, AdamW), measured in one process started on the exact heap, the points one
-after the other. The sweeps:
+one process, fp32, AdamW). One spawned process times every point, one after the other, on
+glibc's default heap; a second, started on the exact heap, measures their memory. The sweeps:
 
 - ``model-size``: llamas of 4 x 256 (the tiny preset's shape), 6 x 384, 8 x 512, 10 x 640 and
   12 x 768 blocks x width (7M to 97M parameters with an 8192-token vocabulary), 2 sequences of
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import harness
-from scaling_point import TIME_CLASSES, Shape, llama, measure
+from scaling_point import TIME_CLASSES, Shape, llama, measure_memory, measure_time
 
 WIDE = llama(8, 512)
 SWEEPS: dict[str, list[Shape]] = {
@@ -58,16 +58,25 @@ SHARE_TO_NAME = 0.05
 MiB = 2 ** 20
 
 
-def run_points(rank: int, world: int, shapes: list[Shape], steps: int, warmup: int,
-               threads: int) -> list[dict[str, Any]]:
-    """The spawned process: every point, one after the other, after one untimed run of the
-    first (a process's first model leaves one-off allocations behind: kernels' workspaces,
-    the profiler's state) so that it does not count in the first point's memory."""
+def time_points(rank: int, world: int, shapes: list[Shape], steps: int, warmup: int,
+                threads: int) -> list[dict[str, Any]]:
+    """The timing process: every point, one after the other."""
     import torch
 
     torch.set_num_threads(threads)
-    measure(shapes[0], 1, 1)
-    return [measure(shape, steps, warmup) for shape in shapes]
+    return [measure_time(shape, steps, warmup) for shape in shapes]
+
+
+def memory_points(rank: int, world: int, shapes: list[Shape],
+                  threads: int) -> list[dict[str, Any]]:
+    """The memory process (exact heap): every point, after one unrecorded run of the first (a
+    process's first model leaves one-off allocations behind: kernels' workspaces) so that it
+    does not count in the first point's memory."""
+    import torch
+
+    torch.set_num_threads(threads)
+    measure_memory(shapes[0])
+    return [measure_memory(shape) for shape in shapes]
 
 
 def term_values(point: dict[str, Any], term: str) -> tuple[float | None, float]:
@@ -168,8 +177,11 @@ def main() -> None:
     print(harness.host_line(info, f"threads {args.threads}, {steps} timed steps per point"))
     names = list(args.configs)
     shapes = [shape for name in names for shape in table[name]]
-    results = iter(harness.spawn(run_points, 1, shapes, steps, warmup, args.threads,
-                                 timeout=3600, env=harness.EXACT_ALLOCATOR)[0])
+    timings = harness.spawn(time_points, 1, shapes, steps, warmup, args.threads,
+                            timeout=3600)[0]
+    memory = harness.spawn(memory_points, 1, shapes, args.threads, timeout=3600,
+                           env=harness.EXACT_ALLOCATOR)[0]
+    results = iter([t | m for t, m in zip(timings, memory, strict=True)])
     sweeps: dict[str, dict[str, Any]] = {}
     for name in names:
         points = [next(results) for _ in table[name]]

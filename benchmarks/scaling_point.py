@@ -5,13 +5,16 @@ A point runs :func:`meshtron.training.step.train_step` on one process (fp32, Ada
 parallelism), as the trainer does: ``micro_batches`` micro-batches of ``micro_batch`` sequences
 of ``seq`` tokens, gradients accumulated, one optimizer step. It measures
 
-- **time**: the median wall time of ``steps`` steps after ``warmup``, and one more step under
+- **time** (:func:`measure_time`, in a process on glibc's default heap, as training runs): the
+  median wall time of ``steps`` steps after ``warmup``, and one more step under
   ``torch.profiler`` whose self CPU time, sorted into the classes of :data:`OP_CLASSES`, splits
   the median by the work each class does;
-- **memory** (the process started on the exact heap, so freed memory leaves the resident set):
-  the resident set's peak during the timed steps above its level before the point was built
-  (``peak_bytes``) and above its level between steps (``step_bytes``), and, without recompute,
-  the bytes autograd saves for one micro-batch (``saved_bytes``, exact).
+- **memory** (:func:`measure_memory`, in another process started on the exact heap, so freed
+  memory leaves the resident set; its steps are slower, fresh pages for every large tensor, so
+  they are not timed): the resident set's peak during a step after one warm-up step, above its
+  level before the point was built (``peak_bytes``) and above its level between steps
+  (``step_bytes``), and, without recompute, the bytes autograd saves for one micro-batch
+  (``saved_bytes``, exact).
 
 Each measured quantity has a formula from the code that plans runs, not from this file: FLOPs
 from :mod:`meshtron.models.flops`, activations from
@@ -28,6 +31,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -137,10 +141,8 @@ def formulas(shape: Shape) -> dict[str, float]:
     }
 
 
-def measure(shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
-    """Time and memory of ``shape``'s training step, with its formulas (see the module)."""
-    gc.collect()
-    floor = harness.vm_status()["VmRSS"]
+def build_step(shape: Shape) -> tuple[Transformer, torch.Tensor, Callable[[], float]]:
+    """The model, the step's batch and one training step (returning its loss)."""
     cfg = load_config(overrides=(*shape.model, f"--train.seq_len={shape.seq}"))
     mesh = ParallelMesh.single()
     model = Transformer(cfg.model, mesh, ModelOptions(recompute=shape.recompute))
@@ -156,20 +158,20 @@ def measure(shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
                           micro_batch=shape.micro_batch, lr=1e-4, grad_clip=1.0,
                           precision=precision).loss
 
+    return model, batch, step
+
+
+def measure_time(shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
+    """Wall seconds of ``steps`` steps after ``warmup``, and the median split by time class
+    (one more step, profiled)."""
+    _, _, step = build_step(shape)
     for _ in range(warmup):
         step()
-    gc.collect()
-    between = harness.vm_status()["VmRSS"]
-    harness.reset_peak_rss()
     wall = []
     for _ in range(steps):
         start = time.perf_counter()
         loss = step()
         wall.append(time.perf_counter() - start)
-    peak = harness.vm_status()["VmHWM"]
-    saved = None
-    if shape.recompute == "none":
-        saved = measure_saved_bytes(model, batch[: shape.micro_batch])
     with torch.profiler.profile() as prof:
         step()
     seconds = class_seconds(prof.key_averages())
@@ -179,6 +181,23 @@ def measure(shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
         "shape": asdict(shape), "tokens": shape.tokens, "loss": loss, "wall_s": wall,
         "median_s": median, "tokens_per_s": shape.tokens / median,
         "class_s": {k: median * v / profiled for k, v in seconds.items()},
-        "peak_bytes": peak - floor, "step_bytes": peak - between, "saved_bytes": saved,
         "formula": formulas(shape),
     }
+
+
+def measure_memory(shape: Shape) -> dict[str, Any]:
+    """Resident bytes of a step above the process before the point and between steps (in a
+    process on the exact heap), and the bytes saved for one micro-batch's backward."""
+    gc.collect()
+    floor = harness.vm_status()["VmRSS"]
+    model, batch, step = build_step(shape)
+    step()
+    gc.collect()
+    between = harness.vm_status()["VmRSS"]
+    harness.reset_peak_rss()
+    step()
+    peak = harness.vm_status()["VmHWM"]
+    saved = None
+    if shape.recompute == "none":
+        saved = measure_saved_bytes(model, batch[: shape.micro_batch])
+    return {"peak_bytes": peak - floor, "step_bytes": peak - between, "saved_bytes": saved}
