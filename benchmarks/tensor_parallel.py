@@ -137,8 +137,10 @@ def _tokens(s: Shape) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(0))
 
 
-def build_meshtron(rank: int, s: Shape, sp: bool) -> tuple[nn.Module, Callable[[], float]]:
-    plan = plan_run(s.config(f"--parallel.tp={TP}", f"--parallel.sp={sp}"), TP)
+def build_meshtron(rank: int, s: Shape, sp: bool, tp: int = TP,
+                   *extra: str) -> tuple[nn.Module, Callable[[], float]]:
+    """meshtron's model and step on ``tp`` ranks (``extra``: more config overrides)."""
+    plan = plan_run(s.config(f"--parallel.tp={tp}", f"--parallel.sp={sp}", *extra), tp)
     cfg = plan.config
     mesh = ParallelMesh(plan.layout, rank)
     model = Transformer(cfg.model, mesh, plan.model_options(mesh.pp.rank))
@@ -157,11 +159,12 @@ def build_meshtron(rank: int, s: Shape, sp: bool) -> tuple[nn.Module, Callable[[
     return model, step
 
 
-def build_dtensor(rank: int, s: Shape, sp: bool,
-                  per_linear: bool = False) -> tuple[nn.Module, Callable[[], float]]:
+def build_dtensor(rank: int, s: Shape, sp: bool, per_linear: bool = False,
+                  tp: int = TP) -> tuple[nn.Module, Callable[[], float]]:
+    """The same network split by DTensor's tensor-parallel plan on ``tp`` ranks."""
     cfg = s.config()
     m: ModelConfig = cfg.model
-    mesh = init_device_mesh("cpu", (TP,))
+    mesh = init_device_mesh("cpu", (tp,))
     with torch.device("meta"):
         model = Llama(s, m.norm_eps, m.rope_theta)
     parallelize_llama(model, mesh, sp, per_linear)
@@ -178,7 +181,7 @@ def build_dtensor(rank: int, s: Shape, sp: bool,
             if isinstance(param, DTensor):
                 for placement in param.placements:
                     if isinstance(placement, Shard):
-                        full = full.chunk(TP, dim=placement.dim)[rank]
+                        full = full.chunk(tp, dim=placement.dim)[rank]
             local.copy_(full)
     model.train()
     optimizer = build_adamw(model, cfg.train)

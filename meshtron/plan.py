@@ -88,11 +88,13 @@ class RunPlan:
     def model_options(self, pp_rank: int, *, fp8: Callable[[], FP8Options] | None = None,
                       aux_loss_weight: Callable[[], float] = no_aux_gradient) -> ModelOptions:
         """What the model of pipeline stage ``pp_rank`` is built with."""
+        p = self.config.parallel
         return ModelOptions(
             stage=self.partition.stage_layers(pp_rank) if self.partition else None,
             recompute=self.config.train.recompute, fp8=fp8,
             split_weight_grads=self.schedule is not None and self.schedule.split_backward,
-            aux_loss_weight=aux_loss_weight)
+            aux_loss_weight=aux_loss_weight,
+            tp_comm_chunks=p.tp_comm_chunks if p.tp_comm_overlap and self.layout.tp > 1 else 0)
 
 
 def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -> RunPlan:
@@ -117,6 +119,9 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
         require(not (p.schedule == "zb-h1" and p.zero == 3 and layout.dp * p.cp > 1),
                 "parallel.schedule=zb-h1 computes weight gradients after the block's backward "
                 "has released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with zb-h1")
+        require(not (p.tp_comm_overlap and schedule.split_backward), "parallel.tp_comm_overlap "
+                f"does not combine with parallel.schedule={p.schedule} (its split backward "
+                "defers weight gradients the overlapped products form at once)")
     if cfg.precision.fp8 == "blockwise":
         _check_fp8_blocks(cfg)
     model = _resolve_vocab(cfg.model, tokenizer_vocab)
@@ -203,6 +208,8 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     if p.sp:
         require(t.seq_len % tp == 0,
                 f"parallel.sp needs train.seq_len={t.seq_len} divisible by parallel.tp={tp}")
+    if p.tp_comm_overlap:
+        _check_overlap(cfg, layout)
     window = m.sliding_window
     require(window is None or window >= m.max_seq_len or layout.cp == 1,
             f"model.sliding_window={window} does not combine with parallel.cp={layout.cp} (the "
@@ -211,6 +218,19 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
         _check_vision_layout(cfg, layout)
     if layout.cp > 1:
         _check_context(cfg, layout)
+
+
+def _check_overlap(cfg: Config, layout: MeshLayout) -> None:
+    """Overlapped tp communication: sequence parallelism whose shares cut into equal pieces."""
+    p, chunks = cfg.parallel, cfg.parallel.tp_comm_chunks
+    require(p.sp, "parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and "
+            "reduce-scatters: set parallel.sp=true")
+    require(chunks >= 1, f"parallel.tp_comm_chunks={chunks} must be at least 1")
+    share = cfg.train.seq_len // (layout.cp * layout.tp)
+    require(share % chunks == 0, f"parallel.tp_comm_chunks={chunks} does not divide the "
+            f"{share} positions of each rank's sequence share (train.seq_len / (cp * tp))")
+    require(cfg.precision.fp8 == "none", "parallel.tp_comm_overlap computes in high precision; "
+            f"it does not combine with precision.fp8={cfg.precision.fp8}")
 
 
 def _check_vision_layout(cfg: Config, layout: MeshLayout) -> None:

@@ -14,12 +14,16 @@ LAYOUTS = {
         ["--parallel.tp=2", "--model.num_kv_heads=1", "--train.recompute=selective"],
         ["--parallel.tp=2", "--parallel.sp=true", "--model.arch=gpt2",
          "--model.tie_embeddings=true"],
+        ["--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_comm_overlap=true",
+         "--model.num_kv_heads=1"],
     ],
     4: [
         ["--parallel.tp=4", "--train.recompute=full"],
         ["--parallel.tp=4", "--parallel.sp=true", "--model.num_kv_heads=2"],
         ["--parallel.tp=4", "--model.vocab_size=515", "--model.tie_embeddings=true"],
         ["--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=2"],
+        ["--parallel.tp=4", "--parallel.sp=true", "--parallel.tp_comm_overlap=true",
+         "--parallel.tp_comm_chunks=4", "--model.arch=gpt2", "--train.recompute=full"],
     ],
 }
 

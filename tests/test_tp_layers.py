@@ -16,6 +16,7 @@ from meshtron.parallel.tensor.layers import (
     RowParallelLinear,
     TPRegion,
     VocabParallelEmbedding,
+    column_products,
     gather_full,
 )
 from meshtron.parallel.tensor.loss import vocab_parallel_loss_sum
@@ -45,7 +46,7 @@ def _check_column(region: TPRegion, sp: bool) -> None:
     _load(layer.bias, b)
     x_full = x.clone().requires_grad_()
     x_in = (x.chunk(region.size, dim=1)[region.group.rank] if sp else x).clone().requires_grad_()
-    y = layer(region.enter(x_in))
+    y = column_products(region, x_in, [layer])[0]
     spec = layout_of(layer.weight).shard
     # the local output columns are this rank's slice of the full output's last dim
     _close(gather_full(y.movedim(-1, 0).contiguous(), spec, region.group).movedim(0, -1),
@@ -116,6 +117,9 @@ def layer_checks(rank: int, world_size: int) -> None:
         _check_column(region, sp)
         _check_row(region, sp)
         _check_embedding_and_loss(region, sp)
+    overlapped = TPRegion(mesh.tp, True, overlap_chunks=2)  # one row per piece
+    _check_column(overlapped, True)
+    _check_row(overlapped, True)
 
 
 @pytest.mark.slow
@@ -132,11 +136,11 @@ def test_shard_spec_slices_fused_blocks():
 
 def comm_volume(rank: int, world_size: int, cache_dir: str, root: str) -> list[dict]:
     rows = []
-    for sp in (False, True):
-        run_dir = f"{root}/sp{sp}"
+    for sp, overlap in ((False, False), (True, False), (True, True)):
+        run_dir = f"{root}/sp{sp}-{overlap}"
         run_training(test_overrides(cache_dir, run_dir, steps=1) +
-                     ["--parallel.tp=2", f"--parallel.sp={sp}", "--train.log_every=1"],
-                     rank, world_size)
+                     ["--parallel.tp=2", f"--parallel.sp={sp}", "--train.log_every=1",
+                      f"--parallel.tp_comm_overlap={overlap}"], rank, world_size)
         if rank == 0:
             rows.append(json.loads(Path(run_dir, "metrics.jsonl").read_text().splitlines()[0]))
     return rows
@@ -159,3 +163,4 @@ def test_bytes_per_step_follow_the_closed_form(data_cache, tmp_path):
     assert sp["tp/all_reduce"] == loss_reductions + norm_weights
     assert sp["tp/all_gather"] + sp["tp/reduce_scatter"] == no_sp["tp/all_reduce"] - (
         loss_reductions)
+    assert rows[2]["comm_bytes"] == sp  # overlapped in pieces, the same bytes

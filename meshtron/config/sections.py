@@ -249,6 +249,11 @@ class ParallelConfig:
     """Model chunks per pipeline stage (interleaved schedule)."""
     sp: bool = False
     """Sequence parallelism: the residual stream between tp regions is split by sequence."""
+    tp_comm_overlap: bool = False
+    """Under sequence parallelism, overlap the tp all-gathers and reduce-scatters with the
+    matrix products beside them, each collective cut into pieces (Megatron's tp-comm-overlap)."""
+    tp_comm_chunks: int = 2
+    """With parallel.tp_comm_overlap: pieces each rank's sequence share is cut into."""
     zero: int = 0
     """ZeRO stage: 0 replicates optimizer state, 1 shards it over dp, 2 also gradients, 3 also
     parameters."""

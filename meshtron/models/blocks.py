@@ -34,6 +34,8 @@ from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPRegion,
+    column_products,
+    entered_products,
     replicated,
     sharded,
 )
@@ -225,11 +227,10 @@ class Attention(AttentionCore):
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
-        x = self.region.enter(x)
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.num_heads, self.head_dim)
-        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim)
-                for t in self.kv(x).chunk(2, dim=-1))
+        q, kv = column_products(self.region, x, (self.q, self.kv))
+        b, s, _ = q.shape
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim) for t in kv.chunk(2, dim=-1))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -266,18 +267,19 @@ class MLP(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.region.enter(x)
         if self.gated and (self.gate_up.grad_store is not None or self.gate_up.fp8 is not None
                            or self.gate_up.bias is not None):
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate, up = column_products(self.region, x, (self.gate_up,))[0].chunk(2, dim=-1)
             h = F.silu(gate) * up
         elif self.gated:
             # Two products with the [gate | up] halves of the weight: contiguous outputs, and
             # backward concatenates weight-sized gradients rather than activation-sized ones.
-            gate, up = (F.linear(x, w) for w in self.gate_up.weight.chunk(2))
+            gate, up = entered_products(self.region, x, self.gate_up.weight.chunk(2),
+                                        (None, None))
             h = F.silu(gate) * up
         else:
-            h = F.gelu(self.up(x), approximate="tanh")
+            (up,) = column_products(self.region, x, (self.up,))
+            h = F.gelu(up, approximate="tanh")
         return F.dropout(self.down(h), self.dropout, self.training)
 
 

@@ -41,6 +41,7 @@ from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     TPRegion,
     VocabParallelEmbedding,
+    entered_products,
     replicated,
 )
 from meshtron.parallel.tensor.linear import FP8Options, LinearMode, linear
@@ -68,6 +69,9 @@ class ModelOptions:
     aux_loss_weight: Callable[[], float] = no_aux_gradient
     """The gradient the MoE auxiliary losses get per unit, read at each forward: the weight of
     the language-model loss sum (loss scale / global tokens)."""
+    tp_comm_chunks: int = 0
+    """Under sequence parallelism, pieces per rank of the all-gathers and reduce-scatters
+    overlapped with the products beside them (0: not overlapped; see parallel/tensor/overlap)."""
 
 
 WHOLE_MODEL = ModelOptions()
@@ -93,7 +97,7 @@ class Transformer(nn.Module):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         arch = architecture_of(cfg)
-        region = TPRegion(mesh.tp, mesh.layout.sequence_parallel)
+        region = TPRegion(mesh.tp, mesh.layout.sequence_parallel, options.tp_comm_chunks)
         stage = options.stage or StageLayers((tuple(range(cfg.num_layers)),), True, True)
         self.cfg = cfg
         self.region = region
@@ -223,8 +227,12 @@ class Transformer(nn.Module):
     def readout(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """The output layer on normed hidden states (``entered``: already in the tp region),
         times muP's 1/m where ``model.mup`` sets it."""
-        logits = linear(x if entered else self.region.enter(x), self.output_weight, None,
-                        self.grad_store)
+        if entered:
+            logits = linear(x, self.output_weight, None, self.grad_store)
+        elif self.region.overlapped:
+            logits = entered_products(self.region, x, (self.output_weight,), (None,))[0]
+        else:
+            logits = linear(self.region.enter(x), self.output_weight, None, self.grad_store)
         return logits * self.logit_scale if self.logit_scale != 1.0 else logits
 
     def embed_tokens(self, tokens: torch.Tensor, start: int,

@@ -4,12 +4,15 @@ Every parameter gets a :class:`~meshtron.parallel.mesh.params.ParamLayout` where
 saying how it relates to its global tensor, so that initialisation, checkpoints and the grad
 norm never depend on the layout.
 
-Communication is explicit: a block calls ``region.enter`` once before its column-parallel
-projections and row-parallel layers leave the region themselves.
+Communication is explicit: a block enters the region once for all its column-parallel
+projections (:func:`column_products`) and row-parallel layers leave the region themselves.
+With ``overlap_chunks`` set under sequence parallelism, both do so through the chunked
+collectives of :mod:`~meshtron.parallel.tensor.overlap`, overlapped with their products.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,7 @@ from meshtron.parallel.tensor.collectives import (
     reduce_scatter_sp,
 )
 from meshtron.parallel.tensor.linear import PLAIN, LinearMode, linear
+from meshtron.parallel.tensor.overlap import gather_then_linear, linear_then_reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,18 @@ class TPRegion:
 
     group: Group
     sequence_parallel: bool = False
+    overlap_chunks: int = 0
+    """Under sequence parallelism: pieces of each rank's sequence share whose all-gathers and
+    reduce-scatters overlap the products beside them (0: whole collectives, not overlapped).
+    Only plain (not FP8, not split-backward) linear layers take part; the plan refuses others."""
 
     @property
     def size(self) -> int:
         return self.group.size
+
+    @property
+    def overlapped(self) -> bool:
+        return self.sequence_parallel and self.overlap_chunks > 0
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Full-sequence input replicated on every tp rank (gathered under SP)."""
@@ -120,8 +132,32 @@ class RowParallelLinear(nn.Module):
         self.fp8 = mode.layer_fp8()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.region.exit(linear(x, self.weight, None, self.grad_store, self.fp8))
+        region = self.region
+        if region.overlapped:
+            y = linear_then_reduce_scatter(x, self.weight, region.group, region.overlap_chunks)
+        else:
+            y = region.exit(linear(x, self.weight, None, self.grad_store, self.fp8))
         return y if self.bias is None else y + self.bias
+
+
+def entered_products(region: TPRegion, x: torch.Tensor, weights: Sequence[torch.Tensor],
+                     biases: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``F.linear(region.enter(x), w, b)`` for each weight and bias: one gather for all of
+    them, chunked against the products when the region overlaps."""
+    if region.overlapped:
+        return gather_then_linear(x, region.group, region.overlap_chunks, weights, biases)
+    x = region.enter(x)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def column_products(region: TPRegion, x: torch.Tensor,
+                    layers: Sequence[ColumnParallelLinear]) -> list[torch.Tensor]:
+    """Each column-parallel layer applied to ``x`` entered into the region once."""
+    if region.overlapped:
+        return entered_products(region, x, [la.weight for la in layers],
+                                [la.bias for la in layers])
+    x = region.enter(x)
+    return [layer(x) for layer in layers]
 
 
 class VocabParallelEmbedding(nn.Module):
