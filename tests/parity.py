@@ -103,7 +103,7 @@ def run_layouts(rank: int, world_size: int, cache_dir: str, root: str,
 
 def model_overrides(layout: list[str]) -> list[str]:
     """The overrides that change the model or data, not the layout (for the reference run)."""
-    layout_keys = ("--parallel.", "--train.micro_batch", "--train.recompute")
+    layout_keys = ("--parallel.", "--train.micro_batch", "--train.recompute", "--train.compile")
     return [o for o in layout if not o.startswith(layout_keys)]
 
 

@@ -136,11 +136,13 @@ def test_shard_spec_slices_fused_blocks():
 
 def comm_volume(rank: int, world_size: int, cache_dir: str, root: str) -> list[dict]:
     rows = []
-    for sp, overlap in ((False, False), (True, False), (True, True)):
-        run_dir = f"{root}/sp{sp}-{overlap}"
+    for sp, overlap, compiled in ((False, False, False), (True, False, False),
+                                  (True, True, False), (True, True, True)):
+        run_dir = f"{root}/sp{sp}-{overlap}-{compiled}"
         run_training(test_overrides(cache_dir, run_dir, steps=1) +
                      ["--parallel.tp=2", f"--parallel.sp={sp}", "--train.log_every=1",
-                      f"--parallel.tp_comm_overlap={overlap}"], rank, world_size)
+                      f"--parallel.tp_comm_overlap={overlap}", f"--train.compile={compiled}"],
+                     rank, world_size)
         if rank == 0:
             rows.append(json.loads(Path(run_dir, "metrics.jsonl").read_text().splitlines()[0]))
     return rows
@@ -164,3 +166,4 @@ def test_bytes_per_step_follow_the_closed_form(data_cache, tmp_path):
     assert sp["tp/all_gather"] + sp["tp/reduce_scatter"] == no_sp["tp/all_reduce"] - (
         loss_reductions)
     assert rows[2]["comm_bytes"] == sp  # overlapped in pieces, the same bytes
+    assert rows[3]["comm_bytes"] == sp  # compiled: the collectives stay outside the graphs

@@ -306,6 +306,9 @@ class TrainConfig:
     sequences, logged and written to TensorBoard as text; 0: none."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention cores) or full (whole layers)."""
+    compile: bool = False
+    """torch.compile each transformer block (TorchTitan's granularity); the first step then
+    includes the compile, logged as such."""
     max_skipped: int = 10
     """A step whose loss or gradient norm is NaN/inf on any rank is skipped on every rank
     (weights and optimizer state untouched, counted as skipped_steps); this many in a row stop

@@ -229,17 +229,9 @@ class Attention(AttentionCore):
                 sequence: Sequence | None = None) -> torch.Tensor:
         q, kv = column_products(self.region, x, (self.q, self.kv))
         b, s, _ = q.shape
-        q = q.view(b, s, self.num_heads, self.head_dim)
-        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim) for t in kv.chunk(2, dim=-1))
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         start = cache.length if cache is not None else 0
-        if rotary is not None:
-            positions = sequence.positions if sequence is not None else None
-            q, k = rotary(q, start, positions), rotary(k, start, positions)
-        if self.query_scale != 1.0:
-            q = q * self.query_scale
+        positions = sequence.positions if sequence is not None else None
+        q, k, v = self.heads(q, kv, rotary, start, positions)
         keep = None
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
@@ -247,6 +239,23 @@ class Attention(AttentionCore):
         y = self.run_core(q, k, v, start, sequence, keep)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+    def heads(self, q: torch.Tensor, kv: torch.Tensor, rotary: Rotary | None, start: int,
+              positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The projections' outputs as per-head q, k, v [b, heads, s, d]: q/k norms, rotary
+        and muP's query scale, the elementwise work between the products and the core."""
+        b, s, _ = q.shape
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim) for t in kv.chunk(2, dim=-1))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rotary is not None:
+            q, k = rotary(q, start, positions), rotary(k, start, positions)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -270,17 +279,23 @@ class MLP(nn.Module):
         if self.gated and (self.gate_up.grad_store is not None or self.gate_up.fp8 is not None
                            or self.gate_up.bias is not None):
             gate, up = column_products(self.region, x, (self.gate_up,))[0].chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.activation(gate, up)
         elif self.gated:
             # Two products with the [gate | up] halves of the weight: contiguous outputs, and
             # backward concatenates weight-sized gradients rather than activation-sized ones.
             gate, up = entered_products(self.region, x, self.gate_up.weight.chunk(2),
                                         (None, None))
-            h = F.silu(gate) * up
+            h = self.activation(gate, up)
         else:
             (up,) = column_products(self.region, x, (self.up,))
-            h = F.gelu(up, approximate="tanh")
+            h = self.activation(up)
         return F.dropout(self.down(h), self.dropout, self.training)
+
+
+    @staticmethod
+    def activation(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU's silu(gate) * up, or GELU of the up projection."""
+        return F.gelu(x, approximate="tanh") if up is None else F.silu(x) * up
 
 
 class Block(nn.Module):
@@ -299,6 +314,21 @@ class Block(nn.Module):
                                       aux_loss_weight)
         else:
             self.mlp = MLP(cfg, arch, region, mode)
+
+    def compile_parts(self, whole: bool) -> None:
+        """``torch.compile`` the block, ``whole`` where nothing in it communicates; otherwise
+        only its communication-free parts (the norms, attention's per-head work, the MLP's
+        activation), so that every collective runs eagerly between the graphs and keeps its
+        byte count."""
+        if whole:
+            self.compile()
+            return
+        self.attn_norm.compile()
+        self.mlp_norm.compile()
+        if isinstance(self.attn, Attention):
+            self.attn.heads = torch.compile(self.attn.heads)  # type: ignore[method-assign]
+        if isinstance(self.mlp, MLP):
+            self.mlp.activation = torch.compile(self.mlp.activation)  # type: ignore
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:

@@ -69,6 +69,9 @@ class ModelOptions:
     aux_loss_weight: Callable[[], float] = no_aux_gradient
     """The gradient the MoE auxiliary losses get per unit, read at each forward: the weight of
     the language-model loss sum (loss scale / global tokens)."""
+    compile: bool = False
+    """``torch.compile`` each decoder block (lazily: at its first call), or where the block
+    communicates its communication-free parts (:meth:`Block.compile_parts`)."""
     tp_comm_chunks: int = 0
     """Under sequence parallelism, pieces per rank of the all-gathers and reduce-scatters
     overlapped with the products beside them (0: not overlapped; see parallel/tensor/overlap)."""
@@ -128,6 +131,10 @@ class Transformer(nn.Module):
             str(i): Block(cfg, i, arch, region, mesh, mode, options.recompute == "selective",
                           options.aux_loss_weight)
             for chunk in self.chunks for i in chunk})
+        if options.compile:  # per block, as TorchTitan: one graph serves every layer
+            quiet = mesh.tp.pg is None and mesh.cp.pg is None
+            for i, block in self.layers.items():
+                block.compile_parts(whole=quiet and not cfg.is_moe_layer(int(i)))
         for i in range(cfg.num_layers, cfg.num_layers + self.mtp_depth):
             self.layers[str(i)] = MTPLayer(cfg, i, arch, region, mesh, mode,
                                            options.recompute == "selective",

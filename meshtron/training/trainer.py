@@ -349,6 +349,9 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - started
+                if t.compile and not result.losses:
+                    self.log(f"train.compile: the first step took {elapsed:.1f} s, compile "
+                             "included")
                 self.step += 1
                 result.losses.append(out.loss)
                 result.grad_norms.append(out.grad_norm)
