@@ -230,9 +230,6 @@ def _check_compile(cfg: Config, layout: MeshLayout) -> None:
             "modified in place; use parallel.zero 0, 1 or 2")
     require(cfg.model.dropout == 0, f"train.compile needs model.dropout=0 (got "
             f"{cfg.model.dropout}): compiled dropout draws other masks than eager")
-    require(cfg.precision.fp8 == "none", f"train.compile does not combine with precision.fp8="
-            f"{cfg.precision.fp8}: the compiled casts to fp8 do not reproduce the eager "
-            "emulation")
 
 
 def _check_overlap(cfg: Config, layout: MeshLayout) -> None:
