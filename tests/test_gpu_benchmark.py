@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-MODES = ("bf16", "tensorwise", "delayed", "blockwise")
-FIGURES = {"gemm", "build_s", "warmup_steps", "timed_steps", "step_times_s", "losses",
-           "peak_memory_gib", "note", "median_step_s", "tokens_per_s", "mfu"}
+MODES = ("bf16", "bf16+compile", "tensorwise", "tensorwise+compile", "delayed", "blockwise")
+FIGURES = {"gemm", "build_s", "warmup_steps", "timed_steps", "first_step_s", "step_times_s",
+           "losses", "peak_memory_gib", "note", "median_step_s", "tokens_per_s", "mfu"}
 
 
 @pytest.mark.slow  # a fresh interpreter and four modes: 5 s alone, 15-30 s on shared cores
