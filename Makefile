@@ -26,7 +26,7 @@ train: setup
 	$(PY) -m meshtron generate --checkpoint runs/default --prompt "def " --max-new-tokens 120
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

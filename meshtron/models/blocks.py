@@ -240,7 +240,6 @@ class Attention(AttentionCore):
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
-
     def heads(self, q: torch.Tensor, kv: torch.Tensor, rotary: Rotary | None, start: int,
               positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The projections' outputs as per-head q, k, v [b, heads, s, d]: q/k norms, rotary
@@ -290,7 +289,6 @@ class MLP(nn.Module):
             (up,) = column_products(self.region, x, (self.up,))
             h = self.activation(up)
         return F.dropout(self.down(h), self.dropout, self.training)
-
 
     @staticmethod
     def activation(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
