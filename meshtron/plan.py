@@ -125,7 +125,7 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     if cfg.precision.fp8 == "blockwise":
         _check_fp8_blocks(cfg)
     if cfg.train.compile:
-        _check_compile(cfg, layout)
+        _check_compile(cfg)
     model = _resolve_vocab(cfg.model, tokenizer_vocab)
     partition = None
     if schedule is not None:
@@ -222,12 +222,8 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
         _check_context(cfg, layout)
 
 
-def _check_compile(cfg: Config, layout: MeshLayout) -> None:
-    """What compiled blocks do not reproduce yet (each measured against the eager run)."""
-    p = cfg.parallel
-    require(not (p.zero == 3 and layout.dp * p.cp > 1), "train.compile does not combine with "
-            "parallel.zero=3: the compiled backward finds the parameters ZeRO-3 regathers "
-            "modified in place; use parallel.zero 0, 1 or 2")
+def _check_compile(cfg: Config) -> None:
+    """What compiled blocks do not reproduce (measured against the eager run)."""
     require(cfg.model.dropout == 0, f"train.compile needs model.dropout=0 (got "
             f"{cfg.model.dropout}): compiled dropout draws other masks than eager")
 

@@ -1,6 +1,6 @@
 """``train.compile=true``: compiled blocks reproduce the eager single-process run (the parity
-contract), in one process and under tp + sp (overlapped) and pp; compiled FP8 meets FP8's own
-standard (``tests/test_fp8_training.py``)."""
+contract), in one process and under tp + sp (overlapped), pp and ZeRO-3; compiled FP8 meets
+FP8's own standard (``tests/test_fp8_training.py``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ COMPILED = ["--train.compile=true", *FP32]
 LAYOUTS = [
     ["--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_comm_overlap=true", *COMPILED],
     ["--parallel.pp=2", "--train.micro_batch=2", *COMPILED],
+    ["--parallel.zero=3", "--train.micro_batch=2", *COMPILED],  # gathers and frees stay eager
 ]
 
 

@@ -79,8 +79,6 @@ def test_single_process_mesh_has_no_process_groups():
          "parallel.tp_comm_overlap does not combine with parallel.schedule=zb-h1"),
         (2, ["--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_comm_overlap=true",
              "--precision.fp8=tensorwise"], "does not combine with precision.fp8=tensorwise"),
-        (2, ["--parallel.zero=3", "--train.compile=true"],
-         "train.compile does not combine with parallel.zero=3"),
         (1, ["--model.dropout=0.1", "--train.compile=true"],
          "train.compile needs model.dropout=0 (got 0.1)"),
         (4, ["--parallel.tp=1", "--train.global_batch=6"],

@@ -314,12 +314,12 @@ class Block(nn.Module):
             self.mlp = MLP(cfg, arch, region, mode)
 
     def compile_parts(self, whole: bool) -> None:
-        """``torch.compile`` the block, ``whole`` where nothing in it communicates; otherwise
-        only its communication-free parts (the norms, attention's per-head work, the MLP's
-        activation), so that every collective runs eagerly between the graphs and keeps its
-        byte count."""
+        """``torch.compile`` the block's forward, ``whole`` where nothing in it communicates;
+        otherwise only its communication-free parts (the norms, attention's per-head work, the
+        MLP's activation), so that every collective runs eagerly between the graphs and keeps
+        its byte count. Module hooks (ZeRO-3's gathers and frees) stay outside the graphs."""
         if whole:
-            self.compile()
+            self.forward = torch.compile(self.forward)  # type: ignore[method-assign]
             return
         self.attn_norm.compile()
         self.mlp_norm.compile()
