@@ -22,7 +22,11 @@ Run from the repository root::
    over ``--steps`` steps each; ratio = meshtron median / HF median; "pair ratio" = the median
    over rounds of meshtron's step time / HF's step time in the same round (less sensitive to
    slow drifts in load). The first steps' losses are checked to agree, which shows that the
-   weights and the loss are the same.
+   weights and the loss are the same. ``--compiled`` adds ``meshtron+compile`` (the same model
+   built with ``ModelOptions(compile=True)``: each block one Inductor graph) and
+   ``hf+compile`` (``torch.compile`` of the whole HF model), each with its own copy of the
+   weights and optimizer, in the same rounds; the compile happens in the warm-up rounds, and the
+   compiled pair is compared best against best.
 2. **The user's path** (``trainer_path.py``): ``meshtron train``'s whole step (tiny preset, seq
    128, global batch 8, one micro-batch; data fetch, ``train_step``, metrics row) against a plain
    HF loop of the same shape (same weights and batches, ``clip_grad_norm_(1.0)``, torch AdamW
@@ -58,7 +62,7 @@ from meshtron.data import stdlib_corpus
 from meshtron.data.preprocess import preprocess
 from meshtron.data.tokenizer import train_tokenizer
 from meshtron.models.init import initialize
-from meshtron.models.transformer import Transformer
+from meshtron.models.transformer import ModelOptions, Transformer
 from meshtron.optim.adamw import build_adamw
 
 
@@ -80,16 +84,24 @@ SHAPES = {
 }
 
 
-def build_steps(shape: Shape) -> tuple[int, dict[str, Callable[[], float]]]:
-    """meshtron's parameter count and one training step of each model (``meshtron``, ``hf``),
-    on the same batch and weights; a step returns its loss."""
+def build_steps(shape: Shape, compiled: bool = False
+                ) -> tuple[int, dict[str, Callable[[], float]]]:
+    """meshtron's parameter count and one training step of each model (``meshtron``, ``hf``,
+    with ``compiled`` also ``meshtron+compile`` and ``hf+compile``), on the same batch and
+    weights; a step returns its loss."""
     cfg = load_config(overrides=shape.overrides)
     model = Transformer(cfg.model)
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
-    hf = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**hf_config_kwargs(cfg.model), attn_implementation="sdpa"))
-    assert hf.config._attn_implementation == "sdpa"
-    hf.load_state_dict(to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg.model))
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+
+    def hf_model() -> nn.Module:
+        net = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**hf_config_kwargs(cfg.model), attn_implementation="sdpa"))
+        assert net.config._attn_implementation == "sdpa"
+        net.load_state_dict(to_hf(weights, cfg.model))
+        return net
+
+    hf = hf_model()
     tokens = torch.randint(0, cfg.model.vocab_size, (shape.batch, shape.seq + 1),
                            generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1], tokens[:, 1:].contiguous()
@@ -111,14 +123,22 @@ def build_steps(shape: Shape) -> tuple[int, dict[str, Callable[[], float]]]:
 
         return step
 
+    def ours(net: nn.Module) -> torch.Tensor:
+        return net.loss_sum(net(inputs), targets) / count
+
     params = sum(p.numel() for p in model.parameters())
-    return params, {"meshtron": trainer(model, lambda net: net.loss_sum(net(inputs), targets)
-                                        / count),
-                    "hf": trainer(hf, hf_loss)}
+    steps = {"meshtron": trainer(model, ours), "hf": trainer(hf, hf_loss)}
+    if compiled:
+        twin = Transformer(cfg.model, options=ModelOptions(compile=True))
+        twin.load_state_dict(weights)
+        steps["meshtron+compile"] = trainer(twin, ours)
+        steps["hf+compile"] = trainer(torch.compile(hf_model()), hf_loss)
+    return params, steps
 
 
-def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, Any]:
-    params, calls = build_steps(shape)
+def bench_step(name: str, shape: Shape, steps: int, warmup: int,
+               compiled: bool = False) -> dict[str, Any]:
+    params, calls = build_steps(shape, compiled)
     run = harness.interleave(calls, steps, warmup=warmup)  # who goes first alternates
     harness.check_close(run.first, f"{name}: first losses", reference="hf")
     times = run.wall
@@ -132,6 +152,14 @@ def bench_step(name: str, shape: Shape, steps: int, warmup: int) -> dict[str, An
         "pair_ratio_median": harness.pair_ratio(times["meshtron"], times["hf"]),
         "meshtron_tokens_per_s": tokens / ours_s, "hf_tokens_per_s": tokens / theirs_s,
         "steps": times,
+        **({"compiled": {
+            "meshtron_s": statistics.median(times["meshtron+compile"]),
+            "hf_s": statistics.median(times["hf+compile"]),
+            "ratio": harness.ratio_of_medians(times["meshtron+compile"], times["hf+compile"]),
+            "pair_ratio_median": harness.pair_ratio(times["meshtron+compile"],
+                                                    times["hf+compile"]),
+            "vs_hf_eager_pair_ratio": harness.pair_ratio(times["meshtron+compile"], times["hf"]),
+        }} if compiled else {}),
     }
 
 
@@ -168,6 +196,8 @@ def main() -> None:
                         "config's)")
     parser.add_argument("--no-model-step", action="store_true",
                         help="skip the model-only training step comparison")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time both models under torch.compile")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,7 +211,7 @@ def main() -> None:
             print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
                   "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF "
                   "step of the same round")
-        rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup))
+        rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup, args.compiled))
         print(f"  {name}: meshtron {rows[-1]['meshtron_s']:.3f}, HF {rows[-1]['hf_s']:.3f} "
               "s/step", flush=True)
     if rows:
@@ -193,6 +223,15 @@ def main() -> None:
               f"{r['meshtron_s']:.3f}", f"{r['hf_s']:.3f}", f"{r['ratio']:.3f}",
               f"{r['pair_ratio_median']:.3f}", f"{r['meshtron_tokens_per_s']:.0f}",
               f"{r['hf_tokens_per_s']:.0f}") for r in rows)))
+        if args.compiled:
+            print("\ncompiled (meshtron: train.compile's blocks; HF: torch.compile of the "
+                  "model), same rounds\n")
+            print(harness.markdown_table(
+                ("shape", "meshtron+compile s/step", "HF+compile s/step", "ratio", "pair ratio",
+                 "pair ratio vs HF eager"),
+                ((r["shape"], f"{c['meshtron_s']:.3f}", f"{c['hf_s']:.3f}", f"{c['ratio']:.3f}",
+                  f"{c['pair_ratio_median']:.3f}", f"{c['vs_hf_eager_pair_ratio']:.3f}")
+                 for r in rows for c in [r["compiled"]])))
     result = harness.record(info, train_step=rows)
     if args.user_steps > 0:
         user = trainer_path.bench_user_path(args.user_steps, args.warmup, args.data_cache)
