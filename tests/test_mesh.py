@@ -74,6 +74,8 @@ def test_single_process_mesh_has_no_process_groups():
         (2, ["--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_comm_overlap=true",
              "--train.seq_len=36", "--parallel.tp_comm_chunks=4"],
          "parallel.tp_comm_chunks=4 does not divide the 18 positions"),
+        (2, ["--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_comm_overlap=true",
+             "--parallel.tp_comm_chunks=0"], "parallel.tp_comm_chunks=0 must be at least 1"),
         (4, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=true", "--model.num_layers=2",
              "--parallel.tp_comm_overlap=true", "--parallel.schedule=zb-h1"],
          "parallel.tp_comm_overlap does not combine with parallel.schedule=zb-h1"),
