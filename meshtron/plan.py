@@ -124,8 +124,9 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
                 "defers weight gradients the overlapped products form at once)")
     if cfg.precision.fp8 == "blockwise":
         _check_fp8_blocks(cfg)
-    if cfg.train.compile:
-        _check_compile(cfg)
+    require(not cfg.train.compile or cfg.model.dropout == 0, f"train.compile needs "
+            f"model.dropout=0 (got {cfg.model.dropout}): compiled dropout draws other masks "
+            "than eager")
     model = _resolve_vocab(cfg.model, tokenizer_vocab)
     partition = None
     if schedule is not None:
@@ -220,12 +221,6 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
         _check_vision_layout(cfg, layout)
     if layout.cp > 1:
         _check_context(cfg, layout)
-
-
-def _check_compile(cfg: Config) -> None:
-    """What compiled blocks do not reproduce (measured against the eager run)."""
-    require(cfg.model.dropout == 0, f"train.compile needs model.dropout=0 (got "
-            f"{cfg.model.dropout}): compiled dropout draws other masks than eager")
 
 
 def _check_overlap(cfg: Config, layout: MeshLayout) -> None:
