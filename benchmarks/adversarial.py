@@ -138,7 +138,7 @@ def apply(d: Path, entry: str, manifest: str) -> None:
             m["files"][path.name] = digest(path.read_bytes()).hexdigest()
             if path.name == "shard-00000.safetensors":
                 index = d / "shard-00000.json"
-                put(index, json.dumps({**json.loads(index.read_text()), "sha256": m["files"][
+                put(index, json.dumps({**json.loads(index.read_text()), "checksum": m["files"][
                     path.name]}))
                 m["files"][index.name] = digest(index.read_bytes()).hexdigest()
             put(d / manifest, json.dumps(m))

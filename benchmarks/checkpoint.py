@@ -18,14 +18,17 @@ seed 1, so a load visibly changes them. Processes are spawned by ``benchmarks/ha
 (``checkpoint_sides.py`` holds both implementations):
 
 - ``meshtron dp=2 zero=1``: ``build_optimizer(zero=1)`` (ZeRO-1: each rank holds half of
-  the AdamW moments) and ``train_step``. Saving: ``train_state.capture`` (host copies of this
-  rank's pieces), ``CheckpointSaver.save`` (``safetensors`` shard, fsync, sha256, shard index;
+  the AdamW moments) and ``train_step``. Saving: ``train_state.capture(copy=False)`` (this
+  rank's pieces, as views of the host tensors: the trainer's synchronous save),
+  ``CheckpointSaver.save`` (a safetensors shard hashed as it is written, fsync, shard index;
   rank 0 then waits for every index and writes the manifest, renames the directory and points
   ``latest`` at it), then a barrier (as the trainer does). The two ranks take turns over the
   replicated parameters (round-robin, so each writes about half of them), and each writes its
   own half of the moments. Loading: ``open_checkpoint`` + ``train_state.restore``
   into a freshly built model and optimizer: every rank reads only the slices it holds (all
-  parameters, its half of the moments) and verifies the sha256 of every file it opens.
+  parameters, its half of the moments) straight into the live tensors from the mapped
+  files, while a background thread computes the checksum of every file it opens; the restore
+  checks them before it returns.
 - ``meshtron dp=2 zero=0``: the same with replicated AdamW state (``torch.optim.AdamW``); the ranks
   take turns over every replicated tensor (round-robin), and each rank reads everything back.
 - ``DCP dp=2 (DDP)``: the same ``Transformer`` on a one-process mesh wrapped in
@@ -54,21 +57,26 @@ and printed; for DCP every leaf of ``get_state_dict``).
   ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` (DCP) into the fresh model. The disk is
   a virtual one: the host may still cache it.
 - *warm load*: the same load again, the files now in the page cache.
-- *sha256* (meshtron): afterwards, ``meshtron.checkpoint.shards.sha256`` of the files this
-  rank's load opened, timed separately (warm): the checksum part of a warm load.
+- *checksum* (meshtron): afterwards, ``meshtron.checkpoint.digests.file_digest`` (XXH3-128)
+  of the files this rank's load opened, timed separately (warm): what the check costs alone;
+  in a load it runs in a background thread beside the copies.
 - *async save*: ``capture`` + ``save`` on an asynchronous ``CheckpointSaver`` (meshtron), or
   ``get_state_dict`` + ``dcp.async_save`` (DCP; its default stager copies the state into newly
   allocated host memory, then a thread writes): the **stall** is the time until the call
-  returns control to the training loop (per rank, no barrier). Training steps then run while
+  returns control to the training loop (per rank, no barrier), plus, for meshtron, the time
+  the next step's update waited for the saver's thread to finish copying the state (as in the
+  trainer, the copy runs beside that step's forward and backward, and the optimizer's update
+  fence holds the update until it is done). Training steps then run while
   the write goes on (at most ``--overlap-steps``, default 1; after each step the ranks agree
   whether every rank's save is done); their time against the second set-up step (no save in
   flight) shows what the background write costs the steps on these shared cores. *write*: from
   the call until the save's future completes (a done-callback's ``perf_counter``; on meshtron's
   rank 0 that includes the manifest and rename). *total*: until every rank is past
-  ``wait`` / ``future.result()`` and a barrier, so at least the overlapping step. *reuse*
-  (meshtron): afterwards, the same pieces copied once more into the capture's buffers, which
-  are now in memory: what a capture that kept its buffers between saves would cost (a fresh
-  buffer costs page faults on first touch). In the first round the async checkpoint is also
+  ``wait`` / ``future.result()`` and a barrier, so at least the overlapping step. As in the
+  trainer, meshtron's async saver keeps its host buffers between saves, so the timed save
+  copies into buffers that exist: *first capture* (meshtron) is the capture before it
+  that allocated them, what the copy of a run's first background save costs (page faults on
+  first touch). In the first round the async checkpoint is also
   loaded and compared with a snapshot taken just before the save, which proves the training
   steps during the write did not leak into it.
 
@@ -175,6 +183,7 @@ def run_setup(rank: int, setup: Setup, args: dict[str, Any], verify_async: bool
     out["checksum_s"] = sd.checksum_seconds(path)
 
     reference = snapshot(sd.state()) if verify_async else None
+    out["first_capture_s"] = sd.first_capture_seconds()
     dist.barrier()
     start = time.perf_counter()
     async_path, phases = sd.save(3, "async")
@@ -190,10 +199,10 @@ def run_setup(rank: int, setup: Setup, args: dict[str, Any], verify_async: bool
     sd.wait()
     dist.barrier()
     out["async_total_s"] = time.perf_counter() - start
+    out["stall_s"] += sd.update_wait_seconds()
     assert sd.finished is not None
     out["async_write_s"] = sd.finished - start
     out["overlap_steps_s"] = overlap
-    out["recapture_s"] = sd.recapture_seconds()
     if reference is not None:
         sd.load(async_path)
         out["verified_async"] = same_state(reference, sd.state(fresh=True))
@@ -238,11 +247,11 @@ def combine(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                            "baseline_step_s", "wall_s")}
     overlap = [max(ts) for ts in zip(*(r["overlap_steps_s"] for r in ranks))]
     checksums = [r["checksum_s"] for r in ranks]
-    recaptures = [r["recapture_s"] for r in ranks]
+    first_captures = [r["first_capture_s"] for r in ranks]
     return {
         **slowest, "overlap_steps_s": overlap,
         "checksum_s": max(checksums) if checksums[0] is not None else None,
-        "recapture_s": max(recaptures) if recaptures[0] is not None else None,
+        "first_capture_s": max(first_captures) if first_captures[0] is not None else None,
         "tensor_bytes": first["tensor_bytes"], "files": first["files"],
         "written_bytes": [r["written_bytes"] for r in ranks],
         "state_bytes": [r["state_bytes"] for r in ranks],
@@ -274,8 +283,8 @@ def summarize(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "overlap_steps": [len(r["overlap_steps_s"]) for r in rounds],
         "checksum_s": (statistics.median(r["checksum_s"] for r in rounds)
                        if rounds[0]["checksum_s"] is not None else None),
-        "recapture_s": (statistics.median(r["recapture_s"] for r in rounds)
-                        if rounds[0]["recapture_s"] is not None else None),
+        "first_capture_s": (statistics.median(r["first_capture_s"] for r in rounds)
+                        if rounds[0]["first_capture_s"] is not None else None),
         "resident_after_evict": [r["resident_after_evict"] for r in rounds],
         "verified": all(r["verified"] for r in rounds),
         "verified_async": [r["verified_async"] for r in rounds if r["verified_async"] is not None],
@@ -352,26 +361,27 @@ def print_tables(rows: dict[str, dict[str, Any]], pairs: list[dict[str, Any]]) -
                   ", ".join(f"{k} {v / MB:.1f}" for k, v in r["files"].items()))
                  for r in rows.values())))
     print("\nmedians over rounds, slowest rank; MB/s = checkpoint MB / time; prep s: the part "
-          "of the sync save before writing (meshtron's capture, a host copy; DCP's "
-          "get_state_dict, no copy); sha256 s: meshtron's checksum of the files its load opens, "
+          "of the sync save before writing (meshtron's capture: views on the host tensors; DCP's "
+          "get_state_dict, no copy); check s: meshtron's checksum of the files its load opens, "
           "timed separately on warm files\n")
     print(table(("configuration", "save s", "MB/s", "prep s", "cold s", "MB/s", "warm s",
-                 "MB/s", "sha256 s", "verified"),
+                 "MB/s", "check s", "verified"),
                 ((r["name"], f"{r['save_s']:.2f}", f"{r['save_mb_s']:.0f}",
                   f"{r['save_prepare_s']:.2f}", f"{r['load_cold_s']:.2f}",
                   f"{r['load_cold_mb_s']:.0f}", f"{r['load_warm_s']:.2f}",
                   f"{r['load_warm_mb_s']:.0f}", _num(r["checksum_s"], ".2f"), r["verified"])
                  for r in rows.values())))
-    print("\nasync: stall = until the save call returns (prep s: before the call: meshtron's "
-          "capture, DCP's get_state_dict; DCP copies inside async_save); reuse s: copying the "
-          "same pieces into the already allocated capture buffers (meshtron); write s: until "
+    print("\nasync: stall = until the save call returns, plus (meshtron) the next update's "
+          "wait for the capture, which runs on the saver's thread; prep s: before the call "
+          "(DCP's get_state_dict; DCP copies inside async_save); first s: meshtron's first "
+          "capture, which allocates the kept buffers; write s: until "
           "the background save finished; total s: until every rank's save is done, after the "
           "overlapping step; step s: a training step with no save in flight, overlap s: while "
           "an async save writes; wall s: the whole configuration, set-up included\n")
-    print(table(("configuration", "stall s", "prep s", "stall/save", "reuse s", "write s",
+    print(table(("configuration", "stall s", "prep s", "stall/save", "first s", "write s",
                  "total s", "step s", "overlap s", "wall s", "verified"),
                 ((r["name"], f"{r['stall_s']:.2f}", f"{r['stall_prepare_s']:.2f}",
-                  f"{r['stall_fraction']:.2f}", _num(r["recapture_s"], ".2f"),
+                  f"{r['stall_fraction']:.2f}", _num(r["first_capture_s"], ".2f"),
                   f"{r['async_write_s']:.2f}", f"{r['async_total_s']:.2f}",
                   f"{r['baseline_step_s']:.2f}", _num(r["overlap_step_s"], ".2f"),
                   f"{r['wall_s']:.0f}", r["verified_async"]) for r in rows.values())))

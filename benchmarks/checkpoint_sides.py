@@ -7,7 +7,8 @@ A side holds a trained model and optimizer and a fresh pair to load into: ``trai
 returns, then ``done()``, ``wait()`` and ``finished``, the ``perf_counter`` when the write
 ended); ``load(path)`` into the fresh pair; ``state(fresh)``, everything the checkpoint holds,
 for an exact comparison; ``describe(path)``, the checkpoint's tensor bytes and this rank's
-files; ``checksum_seconds`` and ``recapture_seconds`` (meshtron; None for DCP); ``close()``.
+files; ``checksum_seconds`` and ``first_capture_seconds`` (meshtron; None for DCP);
+``close()``.
 
 Every call into meshtron the checkpoint benchmark makes is in this module. Imports are inside
 the functions, as in the benchmark: its parent process only launches and prints.
@@ -15,6 +16,7 @@ the functions, as in the benchmark: its parent process only launches and prints.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -108,8 +110,8 @@ class MeshtronSide:
                                              asynchronous=mode == "async")
                        for mode in ("sync", "async")}
         self.opened: list[str] = []
-        self.pieces: list[Any] = []
         self.finished: float | None = None
+        self.update_wait = 0.0
 
     def _build(self, zero: int, seed: int) -> tuple[Any, Any]:
         from meshtron.models.init import initialize
@@ -132,23 +134,40 @@ class MeshtronSide:
                    precision=self.precision)
 
     def save(self, step: int, mode: str) -> tuple[Path, dict[str, float]]:
-        """Capture and save (sync: until written and past the barrier; async: until the call
-        returns)."""
+        """Save as the trainer does. sync: the host tensors themselves, until written and past
+        the barrier. async: until the call returns; the saver's thread copies the state into
+        its kept buffers while the next step runs, and that step's update waits for the copy
+        (the time it waited is :meth:`update_wait_seconds`)."""
         import torch.distributed as dist
 
         from meshtron.checkpoint import train_state
 
         start = time.perf_counter()
-        pieces = train_state.capture(self.model, self.optimizer, self.mesh)
+        saver = self.savers[mode]
+        if mode == "sync":
+            pieces: Any = train_state.capture(self.model, self.optimizer, self.mesh, copy=False)
+        else:
+            pieces = functools.partial(train_state.capture, self.model, self.optimizer,
+                                       self.mesh, saver.buffers)
+            self.update_wait = 0.0
+            self.optimizer.fence_next_update(functools.partial(self._fence, saver))
         captured = time.perf_counter()
-        path = self.savers[mode].save(step, pieces, train_state.state_meta(self.optimizer, None),
-                                      {})
+        path = saver.save(step, pieces, train_state.state_meta(self.optimizer, None), {})
         if mode == "sync":
             dist.barrier()
         else:
-            self.pieces, self.finished = pieces, None
+            self.finished = None
             self.savers[mode].pending[1].add_done_callback(self._finish)
         return path, {"prepare_s": captured - start, "call_s": time.perf_counter() - captured}
+
+    def _fence(self, saver: Any) -> None:
+        start = time.perf_counter()
+        saver.wait_captured()
+        self.update_wait += time.perf_counter() - start
+
+    def update_wait_seconds(self) -> float:
+        """How long the updates since the async save waited for its capture."""
+        return self.update_wait
 
     def _finish(self, _: Any) -> None:
         self.finished = time.perf_counter()
@@ -195,29 +214,22 @@ class MeshtronSide:
         return {"tensor_bytes": total, "files": sizes,
                 "written_bytes": sum(sizes.get(f, 0) for f in mine)}
 
-    def recapture_seconds(self) -> float:
-        """Time of copying this rank's pieces once more into the buffers of the last capture,
-        now in memory: what a capture that reused its buffers would cost."""
-        import torch
-
-        from meshtron.checkpoint.held import held_tensors
+    def first_capture_seconds(self) -> float:
+        """Time of the async saver's first capture, into newly allocated buffers (the stall
+        of a run's first background save); later saves reuse them."""
+        from meshtron.checkpoint import train_state
 
         start = time.perf_counter()
-        buffers = iter(self.pieces)
-        with torch.no_grad():
-            for held in held_tensors(self.model, self.optimizer, self.mesh):
-                if held.writes:
-                    for local_box, _ in held.boxes():
-                        next(buffers).data.copy_(held.view(local_box))
+        train_state.capture(self.model, self.optimizer, self.mesh, self.savers["async"].buffers)
         return time.perf_counter() - start
 
     def checksum_seconds(self, path: Path) -> float:
-        """Time of ``sha256`` over the files this rank's last load opened."""
-        from meshtron.checkpoint.shards import sha256
+        """Time of the checksum (``file_digest``) over the files this rank's last load opened."""
+        from meshtron.checkpoint.digests import file_digest
 
         start = time.perf_counter()
         for name in self.opened:
-            sha256(path / name)
+            file_digest(path / name)
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -330,8 +342,11 @@ class DcpSide:
     def checksum_seconds(self, path: Path) -> float | None:
         return None
 
-    def recapture_seconds(self) -> float | None:
+    def first_capture_seconds(self) -> float | None:
         return None
+
+    def update_wait_seconds(self) -> float:
+        return 0.0
 
     def close(self) -> None:
         self.wait()

@@ -102,7 +102,7 @@ ATTACKS: dict[str, tuple[Callable[[Path], object], str]] = {
     "a pickled .bin listed": (lambda c: _manifest(c, lambda m: m["files"].update(
         {"model.bin": "0" * 64})), "never pickled"),
     "checksum not a sha256": (lambda c: _manifest(c, lambda m: m["files"].update(
-        {"shard-00000.safetensors": "abc"})), "is not a sha256"),
+        {"shard-00000.safetensors": "abc"})), "neither an xxh3-128 nor a sha256"),
     "shape of 10**18 elements": (_huge_shape, "the index places"),
     "shape of floats": (lambda c: _manifest(c, lambda m: next(iter(m["tensors"].values())).update(
         shape=[1e12, 1e6])), "must be a list of non-negative integers"),

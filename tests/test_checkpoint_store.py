@@ -49,6 +49,24 @@ def test_save_then_load(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_a_format_2_checkpoint_with_sha256_checksums_still_loads(tmp_path):
+    """Checkpoints written before XXH3-128 recorded sha256 digests under format 2."""
+    path = save(tmp_path, 4, value=3.0)
+    manifest = json.loads((path / "meta.json").read_text())
+    assert manifest["format"] == 3 and all(d.startswith("xxh3-128:")
+                                           for d in manifest["files"].values())
+    manifest["format"] = 2
+    manifest["files"] = {name: hashlib.sha256((path / name).read_bytes()).hexdigest()
+                         for name in manifest["files"]}
+    (path / "meta.json").write_text(json.dumps(manifest))
+    verify_checkpoint(path)
+    assert torch.equal(open_checkpoint(path)[1].read("model/w"), torch.full((3, 2), 3.0))
+    manifest["files"]["shard-00000.safetensors"] = hashlib.sha256(b"else").hexdigest()
+    (path / "meta.json").write_text(json.dumps(manifest))
+    with pytest.raises(MeshtronError, match="checksum mismatch"):
+        open_checkpoint(path)[1].read("model/w")
+
+
 def test_pieces_from_several_ranks_assemble_into_global_tensors(tmp_path):
     """Two ranks each write half of a tensor; the index stitches them; a box across the
     seam reads from both files."""
@@ -234,3 +252,16 @@ def test_checkpoint_and_hf_export_files_follow_the_umask(tmp_path, umask, file_m
     for path in [tmp_path / "store", tmp_path / "model", tmp_path / "hf", *written]:
         expected = dir_mode if path.is_dir() else file_mode
         assert path.stat().st_mode & 0o777 == expected, f"{path}: {oct(path.stat().st_mode)}"
+
+
+def test_the_finite_check_sees_nan_and_inf_but_not_an_overflowing_sum(tmp_path):
+    from meshtron.checkpoint.shards import check_finite
+
+    huge = torch.full((4,), 3e38)  # finite, but its sum overflows float32
+    check_finite(tmp_path, "w", huge)
+    check_finite(tmp_path, "w", huge.to(torch.float16).nan_to_num(posinf=60000.0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        values = torch.zeros(5)
+        values[3] = bad
+        with pytest.raises(MeshtronError, match="NaN or infinite"):
+            check_finite(tmp_path, "w", values)

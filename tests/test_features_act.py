@@ -14,6 +14,8 @@ from meshtron.checkpoint import saver as saver_module
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
+from meshtron.models.transformer import Transformer
+from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from meshtron.training.trainer import Trainer
@@ -132,6 +134,35 @@ def test_async_save_runs_in_the_background_one_at_a_time(tmp_path, monkeypatch):
     assert written == [0]
     saver.close()
     assert written == [0, 0]
+
+
+def test_a_background_capture_holds_back_only_the_next_update(tmp_path, monkeypatch):
+    """The saver's thread copies the state; the optimizer's next update, and nothing before
+    it, waits for that copy."""
+    monkeypatch.setattr(saver_module, "write_shard", lambda *args: None)
+    monkeypatch.setattr(saver_module, "finalize_checkpoint", lambda *a, **k: None)
+    release, events = threading.Event(), []
+
+    def capture() -> list:
+        assert release.wait(10)
+        events.append("captured")
+        return []
+
+    cfg = load_config(overrides=["--model.preset=tiny", "--model.num_layers=1",
+                                 "--model.vocab_size=64"])
+    mesh = ParallelMesh.single()
+    optimizer = build_optimizer(Transformer(cfg.model, mesh), mesh, cfg.train, zero=0,
+                                bucket_mb=1.0)
+    optimizer.step = lambda lr: events.append(f"update {lr}")  # what the fence guards
+    saver = CheckpointSaver(tmp_path, 0, 1, "tok", keep_last=2, asynchronous=True)
+    optimizer.fence_next_update(saver.wait_captured)
+    saver.save(1, capture, {}, {})
+    assert not saver.captured.is_set()  # the copy has not run: training goes on
+    threading.Timer(0.2, release.set).start()
+    optimizer.update(0.5)  # blocks until the capture is done
+    optimizer.update(0.25)  # the fence held one update only
+    assert events == ["captured", "update 0.5", "update 0.25"]
+    saver.close()
 
 
 def test_a_failed_background_save_stops_the_next_step(tmp_path, monkeypatch):

@@ -15,14 +15,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from meshtron.checkpoint.shards import DTYPES, check_tensor_index, sha256
+from meshtron.checkpoint.digests import DIGEST, file_digest
+from meshtron.checkpoint.shards import DTYPES, check_tensor_index
 from meshtron.errors import MeshtronError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READ_FORMATS = (2, 3)
+"""Format 3 records XXH3-128 checksums; format 2 (sha256) is still read."""
 MANIFEST = "meta.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 READABLE_FILES = re.compile(r"^(shard-\d{5}\.(safetensors|json)|tokenizer\.json)$")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_STEP = 10**12
 
 
@@ -40,8 +42,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise MeshtronError(f"checkpoint manifest {manifest_path} is not valid JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        raise MeshtronError(f"checkpoint {path} has an unknown format (expected {FORMAT_VERSION})")
+    if not isinstance(manifest, dict) or manifest.get("format") not in READ_FORMATS:
+        raise MeshtronError(f"checkpoint {path} has an unknown format (this version reads "
+                            f"{' and '.join(map(str, READ_FORMATS))})")
     _check_files(path, manifest)
     _check_fields(path, manifest)
     check_tensor_index(path, manifest.get("tensors"), manifest["files"])
@@ -60,8 +63,9 @@ def _check_files(path: Path, manifest: dict[str, Any]) -> None:
             raise MeshtronError(
                 f"checkpoint {path} lists {filename!r}: only shard-NNNNN.safetensors/.json and "
                 "tokenizer.json are read (never pickled formats)")
-        if not isinstance(digest, str) or not SHA256.match(digest):
-            raise MeshtronError(f"checkpoint {path}: the checksum of {filename} is not a sha256")
+        if not isinstance(digest, str) or not DIGEST.match(digest):
+            raise MeshtronError(f"checkpoint {path}: the checksum of {filename} is neither an "
+                                "xxh3-128 nor a sha256 digest")
 
 
 def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
@@ -126,7 +130,7 @@ def _check_sizes(path: Path, manifest: dict[str, Any]) -> None:
 
 
 def verify_files(path: Path, manifest: dict[str, Any]) -> None:
-    """Check every listed file against its recorded sha256 (a full read of the checkpoint)."""
+    """Check every listed file against its recorded checksum (a full read of the checkpoint)."""
     for filename, expected in manifest["files"].items():
         verify_file(path, manifest, filename, expected)
 
@@ -141,6 +145,6 @@ def verify_file(path: Path, manifest: dict[str, Any], filename: str,
                             "so it cannot be verified")
     if not file.is_file():
         raise MeshtronError(f"checkpoint file {file} is missing")
-    if sha256(file) != expected:
+    if file_digest(file, expected) != expected:
         raise MeshtronError(f"checkpoint file {file} is corrupt (checksum mismatch)")
     return file

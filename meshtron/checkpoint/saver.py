@@ -1,11 +1,16 @@
 """Writing checkpoints, synchronously or in the background (``checkpoint.async``).
 
-A save always starts by copying this rank's pieces to host memory (``train_state.capture``);
-the shard file, its index and — on the first rank — the manifest, the rename and the
-``latest`` pointer are then written either at once or by one background thread while training
-goes on. At most one save is in flight: a new save, :meth:`check` (called every step) and
-:meth:`wait` surface an earlier failure as a :class:`MeshtronError`. The background thread uses
-no collectives: ranks meet through the files in the temporary directory.
+A save starts from this rank's pieces (``train_state.capture``: host copies for a background
+save, the host tensors themselves for a synchronous one). The shard file, its index and, on
+the first rank, the manifest, the rename and the ``latest`` pointer are then written either
+at once or by one background thread while training goes on. A background save can also take
+the capture itself: its thread copies the state while the next step's forward and backward
+run, and :meth:`CheckpointSaver.wait_captured` (the optimizer's update fence) holds the update
+back until the copy is done, so training stalls only for what the copy did not overlap.
+
+At most one save is in flight: a new save, :meth:`check` (called every step) and :meth:`wait`
+surface an earlier failure as a :class:`MeshtronError`. The background thread uses no
+collectives: ranks meet through the files in the temporary directory.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -41,26 +47,50 @@ class CheckpointSaver:
         """Called with the step once this rank's shard is written (fault injection)."""
         self.executor = ThreadPoolExecutor(1, "checkpoint") if asynchronous else None
         self.pending: tuple[int, Future] | None = None
+        self.captured = threading.Event()
+        self.captured.set()
         self.buffers: dict[tuple, torch.Tensor] = {}
         """Host copies of the state, reused by every save (see ``train_state.capture``)."""
 
-    def save(self, step: int, pieces: list[Piece], meta: dict[str, Any],
-             copy_files: dict[str, Path]) -> Path:
+    def save(self, step: int, pieces: list[Piece] | Callable[[], list[Piece]],
+             meta: dict[str, Any], copy_files: dict[str, Path]) -> Path:
         """Write (or start writing) checkpoint ``step``; ``meta`` and ``copy_files`` are used
-        by the first rank only. Returns where the checkpoint will be."""
+        by the first rank only. ``pieces`` may be the function that captures them, which a
+        background save calls on its own thread (see :meth:`wait_captured`). Returns where the
+        checkpoint will be."""
         self.wait()
         tmp = temp_dir(self.root, step, self.token)
         tmp.mkdir(parents=True, exist_ok=True)
         rng = torch.get_rng_state()
         if self.executor is None:
             try:
-                self._write(tmp, step, pieces, rng, meta, copy_files)
+                self._write(tmp, step, pieces() if callable(pieces) else pieces, rng, meta,
+                            copy_files)
             except (OSError, SafetensorError) as err:
                 raise self._failed(step, tmp, err) from None
         else:
-            self.pending = (step, self.executor.submit(self._write, tmp, step, pieces, rng,
-                                                       meta, copy_files))
+            self.captured = threading.Event()
+            self.pending = (step, self.executor.submit(self._capture_and_write, tmp, step,
+                                                       pieces, rng, meta, copy_files))
         return self.root / step_dir_name(step)
+
+    def wait_captured(self) -> None:
+        """Block until the background save in flight holds its own copy of the state (at
+        once when it was given pieces, or when nothing is in flight)."""
+        self.captured.wait()
+
+    def _capture_and_write(self, tmp: Path, step: int,
+                           pieces: list[Piece] | Callable[[], list[Piece]], rng: torch.Tensor,
+                           meta: dict[str, Any], copy_files: dict[str, Path]) -> None:
+        try:
+            if callable(pieces):
+                pieces = pieces()
+        except BaseException:  # raised by check() or wait(); nothing half-written is left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            self.captured.set()
+        self._write(tmp, step, pieces, rng, meta, copy_files)
 
     def _write(self, tmp: Path, step: int, pieces: list[Piece], rng: torch.Tensor,
                meta: dict[str, Any], copy_files: dict[str, Path]) -> None:

@@ -2,18 +2,21 @@
 
 Each rank writes ``shard-RRRRR.safetensors`` (its pieces, keys ``p0, p1, ...``, plus its RNG
 state under ``rng``) and ``shard-RRRRR.json`` (for each piece: global name, global shape,
-dtype, offset and size in the global tensor; the file's sha256). The first rank merges the
+dtype, offset and size in the global tensor; the file's checksum). The first rank merges the
 ``.json`` files into the checkpoint's manifest (see :mod:`meshtron.checkpoint.store`).
 
 Reading trusts nothing: names are plain file names of the checkpoint, dtypes come from a fixed
 list, every box lies inside its tensor's shape, and each piece's stored shape and dtype are
 checked against the index before a byte of data is read. safetensors files hold raw tensors
-only, so nothing is ever unpickled; a file's checksum is verified the first time it is opened.
+only, so nothing is ever unpickled. Files are written and read by
+:mod:`meshtron.checkpoint.tensor_file`, which computes each file's checksum beside the write and,
+when reading, beside the copies out of it: :meth:`ShardReader.read_into` fills tensors before
+their file's checksum is known, and :meth:`ShardReader.verify` (which :meth:`ShardReader.read`
+and :meth:`ShardReader.read_rng` call themselves) says whether they can be trusted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -22,29 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from meshtron.checkpoint.boxes import Box, intersect, slices
+from meshtron.checkpoint.tensor_file import TensorFile, write_tensor_file
 from meshtron.errors import MeshtronError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64, "int64": torch.int64, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-                      "I64": "int64", "U8": "uint8"}
 
 
 def shard_name(rank: int) -> str:
     return f"shard-{rank:05d}"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fsync_file(path: Path) -> None:
@@ -86,15 +79,16 @@ class Piece:
 
 
 def write_shard(directory: Path, rank: int, pieces: list[Piece], rng: torch.Tensor) -> None:
-    """Write this rank's safetensors file and, last (atomically), its index ``.json``."""
+    """Write this rank's safetensors file (hashed as it is written, then fsynced) and, last
+    (atomically), its index ``.json``."""
     base = shard_name(rank)
-    tensors = {f"p{i}": p.data.contiguous() for i, p in enumerate(pieces)}
+    tensors = {f"p{i}": p.data for i, p in enumerate(pieces)}
     tensors["rng"] = rng
     path = directory / f"{base}.safetensors"
-    save_safetensors(tensors, path)
-    fsync_file(path)
+    digest = write_tensor_file(path, tensors)
+    os.chmod(path, 0o666 & ~current_umask())
     index = {
-        "file": path.name, "sha256": sha256(path), "rng": "rng",
+        "file": path.name, "checksum": digest, "rng": "rng",
         "pieces": [{"name": p.name, "shape": list(p.shape), "dtype": DTYPE_NAMES[p.data.dtype],
                     "key": f"p{i}", "offset": list(p.box[0]), "size": list(p.box[1])}
                    for i, p in enumerate(pieces)],
@@ -111,7 +105,7 @@ def merge_shard_indexes(indexes: list[dict[str, Any]]) -> tuple[dict, dict, dict
     files: dict[str, str] = {}
     rng: dict[str, dict[str, str]] = {}
     for rank, index in enumerate(indexes):
-        files[index["file"]] = index["sha256"]
+        files[index["file"]] = index["checksum"]
         rng[str(rank)] = {"file": index["file"], "key": index["rng"]}
         for piece in index["pieces"]:
             entry = tensors.setdefault(piece["name"], {"shape": piece["shape"],
@@ -154,35 +148,41 @@ def check_tensor_index(path: Path, tensors: Any, files: dict[str, str]) -> None:
 
 
 def check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
-    """Weights that are NaN or infinite are refused: a model from them computes nothing."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    """Weights that are NaN or infinite are refused: a model from them computes nothing.
+    A sum is finite only if every element is, and costs a fraction of an elementwise test (no
+    boolean tensor); only a sum that is not finite (a bad value, or an overflow) runs that."""
+    if not tensor.is_floating_point():
+        return
+    total = tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    if not bool(torch.isfinite(total)) and not bool(torch.isfinite(tensor).all()):
         raise MeshtronError(f"checkpoint {path}: {name} holds NaN or infinite values; "
                             "refusing to use it (use an earlier checkpoint)")
 
 
 class ShardReader:
-    """Reads boxes of global tensors out of one checkpoint's shard files, each file verified
-    against its checksum when first opened."""
+    """Reads boxes of global tensors out of one checkpoint's shard files; each file's
+    checksum is computed in the background from its first use, and checked by :meth:`verify`."""
 
     def __init__(self, path: Path, manifest: dict[str, Any]):
         self.path = path
         self.tensors: dict[str, dict[str, Any]] = manifest.get("tensors", {})
         self.files: dict[str, str] = manifest.get("files", {})
         check_tensor_index(path, self.tensors, self.files)
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, TensorFile] = {}
 
-    def _handle(self, filename: str):
+    def _handle(self, filename: str) -> TensorFile:
         if filename not in self._open:
             file = self.path / filename
             if not file.is_file():
                 raise MeshtronError(f"checkpoint file {file} is missing")
-            if sha256(file) != self.files[filename]:
-                raise MeshtronError(f"checkpoint file {file} is corrupt (checksum mismatch)")
-            try:
-                self._open[filename] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise MeshtronError(f"checkpoint file {file} cannot be read: {err}") from None
+            self._open[filename] = TensorFile(file, self.files[filename])
         return self._open[filename]
+
+    def verify(self) -> None:
+        """Wait for the checksums of every file read so far; raise on a mismatch. Data from
+        :meth:`read_into` is trustworthy only after this returns."""
+        for handle in self._open.values():
+            handle.verify()
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -191,7 +191,8 @@ class ShardReader:
         return tuple(self.tensors[name]["shape"])
 
     def read_into(self, name: str, box: Box, out: torch.Tensor) -> None:
-        """Fill ``out`` (shaped like ``box``) with the global tensor ``name``'s elements."""
+        """Fill ``out`` (shaped like ``box``) with the global tensor ``name``'s elements,
+        copied straight from the mapped files (see :meth:`verify`)."""
         entry = self.tensors.get(name)
         if entry is None:
             raise MeshtronError(f"checkpoint {self.path} has no tensor {name}")
@@ -211,47 +212,37 @@ class ShardReader:
                 f"{list(box[0])}+{list(box[1])} (the pieces cover {covered} of "
                 f"{math.prod(box[1])} elements)")
 
-    def _checked_slice(self, handle, piece: dict[str, Any], entry: dict[str, Any]):
+    def _checked_slice(self, handle: TensorFile, piece: dict[str, Any],
+                       entry: dict[str, Any]) -> torch.Tensor:
         where = f"checkpoint file {self.path / piece['file']}, key {piece['key']!r}"
-        try:
-            view = handle.get_slice(piece["key"])
-        except (SafetensorError, KeyError):
-            raise MeshtronError(f"{where} is missing") from None
-        if SAFETENSORS_DTYPES.get(view.get_dtype()) != entry["dtype"]:
-            raise MeshtronError(f"{where} holds {view.get_dtype()}, the index says "
-                                f"{entry['dtype']}")
-        if list(view.get_shape()) != list(piece["size"]):
-            raise MeshtronError(f"{where} has shape {view.get_shape()}, the index says "
+        key = piece["key"]
+        if key not in handle.entries:
+            raise MeshtronError(f"{where} is missing")
+        if DTYPE_NAMES[handle.dtype(key)] != entry["dtype"]:
+            raise MeshtronError(f"{where} holds {DTYPE_NAMES[handle.dtype(key)]}, the index "
+                                f"says {entry['dtype']}")
+        if list(handle.shape(key)) != list(piece["size"]):
+            raise MeshtronError(f"{where} has shape {list(handle.shape(key))}, the index says "
                                 f"{piece['size']}")
-        return _SliceReader(view)
+        return handle.tensor(key)
 
     def read(self, name: str) -> torch.Tensor:
-        """A whole global tensor."""
+        """A whole global tensor, verified."""
         shape = self.shape(name)
         out = torch.empty(shape, dtype=DTYPES[self.tensors[name]["dtype"]])
         self.read_into(name, ((0,) * len(shape), shape), out)
+        self.verify()
         return out
 
     def read_rng(self, key: dict[str, str]) -> torch.Tensor:
         if key.get("file") not in self.files:
             raise MeshtronError(f"checkpoint {self.path}: RNG state points outside the index")
         where = f"checkpoint file {self.path / key['file']}, key {key.get('key')!r}"
-        try:
-            state = self._handle(key["file"]).get_tensor(key["key"])
-        except (SafetensorError, KeyError):
-            raise MeshtronError(f"{where} (an RNG state) is missing") from None
+        handle = self._handle(key["file"])
+        handle.verify()
+        if key.get("key") not in handle.entries:
+            raise MeshtronError(f"{where} (an RNG state) is missing")
+        state = handle.tensor(key["key"]).clone()
         if state.dtype != torch.uint8 or state.dim() != 1:
             raise MeshtronError(f"{where} is not an RNG state (a 1-D uint8 tensor)")
         return state
-
-
-class _SliceReader:
-    """Index a safetensors slice with a tuple of slices, reading only those bytes."""
-
-    def __init__(self, view):
-        self.view = view
-
-    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
-        if not index:
-            return self.view[:]
-        return self.view[index]

@@ -3,7 +3,7 @@
 Layout under a checkpoint root::
 
     step_00000100/              a complete checkpoint
-        meta.json               manifest: step, config, sha256 of every file, the tensor index
+        meta.json               manifest: step, config, checksum of every file, the tensor index
                                 (global name -> shape, dtype, pieces), RNG keys, user metadata
         shard-00000.safetensors one per rank that holds something; never pickled
         shard-00000.json        that rank's part of the index (merged into meta.json)
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from meshtron.checkpoint.digests import file_digest
 from meshtron.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -43,7 +44,6 @@ from meshtron.checkpoint.shards import (
     ShardReader,
     fsync_file,
     merge_shard_indexes,
-    sha256,
     shard_name,
     write_shard,
 )
@@ -92,11 +92,11 @@ def finalize_checkpoint(tmp: Path, root: Path, step: int, world_size: int, meta:
         indexes.append(json.loads(path.read_text()))
     tensors, files, rng = merge_shard_indexes(indexes)
     for rank in range(world_size):
-        files[f"{shard_name(rank)}.json"] = sha256(tmp / f"{shard_name(rank)}.json")
+        files[f"{shard_name(rank)}.json"] = file_digest(tmp / f"{shard_name(rank)}.json")
     for filename, source in (copy_files or {}).items():
         shutil.copyfile(source, tmp / filename)
         fsync_file(tmp / filename)
-        files[filename] = sha256(tmp / filename)
+        files[filename] = file_digest(tmp / filename)
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
                 "files": files, "tensors": tensors, "rng": rng, **meta}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -145,7 +145,7 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check every file against its recorded sha256; return the manifest."""
+    """Check every file against its recorded checksum; return the manifest."""
     manifest = read_manifest(path)
     verify_files(path, manifest)
     return manifest

@@ -6,8 +6,10 @@ parameters are not fp32), copied to host memory. The optimizer's step count, the
 the data position go into the manifest; each rank's RNG state into its shard.
 
 Loading: every rank asks the index for the boxes of the global tensors it holds under *its*
-layout and reads only those slices, whatever layout wrote them. Shapes are checked for every
-tensor before anything is copied, so a mismatched checkpoint changes nothing.
+layout and reads only those slices, whatever layout wrote them, straight into its own tensors.
+Shapes are checked for every tensor before anything is copied, so a mismatched checkpoint
+changes nothing. Checksums are computed beside the copies and checked before the weights are
+used (a corrupt file raises after the tensors it fed were overwritten: the run stops there).
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ Log = Callable[[str], None]
 
 @torch.no_grad()
 def capture(model: nn.Module, optimizer: DataParallelOptimizer, mesh: ParallelMesh,
-            buffers: dict[tuple, torch.Tensor] | None = None) -> list[Piece]:
+            buffers: dict[tuple, torch.Tensor] | None = None, copy: bool = True) -> list[Piece]:
     """Host copies of the pieces this rank writes (no communication). With ``buffers`` (kept
     by the caller between saves, and not in use by a save still being written) the copies go
-    into the same host tensors every time instead of new ones."""
+    into the same host tensors every time instead of new ones. ``copy=False`` is for a save
+    that is written before training goes on: pieces already in host memory are written from
+    where they live (as ``torch.distributed.checkpoint`` does), the rest copied."""
     pieces = []
     for held in held_tensors(model, optimizer, mesh):
         if not held.writes:
             continue
         for local_box, global_box in held.boxes():
             source = held.view(local_box)
+            if not copy and source.device.type == "cpu":
+                pieces.append(Piece(held.name, held.global_shape, global_box, source))
+                continue
             key = (held.name, global_box)
             data = buffers.get(key) if buffers is not None else None
             if data is None or data.dtype != source.dtype:
@@ -77,11 +84,8 @@ def _load(reader: ShardReader, helds: list[Held]) -> None:
     for held in helds:
         name = held.name if reader.has(held.name) else held.fallback
         assert name is not None and reader.has(name), "_optimizer_helds decided what to load"
-        dtype = DTYPES[reader.tensors[name]["dtype"]]
         for local_box, global_box in held.boxes():
-            buffer = torch.empty(global_box[1], dtype=dtype)
-            reader.read_into(name, global_box, buffer)
-            held.view(local_box).copy_(buffer)
+            reader.read_into(name, global_box, held.view(local_box))
 
 
 def _exact_master_source(reader: ShardReader, held: Held) -> bool:
@@ -123,6 +127,7 @@ def load_weights(path: Path, model: nn.Module) -> None:
              for p in model.parameters()]
     _check_shapes(path, reader, helds)
     _load(reader, helds)
+    reader.verify()
 
 
 def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn.Module,
@@ -136,10 +141,12 @@ def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn
     _check_shapes(path, reader, helds)
     weights = [h for h in helds if h.name.startswith("model/")]
     _load(reader, weights)
+    reader.verify()
     for held in weights:
         check_finite(path, held.name[6:], held.flat)
     optimizer.masters_from_params()
     _load(reader, _optimizer_helds(path, reader, helds, log))
+    reader.verify()
     optimizer.steps_taken = int(manifest.get("optimizer", {}).get("steps", 0))
     if scaler is not None and "loss_scale" in manifest:
         scaler.scale, scaler.clean_steps = manifest["loss_scale"]

@@ -76,6 +76,7 @@ class DataParallelOptimizer(ABC):
         self.mesh = mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.stage = stage
+        self._update_fence: Callable[[], None] | None = None
         dtype = reduce_dtype or self.params[0].dtype
         self.reducer: GradReducer | LocalGradients
         if local:
@@ -144,6 +145,19 @@ class DataParallelOptimizer(ABC):
     @abstractmethod
     def step(self, lr: float) -> None:
         """Update the weights this rank owns from the reduced gradients."""
+
+    def fence_next_update(self, ready: Callable[[], None]) -> None:
+        """Make the next update call ``ready()`` first (it blocks until a background reader
+        of the weights and moments, an asynchronous checkpoint's capture, is done with them)."""
+        self._update_fence = ready
+
+    def update(self, lr: float) -> None:
+        """:meth:`step`, once the fence set by :meth:`fence_next_update` (if any) is passed:
+        until then forward and backward run beside the reader, which only the update races."""
+        fence, self._update_fence = self._update_fence, None
+        if fence is not None:
+            fence()
+        self.step(lr)
 
     # ------------------------------------------------------------------ state
 

@@ -101,7 +101,7 @@ def train_step(
         precision.scaler.update(overflow=skipped)
     if not skipped:
         optimizer.clip(grad_norm, grad_clip)
-        optimizer.step(lr)
+        optimizer.update(lr)
     return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped, compute_s)
 
 

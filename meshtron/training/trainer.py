@@ -16,7 +16,7 @@ import torch
 from meshtron.checkpoint import train_state
 from meshtron.checkpoint.hf_vision import load_hf_vision
 from meshtron.checkpoint.saver import CheckpointSaver
-from meshtron.checkpoint.shards import check_finite
+from meshtron.checkpoint.shards import Piece, check_finite
 from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint, step_dir_name
 from meshtron.config import Config, PrecisionConfig
 from meshtron.data import TrainingData, build_training_data
@@ -270,16 +270,25 @@ class Trainer:
         """Write a checkpoint: each rank its own shard (in the background with
         ``checkpoint.async``), the first rank the index. No collectives when asynchronous."""
         cfg = self.cfg
+        background = cfg.checkpoint.async_
         self.saver.wait()  # the host buffers below belong to the save in flight until it ends
-        pieces = train_state.capture(self.model, self.optimizer, self.mesh, self.saver.buffers)
-        for piece in pieces:  # never a checkpoint with a NaN in it
-            check_finite(cfg.checkpoint_dir, f"{piece.name} (about to be saved)", piece.data)
+
+        def pieces() -> list[Piece]:  # on the saver's thread when in the background
+            captured = train_state.capture(self.model, self.optimizer, self.mesh,
+                                           self.saver.buffers, copy=background)
+            for piece in captured:  # never a checkpoint with a NaN in it
+                check_finite(cfg.checkpoint_dir, f"{piece.name} (about to be saved)",
+                             piece.data)
+            return captured
+
         meta = {"config": cfg.to_dict(), "layout": self.mesh.layout.sizes(),
                 "data": {"next_batch": self.step, "seed": cfg.train.seed},
                 **train_state.state_meta(self.optimizer, self.precision.scaler)}
+        if background:  # the capture runs beside the next forward/backward, not the update
+            self.optimizer.fence_next_update(self.saver.wait_captured)
         path = self.saver.save(self.step, pieces, meta,
                                {"tokenizer.json": Path(self.data.tokenizer.path)})
-        if not cfg.checkpoint.async_ and self.mesh.world.pg is not None:
+        if not background and self.mesh.world.pg is not None:
             torch.distributed.barrier()  # the first rank has moved the checkpoint into place
         return path
 
