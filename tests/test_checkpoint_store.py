@@ -265,3 +265,14 @@ def test_the_finite_check_sees_nan_and_inf_but_not_an_overflowing_sum(tmp_path):
         values[3] = bad
         with pytest.raises(MeshtronError, match="NaN or infinite"):
             check_finite(tmp_path, "w", values)
+
+
+def test_replicated_tensors_go_to_the_rank_that_has_written_least():
+    """Round-robin gave one rank every large tensor (embeddings and their moments); by bytes
+    the ranks' shares stay within one tensor of each other."""
+    from meshtron.checkpoint.held import next_writer
+
+    written = [0, 0]
+    sizes = [10, 1, 1, 1, 10, 1]
+    assert [next_writer(written, n) for n in sizes] == [0, 1, 1, 1, 1, 0]
+    assert written == [11, 13]

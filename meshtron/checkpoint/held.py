@@ -8,15 +8,15 @@ parameters, the sharded optimizer's state); the optimizer says which
 (:meth:`~meshtron.optim.data_parallel.DataParallelOptimizer.held_tensors`). :class:`Held`
 aliases the live storage, so the loader writes straight into the model and the optimizer.
 
-Every element is written by exactly one rank: one of the data-parallel ranks, in turn, for what
-all dp ranks replicate (so they share the writing; for MoE experts, the expert-data-parallel
-ranks that replicate them), the first of the tp ranks that share a
+Every element is written by exactly one rank: for what all dp ranks replicate, the
+data-parallel rank that has written the fewest bytes so far (so they share the writing evenly,
+whatever the tensors' sizes; for MoE experts, among the expert-data-parallel ranks that
+replicate them), the first of the tp ranks that share a
 replicated parameter, and never the last pipeline stage's copy of a tied embedding.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -89,24 +89,34 @@ def _unique_writer(param: nn.Parameter, mesh: ParallelMesh) -> bool:
     return not layout.is_copy and mesh.tp.rank % layout.replicas == 0
 
 
+def next_writer(written: list[int], nbytes: int) -> int:
+    """The rank that writes the next replicated tensor, of ``nbytes``: the one with the fewest
+    bytes ``written`` so far (the lowest on a tie), charged for it."""
+    writer = written.index(min(written))
+    written[writer] += nbytes
+    return writer
+
+
 def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
                  mesh: ParallelMesh) -> list[Held]:
     """Everything of the model and its optimizer that this rank holds, in a fixed order."""
     names = global_names(model)
-    turns: dict[str, itertools.count] = {}
+    written: dict[str, list[int]] = {}
 
-    def my_turn(group: Group) -> bool:
-        """Round-robin over the data-parallel ranks (dp x cp, or the experts' own group) for
-        what they all hold: the write is shared."""
-        turn = next(turns.setdefault(group.name, itertools.count()))
-        return turn % group.size == group.rank
+    def my_turn(group: Group, nbytes: int) -> bool:
+        """Whether this rank writes a tensor that all ranks of ``group`` (dp x cp, or the
+        experts' own group) hold. Every rank of the group sees the same tensors in the same
+        order, so all agree."""
+        return next_writer(written.setdefault(group.name, [0] * group.size), nbytes) \
+            == group.rank
 
     def held(state: HeldState) -> Held:
         name = names[id(state.param)]
         writes = _unique_writer(state.param, mesh)
         if state.replicated:
             group = layout_of(state.param).data_parallel
-            writes = my_turn(mesh.dp_cp if group is None else group) and writes
+            nbytes = state.flat.numel() * state.flat.element_size()
+            writes = my_turn(mesh.dp_cp if group is None else group, nbytes) and writes
         if state.kind == "param":
             return Held(f"model/{name}", state.param, state.local_shape, state.flat, state.start,
                         writes)

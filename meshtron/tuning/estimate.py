@@ -122,12 +122,17 @@ class Estimator:
         core (:meth:`rate_scale`), so there they add to the compute time."""
         return self.problem.profile.compute_units is None
 
+    def _gemm_seconds(self, work: LayerWork, scale: float) -> list[float]:
+        """Forward seconds of each of ``work``'s GEMMs, in its order."""
+        p = self.problem.profile
+        peak = p.peak(self.problem.gemm_dtype) * scale / p.compute_correction
+        return [g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms]
+
     def _work_seconds(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
         """(GEMMs, attention core, memory-bound) forward seconds of ``work``."""
         p = self.problem.profile
+        gemm = sum(self._gemm_seconds(work, scale))
         scale = scale / p.compute_correction
-        peak = p.peak(self.problem.gemm_dtype) * scale
-        gemm = sum(g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms)
         core_peak = p.peak(self.problem.dtype) * scale * p.attention_efficiency
         return gemm, work.attention_flops / core_peak, \
             work.elementwise_bytes / (p.memory_bandwidth * scale)
@@ -144,7 +149,8 @@ class Estimator:
         if key not in self._layers:
             work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size)
             gemm, core, memory = self._work_seconds(work, self.rate_scale(c))
-            comm_f, comm_b = layer_communication(self.problem, layer, c, core, self.overlaps)
+            comm_f, comm_b = layer_communication(self.problem, layer, c, core, self.overlaps,
+                                                 self._gemm_seconds(work, self.rate_scale(c)))
             forward = gemm + core + memory
             redo = {"full": forward, "selective": core}.get(c.recompute, 0.0)
             backward_input = gemm + 2.5 * core + 2 * memory + redo
@@ -186,7 +192,8 @@ class Estimator:
                                    self.rate_scale(c))[0] if pr.model.mtp_depth else 0.0
         dense = self.layer_seconds(self.dense_layer, c)
         moe = self.layer_seconds(self.moe_layer, c)
-        (embed_f, embed_b), (head_f, head_b) = edge_communication(self.problem, c)
+        (embed_f, embed_b), (head_f, head_b) = edge_communication(self.problem, c, head_gemm,
+                                                                  self.overlaps)
         out: dict[ChunkShape, ActionCosts] = {}
         for shape in unique:
             for chunk in shape.chunks:

@@ -27,6 +27,8 @@ class Problem:
     fp8: bool = False
     reduce_dtype: str = "fp32"
     cp_comm: str = "ring"
+    tp_comm_chunks: int = 0
+    """``parallel.tp_comm_chunks`` when ``parallel.tp_comm_overlap`` is on, else 0."""
 
     @property
     def element_size(self) -> int:
@@ -78,4 +80,6 @@ def problem_of(cfg: Config, cluster: Cluster) -> Problem:
                             "reads no tokenizer)")
     return Problem(model, cfg.train.seq_len, cfg.train.global_batch, cluster.profile,
                    cluster.gpus, dtype=cfg.precision.dtype, fp8=cfg.precision.fp8 != "none",
-                   reduce_dtype=cfg.precision.reduce_dtype, cp_comm=cfg.parallel.cp_comm)
+                   reduce_dtype=cfg.precision.reduce_dtype, cp_comm=cfg.parallel.cp_comm,
+                   tp_comm_chunks=(cfg.parallel.tp_comm_chunks if cfg.parallel.tp_comm_overlap
+                                   else 0))
