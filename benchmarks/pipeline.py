@@ -33,6 +33,12 @@ gradient clipping at 1.0 over the whole pipeline:
   all-reduce (over pp) of each stage's squared ``get_total_norm``, ``clip_grads_with_norm_``;
   loss all-reduced over pp, as meshtron does.
 
+``meshtron 1f1b balanced`` and ``meshtron zb-h1 balanced`` use meshtron's default split
+instead (``plan_pipeline`` without ``pp_layers``: the balanced counts, with the embedding's
+and the head's cost counted); they are unpaired, and the split of every meshtron
+configuration is printed. Beside the pairs, **best vs best** sets the fastest meshtron
+configuration against the fastest torch one.
+
 Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
 (vpp=2) / ``ScheduleInterleaved1F1B`` (two stages per rank); ``zb-h1`` /
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (torch's ZB1P; it splits backward
@@ -140,6 +146,8 @@ class Setup:
     vpp: int
     optional: bool = False
     """Dropped (and the error reported) when a round fails with it."""
+    balanced: bool = False
+    """meshtron's default split (the head's cost counted) instead of torch's even one."""
 
 
 SETUPS = {s.name: s for s in (
@@ -151,6 +159,8 @@ SETUPS = {s.name: s for s in (
     Setup("torch Interleaved1F1B", "torch", "ScheduleInterleaved1F1B", 2),
     Setup("meshtron zb-h1", "meshtron", "zb-h1", 1),
     Setup("torch InterleavedZB", "torch", "ScheduleInterleavedZeroBubble", 1, optional=True),
+    Setup("meshtron 1f1b balanced", "meshtron", "1f1b", 1, balanced=True),
+    Setup("meshtron zb-h1 balanced", "meshtron", "zb-h1", 1, balanced=True),
 )}
 PAIRS = [("meshtron gpipe", "torch GPipe"), ("meshtron 1f1b", "torch 1F1B"),
          ("meshtron interleaved", "torch Interleaved1F1B"),
@@ -179,14 +189,15 @@ class StageChunk(nn.Module):
         return self._model[0](x, chunk=self.chunk)
 
 
-def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str
+def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, balanced: bool = False
             ) -> tuple[RunPlan, Transformer]:
     """The plan with an even layer split over ``pp * vpp`` virtual stages (as torch's stages
-    are), and this rank's seeded model built from it."""
+    are), or with meshtron's balanced default, and this rank's seeded model built from it."""
     pp, stages = mesh.pp.size, mesh.pp.size * vpp
+    even = [] if balanced else [
+        f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}"]
     cfg = s.config(f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
-                   f"--parallel.schedule={schedule}",
-                   f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}")
+                   f"--parallel.schedule={schedule}", *even)
     plan = plan_run(cfg, pp)
     model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
@@ -197,7 +208,7 @@ Step = Callable[[torch.Tensor], float]
 
 
 def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh) -> tuple[Step, PipelineExecutor]:
-    plan, model = _stages(s, mesh, setup.vpp, setup.schedule)
+    plan, model = _stages(s, mesh, setup.vpp, setup.schedule, setup.balanced)
     cfg = plan.config
     executor = PipelineExecutor(model, mesh, plan.partition, plan.schedule,
                                 cfg.model.hidden_size)
@@ -344,13 +355,35 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
               "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
                                        itertools.chain(*times[theirs]))}
              for ours, theirs in PAIRS if ours in rows and theirs in rows]
+    best = {family: min((n for n in names if SETUPS[n].family == family),
+                        key=lambda n: rows[n]["s_per_step"], default=None)
+            for family in ("meshtron", "torch")}
+    if best["meshtron"] and best["torch"]:
+        ours, theirs = best["meshtron"], best["torch"]
+        best |= {"ratio": rows[ours]["s_per_step"] / rows[theirs]["s_per_step"],
+                 "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
+                                                  itertools.chain(*times[theirs]))}
     bubbles = {n: pipeline_idle.idle_figures(
         build_schedule(SETUPS[n].schedule, pp, SETUPS[n].vpp, s.microbatches),
         [[rank["traces"][n] for rank in run] for run in runs])
         for n in names if SETUPS[n].family == "meshtron"}
-    return {"pp": pp, "configs": rows, "pairs": pairs, "bubbles": bubbles, "dropped": dropped,
+    partitions = {n: _partition(SETUPS[n], s, pp) for n in names
+                  if SETUPS[n].family == "meshtron"}
+    return {"pp": pp, "configs": rows, "pairs": pairs, "best": best, "bubbles": bubbles,
+            "partitions": partitions, "dropped": dropped,
             "load_average": load, "first_loss": runs[0][0]["first_loss"],
             "last_warmup_loss": runs[0][0]["last_warmup_loss"]}
+
+
+def _partition(setup: Setup, s: Shape, pp: int) -> list[int]:
+    """Layers per virtual stage of a meshtron configuration (the plan; no processes)."""
+    stages = pp * setup.vpp
+    even = [] if setup.balanced else [
+        f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}"]
+    plan = plan_run(s.config(f"--parallel.pp={pp}", f"--parallel.vpp={setup.vpp}",
+                             f"--parallel.schedule={setup.schedule}", *even), pp)
+    partition = plan.partition
+    return [len(partition.layers_of(v)) for v in range(partition.virtual_stages)]
 
 
 def _slowest(run: list[dict[str, Any]], name: str) -> list[float]:
@@ -383,6 +416,13 @@ def print_pp(result: dict[str, Any], args: Any) -> None:
             f"{p['ratio']:.2f}", f"{p['pair_ratio']:.2f}") for p in result["pairs"]),
          *((f"{n} (unpaired)", f"{r['s_per_step']:.3f}", "", "", "")
            for n, r in rows.items() if n not in paired)]))
+    best = result["best"]
+    if "ratio" in best:
+        print(f"\nbest vs best: {best['meshtron']} {rows[best['meshtron']]['s_per_step']:.3f} "
+              f"s/step against {best['torch']} {rows[best['torch']]['s_per_step']:.3f}: ratio "
+              f"{best['ratio']:.2f}, pair ratio {best['pair_ratio']:.2f}")
+    print("layers per virtual stage: " + "; ".join(
+        f"{n.removeprefix('meshtron ')} {v}" for n, v in result["partitions"].items()))
     print("\nmeshtron idle fraction (1 - busy / pipeline span; median over timed steps) against "
           "the schedule's closed form and simulation\n")
     print(harness.markdown_table(
