@@ -31,6 +31,9 @@ per step). MFU = ``training_flops_per_token(model, seq) * tokens/s / peak``, wit
 device's dense bf16 peak from ``meshtron.training.hardware.peak_flops`` (989 TFLOP/s for H100
 SXM and H200). FP8 runs are measured against that same bf16 peak, so their MFU shows the speed-up
 directly (the dense FP8 peak is twice as high). All modes start from the same initial weights.
+With ``--profile`` each mode then runs one more step under ``torch.profiler``
+(``step_profile.py``): the step's kernel time split into GEMMs, attention, optimizer,
+casts/copies and the rest, and the top kernels, in the report and a second table.
 A time budget (``--budget-s``, counted from the start) keeps the run short: a mode stops timing
 when the next step would pass it, and modes that no longer fit are skipped with a note.
 """
@@ -50,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import step_profile
 import torch
 
 # meshtron: used in build_config, gemm_path, build_mode, the MFU in run_mode and the model
@@ -167,7 +171,8 @@ def build_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.devi
 
 
 def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device, gemm: str,
-             warmup: int, steps: int, deadline: float, peak: float) -> dict[str, Any]:
+             warmup: int, steps: int, deadline: float, peak: float,
+             profiled: bool = False) -> dict[str, Any]:
     """Train ``warmup + steps`` steps of one mode on random tokens; its figures."""
     t_start = time.monotonic()
     step = build_mode(cfg, initial, device, gemm)
@@ -213,6 +218,9 @@ def run_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.device
         tps = tokens / step_s
         out |= {"median_step_s": round(step_s, 5), "tokens_per_s": round(tps, 1),
                 "mfu": training_flops_per_token(cfg.model, seq) * tps / peak}
+        if profiled and time.monotonic() + 2 * dt < deadline:
+            out["profile"] = step_profile.profile_step(
+                functools.partial(step, batches[0]), device, synchronize)
     del step, batches
     gc.collect()
     if device.type == "cuda":
@@ -263,6 +271,17 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
          "first step s", "note"),
         (row(mode, r) for mode, r in results.items())))
     print("* MFU against the device's dense bf16 peak, for the FP8 modes too.")
+    profiled = {mode: r["profile"] for mode, r in results.items() if "profile" in r}
+    if profiled:
+        labels = sorted({k for p in profiled.values() for k in p["shares"]})
+        print(f"\nshare of one profiled step ({next(iter(profiled.values()))['basis']})\n")
+        phases = ("forward_backward", "reduce_and_norm", "optimizer")
+        print(harness.markdown_table(
+            ("mode", "profiled s", *(f"{k} s" for k in phases), *labels),
+            ((mode, f"{p['total_s']:.4f}",
+              *(f"{p['phases_s'].get(k, 0.0):.4f}" for k in phases),
+              *(f"{100 * p['shares'].get(k, 0.0):.1f}%" for k in labels))
+             for mode, p in profiled.items())))
 
 
 def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -298,6 +317,8 @@ def main() -> None:
                         help="FP8 product path of the tensorwise and delayed modes")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-clock budget of the whole run, from the start")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step per mode: time by kind of work")
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="bf16 dense peak FLOP/s; default: looked up (GPU) or measured (CPU)")
     args = parser.parse_args()
@@ -348,7 +369,7 @@ def main() -> None:
         mode_cfg = build_config(shape, mode, micro_batch, args.recompute)
         try:
             results[mode] = run_mode(mode_cfg, initial, device, args.gemm, warmup, steps,
-                                     deadline, peak)
+                                     deadline, peak, args.profile)
         except (RuntimeError, MeshtronError) as err:  # out of memory too: report, go on
             results[mode] = {"gemm": "-", "error": f"{type(err).__name__}: {err}"[:500]}
             gc.collect()

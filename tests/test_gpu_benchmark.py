@@ -19,7 +19,7 @@ FIGURES = {"gemm", "build_s", "warmup_steps", "timed_steps", "first_step_s", "st
 @pytest.mark.slow  # a fresh interpreter and four modes: 5 s alone, 15-30 s on shared cores
 def test_smoke_mode_prints_the_table_and_writes_a_parsable_report(tmp_path):
     # the default --json, so the report lands in the working directory: here, not the repo
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu"],
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--profile"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["gpu-benchmark.json"]
@@ -35,9 +35,20 @@ def test_smoke_mode_prints_the_table_and_writes_a_parsable_report(tmp_path):
         assert figures["timed_steps"] == 1 and len(figures["losses"]) == 2
         assert figures["tokens_per_s"] > 0 and figures["median_step_s"] > 0
     assert report["results"]["blockwise"]["gemm"] == "emulated"
+    for mode, figures in report["results"].items():  # --profile: the step by kind and phase
+        profile = figures["profile"]
+        assert profile["basis"] == "operator self CPU time"
+        assert sum(profile["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert profile["shares"]["gemm"] > 0 and profile["top"], mode
+        assert set(profile["phases_s"]) == {"forward_backward", "reduce_and_norm",
+                                            "optimizer"}
+        assert 0 < profile["phases_s"]["forward_backward"] <= profile["total_s"] * 1.5
     assert report["goals"] == "not evaluated for --smoke"
 
-    table = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    table, shares = rows[: 2 + len(MODES)], rows[2 + len(MODES):]
     assert table[0].startswith("| mode | gemm | step s | tokens/s |")
     assert [row.split(" | ")[0].lstrip("| ") for row in table[2:]] == list(MODES)
+    assert shares[0].startswith("| mode | profiled s | forward_backward s |")
+    assert [row.split(" | ")[0].lstrip("| ") for row in shares[2:]] == list(MODES)
     assert "wrote gpu-benchmark.json" in run.stdout

@@ -20,6 +20,14 @@ launching one more first completes the oldest and frees its full-size buffer, so
 does not hold every bucket's full gradient (and, on gloo, a copy of each queued input) until
 its end, as FSDP2 does not.
 
+Stages 2 and 3 also hold no gradient memory a step has not produced yet, as FSDP2 does not:
+a bucket keeps the gradients autograd made until its last one arrives and only then copies
+them into its flat buffer (a bucket full-size from its first gradient held, under ZeRO-3,
+the embedding's slot of the root unit's bucket through the whole backward), and the rank's
+reduced chunk is made by the bucket's first reduce-scatter of the step and dropped by
+:meth:`GradReducer.zero_grad` (it lives from the end of one backward to the start of the next
+step, not through the forward and backward where the peak is).
+
 Buckets never mix parameters with different weight decay, learning-rate multiplier (muP),
 replication, gradient-sync group or data-parallel group, so the optimizer and the grad norm
 can treat a bucket's chunk as one flat tensor, and a tied embedding's two pipeline copies sit
@@ -112,7 +120,10 @@ class Bucket:
     grad: torch.Tensor | None = None
     """Flat gradient buffer [padded] while it exists."""
     shard_grad: torch.Tensor | None = None
-    """Stage 2: the persistent summed gradient of this rank's chunk."""
+    """Stage 2/3: the summed gradient of this rank's chunk, from the step's first reduction of
+    the bucket to the next ``zero_grad``."""
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list, repr=False)
+    """Stage 2/3: gradients (parameter index, gradient) that arrived before the bucket's last."""
     arrived: int = 0
     work: dist.Work | None = None
     launched: bool = False
@@ -192,9 +203,6 @@ class GradReducer:
             if stage <= 1:
                 bucket.grad = torch.zeros(bucket.padded, dtype=dtype,
                                           device=bucket.params[0].device)
-            else:
-                bucket.shard_grad = torch.zeros(bucket.padded // bucket.group.size, dtype=dtype,
-                                                device=bucket.params[0].device)
         self.sync = True
         self._in_flight: deque[Bucket] = deque()
         """Stage 2/3: launched buckets whose full-size buffer is not yet summed and freed."""
@@ -212,9 +220,10 @@ class GradReducer:
         if param.grad is None:  # a backward that deferred this weight's gradient (zb-h1)
             return
         bucket, i = self._where[id(param)]
-        if bucket.grad is None:
-            bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype, device=param.device)
-        bucket.view(bucket.grad, i).add_(param.grad)
+        if self.stage >= 2:
+            bucket.pending.append((i, param.grad))  # into the flat buffer at launch
+        else:
+            bucket.view(bucket.grad, i).add_(param.grad)
         param.grad = None
         bucket.arrived += 1
         if self.on_event:
@@ -222,7 +231,21 @@ class GradReducer:
         if self.sync and bucket.arrived == len(bucket.params):
             self._launch(bucket)
 
+    def _flatten(self, bucket: Bucket) -> None:
+        """Stage 2/3: the bucket's flat gradient from the gradients it kept, each dropped once
+        added (zeros where none arrived: parameters without gradient, padding)."""
+        bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype,
+                                  device=bucket.params[0].device)
+        pending, bucket.pending = bucket.pending, []
+        pending.reverse()
+        while pending:
+            i, grad = pending.pop()
+            bucket.view(bucket.grad, i).add_(grad)
+            del grad
+
     def _launch(self, bucket: Bucket) -> None:
+        if self.stage >= 2:
+            self._flatten(bucket)
         bucket.launched = True
         if self.on_event:
             self.on_event("reduce", bucket.index)
@@ -236,7 +259,8 @@ class GradReducer:
             elif self.stage == 1:
                 bucket.work = start_reduce_scatter(bucket.grad, bucket.group)
             else:
-                bucket.scratch = torch.empty_like(bucket.shard_grad)
+                bucket.scratch = torch.empty(bucket.padded // bucket.group.size,
+                                             dtype=self.dtype, device=bucket.grad.device)
                 bucket.work = start_reduce_scatter(bucket.grad, bucket.group, out=bucket.scratch)
         while len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
             self._finish(self._in_flight.popleft())
@@ -249,7 +273,10 @@ class GradReducer:
             bucket.work = None
         start, end = bucket.chunk_range()
         summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
-        bucket.shard_grad.add_(summed)
+        if bucket.shard_grad is None:  # the step's first reduction of this bucket
+            bucket.shard_grad = summed
+        else:
+            bucket.shard_grad.add_(summed)
         bucket.grad = bucket.scratch = None
 
     def end_micro_batch(self) -> None:
@@ -258,9 +285,6 @@ class GradReducer:
             return
         for bucket in self.buckets:
             if not bucket.launched:
-                if bucket.grad is None:  # stage 2: nothing of this bucket arrived
-                    bucket.grad = torch.zeros(bucket.padded, dtype=self.dtype,
-                                              device=bucket.params[0].device)
                 self._launch(bucket)
         while self._in_flight:
             self._finish(self._in_flight.popleft())
@@ -272,17 +296,23 @@ class GradReducer:
     # ------------------------------------------------------------------ after the step's backward
 
     def zero_grad(self) -> None:
+        """Stage 0/1 zero their persistent buffers; 2/3 drop every gradient (the next
+        backward makes them again)."""
         for bucket in self.buckets:
-            if bucket.grad is not None:
+            if self.stage >= 2:
+                bucket.grad = bucket.shard_grad = None
+                bucket.pending = []
+            elif bucket.grad is not None:
                 bucket.grad.zero_()
-            if bucket.shard_grad is not None:
-                bucket.shard_grad.zero_()
 
     def local_grad(self, bucket: Bucket) -> torch.Tensor:
         """The reduced gradient this rank owns: the whole bucket (stage 0) or its chunk."""
         if self.stage == 0:
             return bucket.grad
         if self.stage >= 2:
+            if bucket.shard_grad is None:  # no reduction since zero_grad: a zero gradient
+                bucket.shard_grad = torch.zeros(bucket.padded // bucket.group.size,
+                                                dtype=self.dtype, device=bucket.params[0].device)
             return bucket.shard_grad
         start, end = bucket.chunk_range()
         return bucket.grad[start:end]
@@ -330,10 +360,10 @@ class GradReducer:
                 param.grad = bucket.view(bucket.grad, i).to(param.dtype)
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage that persist between steps on this rank."""
-        total = 0
-        for bucket in self.buckets:
-            for buffer in (bucket.grad, bucket.shard_grad):
-                if buffer is not None:
-                    total += buffer.numel() * buffer.element_size()
-        return total
+        """Bytes of gradient storage kept between steps on this rank: the whole buckets
+        (stage 0/1) or this rank's chunks (2/3, which exist from the end of a backward to the
+        next ``zero_grad``, so counted whether or not they exist now)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        if self.stage >= 2:
+            return sum(b.padded // b.group.size for b in self.buckets) * element
+        return sum(b.grad.numel() for b in self.buckets if b.grad is not None) * element

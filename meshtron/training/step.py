@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from meshtron.config import Config
 from meshtron.errors import MeshtronError
@@ -22,6 +23,9 @@ from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.precision.policy import Precision
+
+PHASES = ("meshtron.forward_backward", "meshtron.reduce_and_norm", "meshtron.optimizer")
+"""The step's parts as ``torch.profiler`` ranges, so a profile splits the step by them."""
 
 
 @dataclass
@@ -76,32 +80,36 @@ def train_step(
     optimizer.zero_grad()
     chunks = micro_batches(local_batch, micro_batch, split or default_split(model, mesh))
     scale = precision.loss_scale  # the model's MoE losses read the same weight at forward
-    if pipeline is not None:
-        loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
-    else:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
-        for i, mb in enumerate(chunks):
-            optimizer.begin_micro_batch(last=i == len(chunks) - 1)
-            logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead, images=mb.images)
-            loss = model.loss_sum(logits, mb.targets)
-            if poison and i == 0:
-                loss = loss * float("nan")
-            (loss * (scale / global_tokens)).backward()
-            optimizer.end_micro_batch()
-            loss_sum += loss.detach().double()
+    with record_function(PHASES[0]):
+        if pipeline is not None:
+            loss_sum = pipeline.train(chunks, optimizer, loss_weight=scale / global_tokens)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=local_batch.device)
+            for i, mb in enumerate(chunks):
+                optimizer.begin_micro_batch(last=i == len(chunks) - 1)
+                logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead,
+                               images=mb.images)
+                loss = model.loss_sum(logits, mb.targets)
+                if poison and i == 0:
+                    loss = loss * float("nan")
+                (loss * (scale / global_tokens)).backward()
+                optimizer.end_micro_batch()
+                loss_sum += loss.detach().double()
     if slow_down_s > 0:
         time.sleep(slow_down_s)
     compute_s = time.perf_counter() - started
-    optimizer.finish_gradients(unscale=1.0 / scale)
-    all_reduce(loss_sum, mesh.dp_cp)
-    all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
-    grad_norm = float(optimizer.grad_norm())
+    with record_function(PHASES[1]):
+        optimizer.finish_gradients(unscale=1.0 / scale)
+        all_reduce(loss_sum, mesh.dp_cp)
+        all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
+        grad_norm = float(optimizer.grad_norm())
     skipped = not (math.isfinite(grad_norm) and math.isfinite(float(loss_sum)))
     if precision.scaler is not None:
         precision.scaler.update(overflow=skipped)
     if not skipped:
-        optimizer.clip(grad_norm, grad_clip)
-        optimizer.update(lr)
+        with record_function(PHASES[2]):
+            optimizer.clip(grad_norm, grad_clip)
+            optimizer.update(lr)
     return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped, compute_s)
 
 
