@@ -85,8 +85,7 @@ def write_shard(directory: Path, rank: int, pieces: list[Piece], rng: torch.Tens
     tensors = {f"p{i}": p.data for i, p in enumerate(pieces)}
     tensors["rng"] = rng
     path = directory / f"{base}.safetensors"
-    digest = write_tensor_file(path, tensors)
-    os.chmod(path, 0o666 & ~current_umask())
+    digest = write_tensor_file(path, tensors)  # created 0o666 less the umask, as any file
     index = {
         "file": path.name, "checksum": digest, "rng": "rng",
         "pieces": [{"name": p.name, "shape": list(p.shape), "dtype": DTYPE_NAMES[p.data.dtype],
