@@ -36,7 +36,9 @@ gradient clipping at 1.0 over the whole pipeline:
 ``meshtron 1f1b balanced`` and ``meshtron zb-h1 balanced`` use meshtron's default split
 instead (``plan_pipeline`` without ``pp_layers``: the balanced counts, with the embedding's
 and the head's cost counted); they are unpaired, and the split of every meshtron
-configuration is printed. Beside the pairs, **best vs best** sets the fastest meshtron
+configuration is printed. ``meshtron <schedule> ahead`` posts each stream's next receive
+one message early (``build_schedule(receives_ahead=1)``), so a hand-over can happen while the
+stage computes; also unpaired. Beside the pairs, **best vs best** sets the fastest meshtron
 configuration against the fastest torch one.
 
 Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
@@ -148,6 +150,8 @@ class Setup:
     """Dropped (and the error reported) when a round fails with it."""
     balanced: bool = False
     """meshtron's default split (the head's cost counted) instead of torch's even one."""
+    ahead: int = 0
+    """meshtron: receives posted this many messages early (``build_schedule``)."""
 
 
 SETUPS = {s.name: s for s in (
@@ -161,6 +165,9 @@ SETUPS = {s.name: s for s in (
     Setup("torch InterleavedZB", "torch", "ScheduleInterleavedZeroBubble", 1, optional=True),
     Setup("meshtron 1f1b balanced", "meshtron", "1f1b", 1, balanced=True),
     Setup("meshtron zb-h1 balanced", "meshtron", "zb-h1", 1, balanced=True),
+    Setup("meshtron 1f1b ahead", "meshtron", "1f1b", 1, ahead=1),
+    Setup("meshtron interleaved ahead", "meshtron", "interleaved", 2, ahead=1),
+    Setup("meshtron zb-h1 ahead", "meshtron", "zb-h1", 1, ahead=1),
 )}
 PAIRS = [("meshtron gpipe", "torch GPipe"), ("meshtron 1f1b", "torch 1F1B"),
          ("meshtron interleaved", "torch Interleaved1F1B"),
@@ -210,8 +217,9 @@ Step = Callable[[torch.Tensor], float]
 def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh) -> tuple[Step, PipelineExecutor]:
     plan, model = _stages(s, mesh, setup.vpp, setup.schedule, setup.balanced)
     cfg = plan.config
-    executor = PipelineExecutor(model, mesh, plan.partition, plan.schedule,
-                                cfg.model.hidden_size)
+    schedule = build_schedule(setup.schedule, mesh.pp.size, setup.vpp, s.microbatches,
+                              receives_ahead=setup.ahead)
+    executor = PipelineExecutor(model, mesh, plan.partition, schedule, cfg.model.hidden_size)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
     precision = Precision("fp32", torch.device("cpu"))
 
@@ -364,7 +372,8 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
                  "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
                                                   itertools.chain(*times[theirs]))}
     bubbles = {n: pipeline_idle.idle_figures(
-        build_schedule(SETUPS[n].schedule, pp, SETUPS[n].vpp, s.microbatches),
+        build_schedule(SETUPS[n].schedule, pp, SETUPS[n].vpp, s.microbatches,
+                       receives_ahead=SETUPS[n].ahead),
         [[rank["traces"][n] for rank in run] for run in runs])
         for n in names if SETUPS[n].family == "meshtron"}
     partitions = {n: _partition(SETUPS[n], s, pp) for n in names

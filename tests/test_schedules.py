@@ -340,3 +340,23 @@ def test_sends_are_let_go_early_without_deadlock(case):
                      - sum(len(v) for v in completions[stage].values())
                      for stage, row in enumerate(schedule.stages)]
         assert max(kept_open) <= case[1], kept_open  # at most pp, whatever the micro-batches
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("case", [c for c in GRID if c[1] > 1], ids=lambda c: "-".join(map(str, c)))
+def test_receives_posted_ahead_keep_the_order_the_timeline_and_no_deadlock(case, ahead):
+    """Posting each stream's next receives early changes no match, no compute time and no
+    safe moment to let a send go: only when the hand-over can happen."""
+    late, early = build_schedule(*case), build_schedule(*case, receives_ahead=ahead)
+    assert [late.compute_actions(s) for s in range(late.pp)] == \
+        [early.compute_actions(s) for s in range(early.pp)]
+    assert run_globally(early) == early.timeline() == late.timeline()
+    assert run_with_blocking_send_waits(early, send_completions(early)), case
+    for stage, row in enumerate(early.stages):  # never more than `ahead` posts unconsumed
+        open_posts: dict[int, int] = {}
+        for a in row:
+            if a.kind.startswith("RECV"):
+                open_posts[a.peer] = open_posts.get(a.peer, 0) + 1
+            elif (need := consumed(early, stage, a)) is not None:
+                assert open_posts[need[0]] <= ahead + 1, (stage, a)
+                open_posts[need[0]] -= 1

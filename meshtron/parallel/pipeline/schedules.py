@@ -163,13 +163,17 @@ class Schedule:
                 for s in range(self.pp)]
 
 
-def add_communication(pp: int, vpp: int, compute: list[list[Action]]) -> list[list[Action]]:
+def add_communication(pp: int, vpp: int, compute: list[list[Action]],
+                      ahead: int = 0) -> list[list[Action]]:
     """Insert sends after producers and receive posts before consumers, matched in order.
 
     Every (sender, receiver) pair carries one ordered stream of messages; the receiver posts
-    them in exactly the sender's order, each as late as possible: right before a consumer it
-    posts every not-yet-posted message of that sender up to the one consumed. Chunks on the
-    same stage (pp=1) hand activations over locally and get no actions.
+    them in exactly the sender's order: right before a consumer it posts every not-yet-posted
+    message of that sender up to the one consumed and, with ``ahead`` = n, the n after it too,
+    so that those can arrive while this stage computes (a receive posted just before it is
+    needed makes the stage wait for the whole hand-over; each one posted ahead holds one
+    message's buffer longer). Chunks on the same stage (pp=1) hand activations over locally
+    and get no actions.
     """
     last = pp * vpp - 1
     streams: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
@@ -197,7 +201,8 @@ def add_communication(pp: int, vpp: int, compute: list[list[Action]]) -> list[li
             if source is not None and source % pp != r:
                 src = source % pp
                 stream, first = streams[(src, r)], posted.get(src, 0)
-                upto = index[(src, r)][(a.kind, a.microbatch, a.chunk)]
+                upto = min(len(stream) - 1, index[(src, r)][(a.kind, a.microbatch, a.chunk)]
+                           + ahead)
                 row += [Action(f"RECV_{kind}", m, c, src) for kind, m, c in stream[first:upto + 1]]
                 posted[src] = max(first, upto + 1)
             row.append(a)
@@ -291,8 +296,11 @@ def _validate(name: str, pp: int, vpp: int, microbatches: int) -> None:
                             "train.micro_batch")
 
 
-def build_schedule(name: str, pp: int, vpp: int, microbatches: int) -> Schedule:
-    """The named schedule for pp stages with vpp chunks each, communication included."""
+def build_schedule(name: str, pp: int, vpp: int, microbatches: int,
+                   receives_ahead: int = 0) -> Schedule:
+    """The named schedule for pp stages with vpp chunks each, communication included (each
+    stream's receives posted ``receives_ahead`` messages early: :func:`add_communication`)."""
     _validate(name, pp, vpp, microbatches)
     compute = _generate(name, pp, vpp, microbatches)
-    return Schedule(name, pp, vpp, microbatches, add_communication(pp, vpp, compute))
+    return Schedule(name, pp, vpp, microbatches,
+                    add_communication(pp, vpp, compute, receives_ahead))
