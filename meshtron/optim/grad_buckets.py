@@ -2,16 +2,17 @@
 
 Parameters are grouped into buckets of about ``bucket_bytes``, in the order backward produces
 their gradients (the reverse of the forward order). A hook after each gradient's accumulation
-adds it into its bucket's flat buffer; when a bucket's last gradient arrives, its reduction is
-launched asynchronously, so communication overlaps the rest of the backward pass.
+hands it to its bucket (stage 0/1: added into the flat buffer at once; 2/3: see below); when a
+bucket's last gradient arrives, its reduction is launched asynchronously, so communication
+overlaps the rest of the backward pass.
 
 What the reduction is depends on the ZeRO stage:
 
 - stage 0: all-reduce (sum) of the whole bucket; every rank keeps every gradient.
 - stage 1: reduce-scatter in place; each rank keeps the summed gradient of its 1/dp chunk. The
   full buffer persists, so micro-batches accumulate locally and only the last one communicates.
-- stage 2: as stage 1, but after every micro-batch, accumulating into a persistent chunk-sized
-  buffer; the full bucket buffer exists only while that micro-batch's backward runs.
+- stage 2: as stage 1, but after every micro-batch, accumulating into a chunk-sized buffer;
+  the full bucket buffer exists only from its last gradient to its reduction's completion.
 - stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
   (one transformer block each), so a unit can be freed as soon as its gradients are out.
 

@@ -90,6 +90,7 @@ def train_step(
                 logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead,
                                images=mb.images)
                 loss = model.loss_sum(logits, mb.targets)
+                del logits  # the loss saved what its backward needs: no 2nd vocab-wide copy
                 if poison and i == 0:
                     loss = loss * float("nan")
                 (loss * (scale / global_tokens)).backward()
