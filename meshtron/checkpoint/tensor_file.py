@@ -23,6 +23,7 @@ import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -60,6 +61,12 @@ def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -
     return struct.pack("<Q", len(text)) + text
 
 
+def _write_all(f: BinaryIO, view: memoryview) -> None:
+    written = 0
+    while written < len(view):  # an unbuffered write may be partial
+        written += f.write(view[written:])
+
+
 def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> str:
     """Write ``tensors`` (CPU) as a safetensors file, fsync it, and return its checksum."""
@@ -69,12 +76,10 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
     with ThreadPoolExecutor(1, "checkpoint-hash") as hasher:
         hashed = [hasher.submit(digest.update, header)]
         with open(path, "wb", buffering=0) as f:
-            f.write(header)
+            _write_all(f, memoryview(header))
             for view in views:
                 hashed.append(hasher.submit(digest.update, view))
-                written = 0
-                while written < len(view):  # a raw write may be partial
-                    written += f.write(view[written:])
+                _write_all(f, view)
             os.fsync(f.fileno())
         for future in hashed:
             future.result()
