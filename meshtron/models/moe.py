@@ -42,6 +42,9 @@ from meshtron.parallel.tensor.collectives import all_gather, all_reduce, gather_
 from meshtron.parallel.tensor.layers import TPRegion, sharded
 from meshtron.precision.policy import at_least_fp32
 
+TIE_GRID = 2.0**20
+"""Routing weights that agree to 2^-20 are tied for capacity: the earlier token keeps its slot."""
+
 
 @dataclass
 class RoutingStats:
@@ -184,7 +187,11 @@ class RowPlan:
         if moe.capacity_factor == 0:
             return cls(routed, torch.argsort(flat, stable=True), routed, None)
         capacity = math.ceil(moe.capacity_factor * len(experts) * moe.top_k / num_experts)
-        by_weight = torch.argsort(-weights.reshape(-1), stable=True)
+        # weights on a 2^-20 grid: copies of equal weight in exact arithmetic (a repeated
+        # context) differ by the GEMM's last bit, which depends on the row's place in the
+        # batch and on the CPU's kernels; so such near-ties go by token order instead
+        grid = torch.round(weights.reshape(-1).double() * TIE_GRID) / TIE_GRID
+        by_weight = torch.argsort(-grid, stable=True)
         order = by_weight[torch.argsort(flat[by_weight], stable=True)]
         sorted_experts = flat[order]
         position = torch.arange(len(order), device=order.device) - (
