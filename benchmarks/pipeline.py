@@ -196,16 +196,21 @@ class StageChunk(nn.Module):
         return self._model[0](x, chunk=self.chunk)
 
 
-def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, balanced: bool = False
-            ) -> tuple[RunPlan, Transformer]:
-    """The plan with an even layer split over ``pp * vpp`` virtual stages (as torch's stages
-    are), or with meshtron's balanced default, and this rank's seeded model built from it."""
-    pp, stages = mesh.pp.size, mesh.pp.size * vpp
+def _plan(s: Shape, pp: int, vpp: int, schedule: str, balanced: bool = False) -> RunPlan:
+    """The run plan with an even layer split over ``pp * vpp`` virtual stages (as torch's
+    stages are), or with meshtron's balanced default."""
+    stages = pp * vpp
     even = [] if balanced else [
         f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}"]
-    cfg = s.config(f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
-                   f"--parallel.schedule={schedule}", *even)
-    plan = plan_run(cfg, pp)
+    return plan_run(s.config(f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
+                             f"--parallel.schedule={schedule}", *even), pp)
+
+
+def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, balanced: bool = False
+            ) -> tuple[RunPlan, Transformer]:
+    """The plan (see :func:`_plan`) and this rank's seeded model built from it."""
+    plan = _plan(s, mesh.pp.size, vpp, schedule, balanced)
+    cfg = plan.config
     model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     return plan, model.train()
@@ -386,12 +391,7 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
 
 def _partition(setup: Setup, s: Shape, pp: int) -> list[int]:
     """Layers per virtual stage of a meshtron configuration (the plan; no processes)."""
-    stages = pp * setup.vpp
-    even = [] if setup.balanced else [
-        f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}"]
-    plan = plan_run(s.config(f"--parallel.pp={pp}", f"--parallel.vpp={setup.vpp}",
-                             f"--parallel.schedule={setup.schedule}", *even), pp)
-    partition = plan.partition
+    partition = _plan(s, pp, setup.vpp, setup.schedule, setup.balanced).partition
     return [len(partition.layers_of(v)) for v in range(partition.virtual_stages)]
 
 
