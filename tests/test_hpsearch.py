@@ -232,9 +232,11 @@ def test_an_interrupted_search_resumes_from_its_study_file(data_cache, tmp_path,
     args = ["hpsearch", *proxy_args(data_cache), "--space", "train.lr=0.002", "--study",
             str(study), "--json", str(tmp_path / "hp.json")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-m", "meshtron", *args], cwd=tmp_path,
-                            env={**env, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE,
-                            text=True)
+    # every step a second longer, so the trial is still running when Ctrl-C comes (a 10-step
+    # trial of this model can finish between the poll that sees its metrics and the signal)
+    env |= {"PYTHONPATH": str(ROOT), "MESHTRON_FAULTS": "slow:seconds=1"}
+    proc = subprocess.Popen([sys.executable, "-m", "meshtron", *args], cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "hp.runs" / "hpsearch" / "0" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics.exists() and proc.poll() is None and time.monotonic() < deadline:
