@@ -7,9 +7,11 @@ every few seconds over its own store connection, and when its main thread has no
 phase for ``run.timeout_s`` it reads the others' heartbeats and ends the process with one line
 that names the phase it waited in and the ranks that went silent, or, when every rank still
 answers in the same phase, that the phase outlasts the timeout (a step slower than
-``run.timeout_s``). The process group's own timeout is set beyond the watchdog's
-(``GROUP_TIMEOUT_MARGIN_S`` in :mod:`meshtron.parallel.mesh.process`), so the watchdog speaks
-first.
+``run.timeout_s``). Silent ranks on its own host are SIGKILLed on the way out: a hung or
+stopped process ignores the elastic agent's SIGTERM, and the agent would hold the whole job
+for its 30 s shutdown grace before killing it. The process group's own timeout is set beyond
+the watchdog's (``GROUP_TIMEOUT_MARGIN_S`` in :mod:`meshtron.parallel.mesh.process`), so the
+watchdog speaks first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import contextlib
 import datetime
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -38,13 +42,17 @@ class Watchdog:
     :meth:`stop`. ``store`` is a client of the job's store of its own (None: no peers)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, store: dist.Store,
-                 exit_process: Callable[[int], object] = os._exit):
+                 exit_process: Callable[[int], object] = os._exit,
+                 kill_process: Callable[[int], object] = lambda pid: os.kill(pid,
+                                                                             signal.SIGKILL)):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.interval = heartbeat_interval(timeout_s)
         self.store = store
         self.exit_process = exit_process
+        self.kill_process = kill_process
+        self.host = socket.gethostname()
         self.current = "start-up"
         self.since = time.monotonic()
         self._stop = threading.Event()
@@ -62,7 +70,8 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            beat = json.dumps({"time": time.time(), "phase": self.current})
+            beat = json.dumps({"time": time.time(), "phase": self.current, "host": self.host,
+                               "pid": os.getpid()})
             with contextlib.suppress(Exception):  # the store's host may be the stalled one:
                 self.store.set(f"heartbeat/{self.rank}", beat)  # then every beat reads stale
             waited = time.monotonic() - self.since
@@ -71,7 +80,7 @@ class Watchdog:
             self._stop.wait(self.interval)
 
     def _give_up(self, waited: float) -> None:
-        silent, elsewhere = [], []
+        silent, elsewhere, stuck_here = [], [], []
         now = time.time()
         for rank in range(self.world_size):
             if rank == self.rank:
@@ -87,6 +96,8 @@ class Watchdog:
             age = now - beat["time"]
             if age > 3 * self.interval:
                 silent.append(f"rank {rank} (silent for {age:.0f} s, last in {beat['phase']})")
+                if beat.get("host") == self.host and "pid" in beat:
+                    stuck_here.append(beat["pid"])
             elif beat["phase"] != self.current:
                 elsewhere.append(f"rank {rank} is in {beat['phase']}")
         where = f"rank {self.rank} waited {waited:.0f} s in {self.current}"
@@ -99,6 +110,9 @@ class Watchdog:
                      f"run.timeout_s={self.timeout_s:g}: raise run.timeout_s above it")
         print(f"meshtron: error: {where} (run.timeout_s={self.timeout_s:g}); {cause}",
               file=sys.stderr, flush=True)
+        for pid in stuck_here:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                self.kill_process(pid)
         self.exit_process(STALL_EXIT_CODE)
 
 
