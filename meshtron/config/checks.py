@@ -46,8 +46,10 @@ def require(cond: bool, message: str) -> None:
 
 def choice(value: str, choices: Iterable[str], name: str) -> None:
     choices = tuple(choices)
-    require(value in choices,
-            f"{name}='{value}' is not one of {', '.join(choices)}{suggest(value, choices)}")
+    if value not in choices:  # the suggestion's string matching only for a refusal: the cost
+        # model's search checks a model's architecture on every candidate it prices
+        raise MeshtronError(f"{name}='{value}' is not one of {', '.join(choices)}"
+                            f"{suggest(value, choices)}")
 
 
 SANITY_LIMITS = {
