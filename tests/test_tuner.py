@@ -317,6 +317,23 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
                                                                                rel=1e-9)
 
 
+@pytest.mark.parametrize("preset, schedule, pp, vpp, microbatches, zero, recompute", [
+    ("llama3-8b", "1f1b", 4, 1, 12, 1, "none"), ("llama3-8b", "gpipe", 4, 1, 8, 0, "full"),
+    ("gpt3-175b", "interleaved", 8, 3, 40, 3, "selective"),
+    ("gpt3-175b", "zb-h1", 16, 1, 30, 2, "none"), ("tiny-deepseek", "1f1b", 4, 1, 101, 1,
+                                                   "full"),
+    ("tiny-deepseek", "interleaved", 2, 2, 100, 0, "none")])
+def test_the_peak_over_stages_is_the_highest_stage_priced_alone(preset, schedule, pp, vpp,
+                                                                microbatches, zero, recompute):
+    """The search prices only the stages that can hold the peak: the result is the first
+    stage's estimate among those with the highest peak, over every stage priced alone."""
+    c = candidate(pp=pp, vpp=vpp, schedule=schedule, dp=2, zero=zero, recompute=recompute)
+    estimator = Estimator(pipeline_problem(preset, pp, microbatches))
+    each = [estimator.memory(c, stage=s) for s in range(pp)]
+    highest = max(m.peak for m in each)
+    assert estimator.memory(c) == next(m for m in each if m.peak == highest)
+
+
 # ----------------------------------------------------------------------------- on paper
 
 

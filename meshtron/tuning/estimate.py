@@ -101,7 +101,10 @@ class Estimator:
         self._activations: dict[tuple, float] = {}
         self._in_flight: dict[tuple, list[int]] = {}
         self._shape_index: dict[tuple[int, int], list[int]] = {}
-        self._state: dict[tuple, dict[str, float]] = {}
+        self._peak_stages: dict[tuple, list[int]] = {}
+        self._shape_bytes: dict[tuple, tuple[dict[str, float], float, float, float]] = {}
+        """Per stage shape and layout: (state, its sum, transient, collective copies) bytes,
+        shared by the schedules, sp and recompute modes the search tries for one layout."""
         self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
 
     # ------------------------------------------------------------------ compute
@@ -229,6 +232,23 @@ class Estimator:
             self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m).peak_in_flight()
         return self._in_flight[key]
 
+    def peak_candidates(self, c: Candidate, in_flight: list[int]) -> list[int]:
+        """The stages, in order, that can hold the peak: of each stage shape its first stage
+        and its first with the most micro-batches in flight. A stage's memory grows with its
+        micro-batches in flight, so no other stage of the shape is higher, nor equal and
+        earlier; pricing only these keeps a deep pipeline's search from visiting every stage
+        of every candidate."""
+        key = (c.pp, c.vpp, tuple(in_flight))
+        if key not in self._peak_stages:
+            first: dict[int, int] = {}
+            most: dict[int, int] = {}
+            for s, number in enumerate(self._shape_index[(c.pp, c.vpp)]):
+                first.setdefault(number, s)
+                if number not in most or in_flight[s] > in_flight[most[number]]:
+                    most[number] = s
+            self._peak_stages[key] = sorted({*first.values(), *most.values()})
+        return self._peak_stages[key]
+
     def closed_form_seconds(self, c: Candidate, busiest: float, microbatches: int) -> float:
         """The busiest stage's work over one minus the schedule's theoretical bubble: the
         search's first pass (the plan itself uses :meth:`pipeline_seconds`)."""
@@ -300,27 +320,29 @@ class Estimator:
         moe = self.layer_activations(self.moe_layer, c, c.recompute)
         per_shape = []
         for number, (shape, first) in enumerate(unique.items()):
-            params = self.stage_params(c, first)
             chunk = max(k.dense * dense + k.moe * moe for k in shape.chunks)
             if c.recompute == "full":  # one layer's whole activations while it is recomputed
                 chunk_extra = self.layer_activations(
                     self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
             else:
                 chunk_extra = 0.0
-            key = (c.pp, c.vpp, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero)
-            if key not in self._state:
-                self._state[key] = state_bytes(params, c, pr.element_size, pr.reduce_size)
-            state = self._state[key]
-            per_shape.append((state, sum(state.values()), chunk, chunk_extra,
-                              transient_bytes(pr.model, params, c, pr.seq_len, shape.head,
-                                              pr.element_size, pr.reduce_size),
-                              collective_copy_bytes(params, c, pr.reduce_size,
-                                                    pr.profile.reduce_scatter_copy)))
+            key = (c.pp, c.vpp, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.micro_batch)
+            if key not in self._shape_bytes:
+                params = self.stage_params(c, first)
+                state = state_bytes(params, c, pr.element_size, pr.reduce_size)
+                self._shape_bytes[key] = (
+                    state, sum(state.values()),
+                    transient_bytes(pr.model, params, c, pr.seq_len, shape.head,
+                                    pr.element_size, pr.reduce_size),
+                    collective_copy_bytes(params, c, pr.reduce_size,
+                                          pr.profile.reduce_scatter_copy))
+            state, held, transient, copies = self._shape_bytes[key]
+            per_shape.append((state, held, chunk, chunk_extra, transient, copies))
+        index = self._shape_index[(c.pp, c.vpp)]
+        stages = [stage] if stage is not None else self.peak_candidates(c, in_flight)
         worst, peak = None, -1.0
-        for s, number in enumerate(self._shape_index[(c.pp, c.vpp)]):
-            if stage is not None and s != stage:
-                continue
-            state, held, chunk, extra, transient, copies = per_shape[number]
+        for s in stages:
+            state, held, chunk, extra, transient, copies = per_shape[index[s]]
             buffers = max(in_flight[s] * chunk + extra + transient, copies)
             total = held + (1 + pr.profile.memory_step_slack) * buffers
             if total > peak:
