@@ -6,7 +6,8 @@ by 100 (at most 3), a command that names no step count trains one step, an evalu
 one batch, sequences are at most 4096 tokens long, and every run reads a 1 MB slice of the
 built-in corpus from a private cache. The user's own files the examples name (``corpus.txt``,
 ``books/``, ``code.jsonl``, ``corpus/``) are made from this Python's sources.
-``meshtron archsearch`` trains 4 proxies of 80 steps and refines one.
+``meshtron archsearch`` trains 4 proxies of 80 steps and refines one, ``hpsearch`` runs 3
+trials and ``evaluate`` 4 episodes.
 ``make test`` is not run (it is this suite), and ``make train`` runs what the Makefile runs.
 """
 
@@ -32,6 +33,8 @@ SCALED = ("--train.steps", "--checkpoint.every", "--checkpoint.resume_from",
           "--train.eval_every", "--train.log_every")
 MAX_SEQ_LEN = 4096
 ARCHSEARCH_SHORT = ("--proxies", "4", "--proxy-steps", "80", "--refine", "1")
+FEWER = {"--trials": "3", "--episodes": "4"}
+"""Counts of other commands' units of work (hpsearch trials, evaluate's episodes), set small."""
 YAML_SCALED = {("train", "steps"), ("checkpoint", "every"), ("train", "eval_every"),
                ("train", "log_every")}
 
@@ -97,7 +100,7 @@ def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
         return [["-m", "torch.distributed.run", *words[1:module], "-m", "meshtron",
                  *shortened(words[module + 2 :], cwd, cache)]]
     assert words[0] == ".venv/bin/meshtron", f"a README command that is not meshtron: {words}"
-    rest = words[1:]
+    rest = [FEWER.get(before, word) for before, word in zip(["", *words[1:]], words[1:])]
     if rest[0] == "archsearch":  # four proxies of the fewest steps the fit allows, one refined
         rest = [*rest, *ARCHSEARCH_SHORT]
     return [["-m", "meshtron", *(shortened(rest, cwd, cache) if rest[0] == "train" else rest)]]
