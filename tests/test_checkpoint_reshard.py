@@ -12,7 +12,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.parity import PARITY_RTOL, run_training, test_overrides
 
-MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=0.02"]
+MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=0.02",
+         "--train.peak_flops=1e12"]  # MFU only: no start-up matmul probe (~2 s CPU a process)
 SAVE = {  # name -> (world size, layout)
     "one": (1, []),
     "tp2": (2, ["--parallel.tp=2"]),
@@ -55,25 +56,48 @@ def resume_runs(rank: int, world_size: int, cache: str, root: str, jobs: list[tu
     return out
 
 
+def save_and_resume_runs(rank: int, world_size: int, cache: str, root: str, names: list[str],
+                         jobs: list[tuple]) -> tuple[dict, list]:
+    """One group of processes for both: its saves, then its resumes (which need only the
+    checkpoints saved before them: by one process, or by this group itself)."""
+    return (save_runs(rank, world_size, cache, root, names),
+            resume_runs(rank, world_size, cache, root, jobs))
+
+
 @pytest.mark.slow
 def test_resume_under_another_layout_continues_the_run(data_cache, tmp_path):
     root = str(tmp_path)
     saved: dict[str, dict] = {}
-    for world in sorted({w for w, _ in SAVE.values()}):
+    resumed: dict[int, list] = {}
+    save_worlds, resume_worlds = {w for w, _ in SAVE.values()}, {w for _, w, _ in RESUME}
+
+    def resume_jobs(world: int) -> list[tuple]:
+        return [(s, layout) for s, w, layout in RESUME if w == world]
+
+    for world in sorted(save_worlds):
         names = [n for n, (w, _) in SAVE.items() if w == world]
         if world == 1:
             saved.update(save_runs(0, 1, data_cache, root, names))
+        elif world in resume_worlds and {s for s, _ in resume_jobs(world)} <= {
+                n for n, (w, _) in SAVE.items() if w <= world}:  # one spawn instead of two
+            group_saved, resumed[world] = run_distributed(
+                save_and_resume_runs, world, data_cache, root, names, resume_jobs(world),
+                timeout=900)[0]
+            saved.update(group_saved)
         else:
             saved.update(run_distributed(save_runs, world, data_cache, root, names,
                                          timeout=900)[0])
     reference = run_training(test_overrides(data_cache, f"{root}/reference") + MODEL)
-    for world in sorted({w for _, w, _ in RESUME}):
-        jobs = [(s, layout) for s, w, layout in RESUME if w == world]
-        if world == 1:
+    for world in sorted(resume_worlds):
+        jobs = resume_jobs(world)
+        if world in resumed:
+            results = resumed[world]
+        elif world == 1:
             results = resume_runs(0, 1, data_cache, root, jobs)
         else:
             results = run_distributed(resume_runs, world, data_cache, root, jobs,
                                       timeout=900)[0]
+        assert len(results) == len(jobs)
         for (source, layout), result in zip(jobs, results):
             what = f"saved as {source}, resumed on {world} ranks with {' '.join(layout) or '-'}"
             assert len(result["loss"]) == 10, what
