@@ -43,6 +43,11 @@ FP64_STEPS = 8
 the math shows from the first steps; the fp32 run keeps the contract's 20."""
 
 
+FIXED_PEAK = ["--train.peak_flops=1e12"]
+"""A nominal peak for MFU (a metric only): spares every process the start-up matmul probe
+(~2 s of CPU each, a 4-rank group's 2 cores busy for as long)."""
+
+
 def test_overrides(cache_dir: str, run_dir: str, steps: int = STEPS) -> list[str]:
     """A 2-layer, 64-wide model on a 0.3 MB slice of the default corpus."""
     return [

@@ -21,6 +21,7 @@ from meshtron.parallel.context.sequence import (
 from meshtron.plan import check_run
 from tests.distributed import run_distributed
 from tests.parity import (
+    FIXED_PEAK,
     PARITY_RTOL,
     assert_layouts_match,
     run_layouts,
@@ -207,11 +208,6 @@ LAYOUTS = {
          "--data.document_mask=true"],
     ],
 }
-
-
-FIXED_PEAK = ["--train.peak_flops=1e12"]
-"""A nominal peak for MFU (a metric only): spares every process the start-up matmul probe
-(~2 s of CPU each, a 4-rank group's 2 cores busy for as long)."""
 
 
 @pytest.mark.slow

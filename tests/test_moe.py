@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from meshtron.training.metrics import read_metrics
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import (
+    FIXED_PEAK,
     PARITY_RTOL,
     ROUNDING_RTOL,
     assert_parity,
@@ -337,39 +339,38 @@ PARITY_4 = [
 ]
 
 
-FIXED_PEAK = ["--train.peak_flops=1e12"]
-"""A nominal peak for MFU (a metric only): spares every process the start-up matmul probe
-(~2 s of CPU each, a 4-rank group's 2 cores busy for as long)."""
-
-
 def reference_overrides(layout: list[str]) -> list[str]:
     """The one-process twin: the same model and micro-batch size (balance losses and
     capacity act per micro-batch), no parallelism."""
     return [o for o in layout if not o.startswith("--parallel.")]
 
 
-_REFERENCES: dict[tuple[str, ...], dict] = {}
-"""One-process runs by (data cache, overrides): several layouts of either world size share a
-twin (a run's directory changes nothing in it), which trains once per session."""
+@pytest.fixture(scope="session")
+def moe_references(data_cache, tmp_path_factory) -> Callable[[list[str]], dict]:
+    """The one-process twin of a layout, trained once per session: several layouts of either
+    world size share one (a run's directory changes nothing in it)."""
+    root, runs = tmp_path_factory.mktemp("moe-references"), {}
 
+    def reference(layout: list[str]) -> dict:
+        key = tuple(reference_overrides(layout))
+        if key not in runs:
+            runs[key] = run_layout(test_overrides(data_cache, f"{root}/ref{len(runs)}")
+                                   + list(key))
+        return runs[key]
 
-def reference_run(cache_dir: str, root, layout: list[str]) -> dict:
-    key = (cache_dir, *reference_overrides(layout))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_layout(test_overrides(cache_dir, f"{root}/ref{len(_REFERENCES)}")
-                                      + list(key[1:]))
-    return _REFERENCES[key]
+    return reference
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_expert_parallel_training_matches_one_process(world_size, data_cache, tmp_path):
+def test_expert_parallel_training_matches_one_process(world_size, data_cache, tmp_path,
+                                                      moe_references):
     layouts = [MOE + layout + FIXED_PEAK
                for layout in (PARITY_2 if world_size == 2 else PARITY_4)]
     results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
                               timeout=900)
     for i, layout in enumerate(layouts):
-        reference = reference_run(data_cache, tmp_path, layout)
+        reference = moe_references(layout)
         for rank, per_rank in enumerate(results):
             assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})",
                           ROUNDING_RTOL)  # fp64 at 1e-9 (see tests/parity.py)
