@@ -115,7 +115,7 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
         check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers)
         if cfg.train.micro_batch is None:
             micro_batch, micro_batches = _pipeline_micro_batch(cfg, micro_batch)
-        schedule = build_schedule(p.schedule, p.pp, p.vpp, micro_batches)
+        schedule = build_schedule(p.schedule, p.pp, p.vpp, micro_batches, p.receives_ahead)
         require(not (p.schedule == "zb-h1" and p.zero == 3 and layout.dp * p.cp > 1),
                 "parallel.schedule=zb-h1 computes weight gradients after the block's backward "
                 "has released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with zb-h1")
@@ -301,7 +301,7 @@ def _pipeline_micro_batch(cfg: Config, share: int) -> tuple[int, int]:
     p = cfg.parallel
     for micro_batch in (d for d in range(share, 1, -1) if share % d == 0):
         try:
-            build_schedule(p.schedule, p.pp, p.vpp, share // micro_batch)
+            build_schedule(p.schedule, p.pp, p.vpp, share // micro_batch, receives_ahead=0)
         except MeshtronError:
             continue
         return micro_batch, share // micro_batch

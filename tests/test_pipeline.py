@@ -131,12 +131,14 @@ def peak_activations(rank: int, world_size: int, cache_dir: str, root: str) -> d
     during this stage's pipeline step (activations, deferred weight-gradient inputs, messages,
     gradients in flight), measured by watching each operator."""
     out = {}
-    for schedule, vpp, microbatches in PEAK_RUNS:
-        overrides = test_overrides(cache_dir, f"{root}/{schedule}{vpp}{microbatches}",
+    for schedule, vpp, microbatches, ahead in [(*run, "0") for run in PEAK_RUNS] + [
+            ("interleaved", 2, 4, "null")]:
+        overrides = test_overrides(cache_dir, f"{root}/{schedule}{vpp}{microbatches}{ahead}",
                                    steps=1) + [
             "--parallel.pp=2", f"--parallel.vpp={vpp}", "--model.num_layers=4",
             f"--parallel.schedule={schedule}", "--train.micro_batch=1",
-            f"--train.global_batch={microbatches}", "--train.log_every=1"]
+            f"--train.global_batch={microbatches}", "--train.log_every=1",
+            f"--parallel.receives_ahead={ahead}"]
         trainer = Trainer(load_config(overrides=overrides),
                           ParallelMesh(MeshLayout(world_size, pp=2), rank), log=lambda m: None)
         executor, peak = trainer.pipeline, []
@@ -149,6 +151,9 @@ def peak_activations(rank: int, world_size: int, cache_dir: str, root: str) -> d
 
         executor.train = measured
         trainer.run()
+        if ahead != "0":  # the default: receives posted ahead
+            out["ahead", schedule, vpp, microbatches] = peak[0]
+            continue
         out[schedule, vpp, microbatches] = peak[0]
         if rank == 0:
             row = json.loads((trainer.run_dir / "metrics.jsonl").read_text())
@@ -163,7 +168,9 @@ def test_peak_activation_memory_follows_schedule_theory(data_cache, tmp_path):
     as soon as the schedule shows them complete (they were kept to the end of the step, one
     message per micro-batch). Interleaved and zb-h1 are bounded in M as well; interleaved
     holds in-flight / vpp micro-batches' worth of chunks; zb-h1 holds more than 1F1B, since
-    each deferred W keeps its layers' inputs and output gradients after B."""
+    each deferred W keeps its layers' inputs and output gradients after B. All with receives
+    posted right before their consumers; posting them ahead (the default) adds at most
+    ``receives_ahead`` messages."""
     results = run_distributed(peak_activations, 2, data_cache, str(tmp_path))
     for stage, peaks in enumerate(results):
         def theory(name: str, vpp: int = 1, stage: int = stage) -> int:
@@ -183,6 +190,9 @@ def test_peak_activation_memory_follows_schedule_theory(data_cache, tmp_path):
         assert chunks <= interleaved <= chunks + (theory("interleaved", 2) + 1) * MESSAGE
         assert theory("zb-h1") == 2
         assert peaks["zb-h1", 1, 4] > constant + 2 * per_micro_batch
+        ahead = build_schedule("interleaved", 2, 2, 4).receives_ahead
+        extra = peaks["ahead", "interleaved", 2, 4] - interleaved
+        assert 0 <= extra <= ahead * MESSAGE, (stage, extra, ahead)
     # Stage 0's bytes sent: one message per micro-batch and boundary its chunks send across
     # (virtual stage k = c * pp forwards if k is not the last, sends gradients back if k > 0).
     for schedule, vpp, microbatches in PEAK_RUNS:

@@ -14,6 +14,7 @@ from meshtron.parallel.pipeline.schedules import (
     Schedule,
     add_communication,
     build_schedule,
+    receives_ahead_needed,
 )
 
 
@@ -100,7 +101,8 @@ def consumed(s: Schedule, stage: int, a: Action) -> tuple[int, tuple[str, int, i
 
 @pytest.mark.parametrize("case", GRID, ids=IDS)
 def test_receives_are_posted_before_their_consumers_and_as_late_as_allowed(case):
-    s = build_schedule(*case)
+    """With ``receives_ahead=0``; the default posts ahead (the tests below)."""
+    s = build_schedule(*case, receives_ahead=0)
     for stage, row in enumerate(s.stages):
         posted: set[tuple[int, tuple[str, int, int]]] = set()
         run: list[Action] = []  # receive posts since the last other action
@@ -332,13 +334,15 @@ def test_sends_are_let_go_early_without_deadlock(case):
     for stage, row in enumerate(schedule.stages):
         for after, sends in completions[stage].items():
             assert all(row[j].kind.startswith("SEND_") and j <= after for j in sends)
-    if case[0] == "1f1b" and case[3] > case[1]:
+    if case[0] == "1f1b" and case[3] > case[1]:  # with receives posted as late as allowed
+        late = build_schedule(*case, receives_ahead=0)
+        late_completions = send_completions(late)
         eager = [{i: [i] for i, a in enumerate(row) if a.kind.startswith("SEND_")}
-                 for row in schedule.stages]
-        assert not run_with_blocking_send_waits(schedule, eager), case
+                 for row in late.stages]
+        assert not run_with_blocking_send_waits(late, eager), case
         kept_open = [sum(a.kind.startswith("SEND_") for a in row)
-                     - sum(len(v) for v in completions[stage].values())
-                     for stage, row in enumerate(schedule.stages)]
+                     - sum(len(v) for v in late_completions[stage].values())
+                     for stage, row in enumerate(late.stages)]
         assert max(kept_open) <= case[1], kept_open  # at most pp, whatever the micro-batches
 
 
@@ -347,7 +351,8 @@ def test_sends_are_let_go_early_without_deadlock(case):
 def test_receives_posted_ahead_keep_the_order_the_timeline_and_no_deadlock(case, ahead):
     """Posting each stream's next receives early changes no match, no compute time and no
     safe moment to let a send go: only when the hand-over can happen."""
-    late, early = build_schedule(*case), build_schedule(*case, receives_ahead=ahead)
+    late = build_schedule(*case, receives_ahead=0)
+    early = build_schedule(*case, receives_ahead=ahead)
     assert [late.compute_actions(s) for s in range(late.pp)] == \
         [early.compute_actions(s) for s in range(early.pp)]
     assert run_globally(early) == early.timeline() == late.timeline()
@@ -360,3 +365,46 @@ def test_receives_posted_ahead_keep_the_order_the_timeline_and_no_deadlock(case,
             elif (need := consumed(early, stage, a)) is not None:
                 assert open_posts[need[0]] <= ahead + 1, (stage, a)
                 open_posts[need[0]] -= 1
+
+
+def posted_late(schedule: Schedule) -> int:
+    """How many messages, in the unit-cost timeline, are sent no later than the moment the
+    receiver posts them (a tie is a race: late), not counting those posted at the stream's
+    first post (the receiver posts nothing earlier)."""
+    rows = schedule.timeline()
+    ended = {(s, a): end for s, row in enumerate(rows) for _, end, a in row}
+    late = 0
+    for r, row in enumerate(schedule.stages):
+        now, first_post = 0.0, {}
+        for a in row:
+            if a.kind in ("F", "B", "W"):
+                now = ended[r, a]
+                continue
+            if not a.kind.startswith("RECV_"):
+                continue
+            kind = a.kind[-1]
+            source = virtual(schedule, r, a) + (-1 if kind == "F" else 1)
+            sent = ended[source % schedule.pp, Action(kind, a.microbatch, source // schedule.pp)]
+            first_post.setdefault(a.peer, now)
+            late += first_post[a.peer] < now and sent <= now
+    return late
+
+
+@pytest.mark.parametrize("case", [c for c in GRID if c[1] > 1], ids=lambda c: "-".join(map(str, c)))
+def test_the_default_posts_every_receive_before_its_message_is_sent(case):
+    """build_schedule's default ``receives_ahead`` is the fewest posts ahead with which no
+    message waits for its receive in the unit-cost timeline: one fewer leaves one waiting."""
+    schedule = build_schedule(*case)
+    assert schedule.receives_ahead == receives_ahead_needed(schedule)
+    assert posted_late(schedule) == 0, case
+    if schedule.receives_ahead > 0:
+        assert posted_late(build_schedule(*case, receives_ahead=schedule.receives_ahead - 1)) > 0
+
+
+def test_receives_ahead_defaults():
+    """One message ahead for gpipe, 1f1b and zb-h1; interleaving sends in bursts and needs more
+    (3 at pp=2: what the measured pipeline needed, docs/performance.md)."""
+    assert [build_schedule(n, 4, 1, 8).receives_ahead for n in ("gpipe", "1f1b", "zb-h1")] \
+        == [1, 1, 1]
+    assert build_schedule("interleaved", 2, 2, 8).receives_ahead == 3
+    assert build_schedule("1f1b", 1, 1, 4).receives_ahead == 0  # no pipeline, no messages

@@ -96,6 +96,8 @@ def validate(cfg: Config) -> None:
                 f"runs (at most {limit:,}): a typo?")
     if m.vocab_size is not None:
         require(m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
+    require(p.receives_ahead is None or p.receives_ahead >= 0,
+            f"parallel.receives_ahead must be 0 or more, got {p.receives_ahead}")
     if t.micro_batch is not None:
         require(t.micro_batch > 0, f"train.micro_batch must be positive, got {t.micro_batch}")
         require(t.global_batch % t.micro_batch == 0,

@@ -263,6 +263,10 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs vpp >= 2) or zb-h1."""
     pp_layers: list[int] | None = None
     """Layers per virtual pipeline stage (pp * vpp counts in model order); unset: balanced."""
+    receives_ahead: int | None = None
+    """Pipeline receives posted this many messages before their consumer, so hand-overs happen
+    while the stage computes (each one more message buffer per stream); unset: what the
+    schedule needs (1, interleaved 2-3); 0: right before the consumer."""
 
 
 @dataclass

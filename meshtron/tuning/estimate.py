@@ -229,7 +229,8 @@ class Estimator:
         m = min(microbatches, 4 * c.pp)
         key = (c.schedule, c.pp, c.vpp, m)
         if key not in self._in_flight:
-            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m).peak_in_flight()
+            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m,
+                                                   receives_ahead=0).peak_in_flight()
         return self._in_flight[key]
 
     def peak_candidates(self, c: Candidate, in_flight: list[int]) -> list[int]:
@@ -278,7 +279,8 @@ class Estimator:
             return a.backward if split else a.backward + a.weight
 
         def makespan(m: int) -> float:
-            rows = build_schedule(c.schedule, c.pp, c.vpp, m).timeline(action_cost=price)
+            rows = build_schedule(c.schedule, c.pp, c.vpp, m,
+                                  receives_ahead=0).timeline(action_cost=price)
             return max(row[-1][1] for row in rows if row)
 
         if microbatches <= SIMULATED_MICROBATCHES:

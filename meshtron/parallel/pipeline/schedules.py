@@ -12,6 +12,7 @@ Virtual stages follow Megatron's interleaving: chunk ``c`` of stage ``s`` is vir
 
 from __future__ import annotations
 
+import bisect
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ class Schedule:
     vpp: int
     microbatches: int
     stages: list[list[Action]]
+    receives_ahead: int = 0
+    """How many messages past the consumed one each receive post reaches
+    (:func:`add_communication`)."""
 
     @property
     def split_backward(self) -> bool:
@@ -296,11 +300,62 @@ def _validate(name: str, pp: int, vpp: int, microbatches: int) -> None:
                             "train.micro_batch")
 
 
+def receives_ahead_needed(schedule: Schedule) -> int:
+    """The fewest messages each receive must be posted ahead (``receives_ahead``) so that, in
+    the unit-cost timeline, every message is posted before its sender sends it.
+
+    Gloo and NCCL move a message once both ends have posted it; a receive posted only when its
+    consumer is next makes the stage wait for the whole hand-over. Receives are posted at a
+    consumer of their stream, when the stage's previous action ends; the post at consumer i
+    must therefore reach every message sent before the stream's next post. 1 for gpipe, 1f1b
+    and zb-h1; 2-3 for interleaved, whose sender sends chunks' messages in bursts.
+    """
+    rows = schedule.timeline()
+    posted_at: dict[tuple[int, Action], float] = {}
+    ended: dict[tuple[int, Action], float] = {}
+    for s, row in enumerate(rows):
+        previous_end = 0.0
+        for _, end, action in row:
+            posted_at[s, action], ended[s, action] = previous_end, end
+            previous_end = end
+    last = schedule.num_virtual_stages - 1
+    sent: dict[tuple[int, int], list[tuple[tuple[str, int, int], float]]] = {}
+    for s, row in enumerate(schedule.stages):
+        for a in row:
+            if a.kind.startswith("SEND_"):
+                producer = Action(a.kind[-1], a.microbatch, a.chunk)
+                target = _neighbour(producer, a.chunk * schedule.pp + s, last)
+                assert target is not None and a.peer is not None
+                sent.setdefault((s, a.peer), []).append(
+                    ((producer.kind, a.microbatch, target // schedule.pp), ended[s, producer]))
+    needed = 0
+    for r in range(schedule.pp):
+        consumers: dict[int, list[Action]] = {}
+        for a in schedule.compute_actions(r):
+            source = _neighbour(a, a.chunk * schedule.pp + r, last, consumed=True)
+            if source is not None and source % schedule.pp != r:
+                consumers.setdefault(source % schedule.pp, []).append(a)
+        for src, actions in consumers.items():
+            stream = sent[src, r]
+            index = {message: i for i, (message, _) in enumerate(stream)}
+            send_times = [t for _, t in stream]  # in the sender's order: non-decreasing
+            for i, a in enumerate(actions):
+                next_post = (posted_at[r, actions[i + 1]] if i + 1 < len(actions)
+                             else float("inf"))
+                reached = bisect.bisect_right(send_times, next_post) - 1
+                needed = max(needed, reached - index[a.kind, a.microbatch, a.chunk])
+    return needed
+
+
 def build_schedule(name: str, pp: int, vpp: int, microbatches: int,
-                   receives_ahead: int = 0) -> Schedule:
+                   receives_ahead: int | None = None) -> Schedule:
     """The named schedule for pp stages with vpp chunks each, communication included (each
-    stream's receives posted ``receives_ahead`` messages early: :func:`add_communication`)."""
+    stream's receives posted ``receives_ahead`` messages early: :func:`add_communication`;
+    None: :func:`receives_ahead_needed`, what the unit-cost timeline asks for)."""
     _validate(name, pp, vpp, microbatches)
     compute = _generate(name, pp, vpp, microbatches)
+    if receives_ahead is None:
+        receives_ahead = receives_ahead_needed(
+            Schedule(name, pp, vpp, microbatches, add_communication(pp, vpp, compute)))
     return Schedule(name, pp, vpp, microbatches,
-                    add_communication(pp, vpp, compute, receives_ahead))
+                    add_communication(pp, vpp, compute, receives_ahead), receives_ahead)
