@@ -36,10 +36,12 @@ gradient clipping at 1.0 over the whole pipeline:
 ``meshtron 1f1b balanced`` and ``meshtron zb-h1 balanced`` use meshtron's default split
 instead (``plan_pipeline`` without ``pp_layers``: the balanced counts, with the embedding's
 and the head's cost counted); they are unpaired, and the split of every meshtron
-configuration is printed. ``meshtron <schedule> ahead`` posts each stream's next receive
-one message early (``build_schedule(receives_ahead=1)``), so a hand-over can happen while the
-stage computes; also unpaired. Beside the pairs, **best vs best** sets the fastest meshtron
-configuration against the fastest torch one.
+configuration is printed. Every ``meshtron <schedule>`` posts receives ahead by the
+schedule's default (``build_schedule``'s ``receives_ahead_needed``: 1 for gpipe, 1f1b and
+zb-h1, 3 for interleaved at pp=2), so a hand-over can happen while the stage computes;
+``meshtron <schedule> late`` posts each receive only right before its consumer
+(``receives_ahead=0``, the executor's behaviour before 2026-12-05); also unpaired. Beside the
+pairs, **best vs best** sets the fastest meshtron configuration against the fastest torch one.
 
 Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
 (vpp=2) / ``ScheduleInterleaved1F1B`` (two stages per rank); ``zb-h1`` /
@@ -68,8 +70,10 @@ its action durations) / span; "measured" = the mean over stages, which is what
 ``schedule.bubble_fraction()`` computes for the simulated timeline; medians over the timed steps.
 Beside it: ``schedule.theoretical_bubble()`` (closed form, unit costs F=1, B=2 or F=B=W=1,
 equal stages), ``schedule.bubble_fraction()`` (its simulated timeline, unit costs), measured /
-theory, and the same timeline simulated with the measured costs (``pipeline_idle.py``: every
-action takes its stage's median duration of that kind and chunk, communication is free). The
+theory, the same timeline simulated with the measured costs (``pipeline_idle.py``: every
+action takes its stage's median duration of that kind and chunk, communication is free), and
+each step **replayed**: the timeline in which every action takes exactly the time it took in
+that step (communication free); measured / replayed is the median over steps of their ratio. The
 stages are not equally loaded even with equal layer counts (the last also runs the output layer
 and the loss, the first the embedding), which the closed form ignores and the measured-cost
 simulation includes; measured minus that simulation is what communication and waiting add.
@@ -150,8 +154,9 @@ class Setup:
     """Dropped (and the error reported) when a round fails with it."""
     balanced: bool = False
     """meshtron's default split (the head's cost counted) instead of torch's even one."""
-    ahead: int = 0
-    """meshtron: receives posted this many messages early (``build_schedule``)."""
+    ahead: int | None = None
+    """meshtron: receives posted this many messages early (``build_schedule``; None: its
+    default, ``receives_ahead_needed``)."""
 
 
 SETUPS = {s.name: s for s in (
@@ -165,9 +170,9 @@ SETUPS = {s.name: s for s in (
     Setup("torch InterleavedZB", "torch", "ScheduleInterleavedZeroBubble", 1, optional=True),
     Setup("meshtron 1f1b balanced", "meshtron", "1f1b", 1, balanced=True),
     Setup("meshtron zb-h1 balanced", "meshtron", "zb-h1", 1, balanced=True),
-    Setup("meshtron 1f1b ahead", "meshtron", "1f1b", 1, ahead=1),
-    Setup("meshtron interleaved ahead", "meshtron", "interleaved", 2, ahead=1),
-    Setup("meshtron zb-h1 ahead", "meshtron", "zb-h1", 1, ahead=1),
+    Setup("meshtron 1f1b late", "meshtron", "1f1b", 1, ahead=0),
+    Setup("meshtron interleaved late", "meshtron", "interleaved", 2, ahead=0),
+    Setup("meshtron zb-h1 late", "meshtron", "zb-h1", 1, ahead=0),
 )}
 PAIRS = [("meshtron gpipe", "torch GPipe"), ("meshtron 1f1b", "torch 1F1B"),
          ("meshtron interleaved", "torch Interleaved1F1B"),
@@ -436,12 +441,14 @@ def print_pp(result: dict[str, Any], args: Any) -> None:
           "the schedule's closed form and simulation\n")
     print(harness.markdown_table(
         ("schedule", "pipeline span s", "idle per stage", "measured", "theory", "sim. unit",
-         "sim. measured costs (per stage)", "measured / theory", "mean F / B / W ms"),
+         "sim. measured costs (per stage)", "replayed", "measured / replayed",
+         "measured / theory", "mean F / B / W ms"),
         ((name.removeprefix("meshtron "), f"{b['span_s']:.3f}",
           " / ".join(f"{v:.2f}" for v in b["idle_per_stage"]), f"{b['idle']:.3f}",
           f"{b['theory']:.3f}", f"{b['simulated_unit']:.3f}",
           f"{b['simulated_measured_costs']:.3f} ("
           + " / ".join(f"{v:.2f}" for v in b["simulated_measured_costs_per_stage"]) + ")",
+          f"{b['replayed']:.3f}", f"{b['measured_over_replayed']:.2f}",
           f"{b['measured_over_theory']:.2f}",
           " / ".join(f"{1e3 * v:.0f}" for v in b["mean_action_seconds"].values()))
          for name, b in result["bubbles"].items())))

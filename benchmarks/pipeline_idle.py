@@ -1,10 +1,11 @@
 """The idle-time part of ``benchmarks/pipeline.py`` (its docstring says what is measured): each
-stage's idle fraction from ``PipelineExecutor.trace``, against the schedule's closed form and its
-timeline simulated with unit and with measured costs.
+stage's idle fraction from ``PipelineExecutor.trace``, against the schedule's closed form, its
+timeline simulated with unit and with median measured costs, and each step replayed with every
+action's own measured time.
 
 It uses meshtron only through the objects it is given: a ``Schedule`` (``pp``,
-``compute_actions``, ``dependencies``, ``theoretical_bubble``, ``bubble_fraction``) and the
-trace's actions (``kind``, ``chunk``).
+``compute_actions``, ``dependencies``, ``theoretical_bubble``, ``bubble_fraction``,
+``timeline``) and the trace's actions (``kind``, ``microbatch``, ``chunk``).
 """
 
 from __future__ import annotations
@@ -16,15 +17,29 @@ from meshtron.parallel.pipeline.schedules import Schedule
 
 
 def trace_summary(trace: list[tuple[Any, float, float]]) -> dict[str, Any]:
-    """One stage's step: first start, last end, busy seconds, and [seconds, count] per action
-    kind and chunk (keys such as ``F0``, ``B1``, ``W0``)."""
+    """One stage's step: first start, last end, busy seconds, [seconds, count] per action
+    kind and chunk (keys such as ``F0``, ``B1``, ``W0``), and every action's own seconds
+    (``[kind, micro-batch, chunk, seconds]``, for the replay)."""
     kinds: dict[str, list[float]] = {}
     for action, start, end in trace:
         total = kinds.setdefault(f"{action.kind}{action.chunk}", [0.0, 0])
         total[0] += end - start
         total[1] += 1
     return {"start": min(t[1] for t in trace), "end": max(t[2] for t in trace),
-            "busy": sum(t[2] - t[1] for t in trace), "kinds": kinds}
+            "busy": sum(t[2] - t[1] for t in trace), "kinds": kinds,
+            "actions": [[a.kind, a.microbatch, a.chunk, end - start] for a, start, end in trace]}
+
+
+def replayed_idle(schedule: Schedule, step: list[dict[str, Any]]) -> float:
+    """Mean idle fraction of ``schedule``'s timeline when every action takes exactly the
+    seconds it took in this measured step (free communication): what the schedule alone
+    explains of the step's idle time, the variation between micro-batches included."""
+    took = {(stage, kind, m, c): seconds for stage, t in enumerate(step)
+            for kind, m, c, seconds in t["actions"]}
+    rows = schedule.timeline(
+        action_cost=lambda s, a: took[s, a.kind, a.microbatch, a.chunk])
+    span = max(row[-1][1] for row in rows if row)
+    return statistics.mean(1 - sum(end - start for start, end, _ in row) / span for row in rows)
 
 
 def simulated_idle(schedule: Schedule, cost: dict[tuple[int, int, str], float]) -> list[float]:
@@ -56,7 +71,7 @@ def idle_figures(schedule: Schedule, runs: list[list[list[dict[str, Any]]]]) -> 
     :func:`trace_summary` of every timed step of every rank of every run."""
     pp = schedule.pp
     per_stage: list[list[float]] = [[] for _ in range(pp)]
-    means, spans = [], []
+    means, spans, replays = [], [], []
     durations: dict[tuple[int, int, str], list[float]] = {}
     for run in runs:
         for step in zip(*run):
@@ -66,6 +81,7 @@ def idle_figures(schedule: Schedule, runs: list[list[list[dict[str, Any]]]]) -> 
             for stage, value in enumerate(idle):
                 per_stage[stage].append(value)
             means.append(statistics.mean(idle))
+            replays.append(replayed_idle(schedule, list(step)))
             for stage, t in enumerate(step):
                 for key, (seconds, count) in t["kinds"].items():
                     durations.setdefault((stage, int(key[1:]), key[0]), []).append(
@@ -82,4 +98,6 @@ def idle_figures(schedule: Schedule, runs: list[list[list[dict[str, Any]]]]) -> 
             "simulated_measured_costs_per_stage": simulated,
             "action_seconds": {f"{k}{c}@{st}": v for (st, c, k), v in cost.items()},
             "mean_action_seconds": per_kind, "span_s": statistics.median(spans),
+            "replayed": statistics.median(replays),
+            "measured_over_replayed": statistics.median(m / r for m, r in zip(means, replays)),
             "measured_over_theory": measured / theory}
