@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.parity import FIXED_PEAK, PARITY_RTOL, run_training, test_overrides
+from tests.parity import PARITY_RTOL, run_training, test_overrides
 
-MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=0.02",
-         *FIXED_PEAK]
+MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=0.02"]
 SAVE = {  # name -> (world size, layout)
     "one": (1, []),
     "tp2": (2, ["--parallel.tp=2"]),

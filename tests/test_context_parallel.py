@@ -21,7 +21,6 @@ from meshtron.parallel.context.sequence import (
 from meshtron.plan import check_run
 from tests.distributed import run_distributed
 from tests.parity import (
-    FIXED_PEAK,
     PARITY_RTOL,
     assert_layouts_match,
     run_layouts,
@@ -213,7 +212,7 @@ LAYOUTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_context_parallel_matches_one_process(world_size, data_cache, tmp_path):
-    layouts = [layout + FIXED_PEAK for layout in LAYOUTS[world_size]]
+    layouts = LAYOUTS[world_size]
     results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
                               timeout=900)
     assert_layouts_match(layouts, results, data_cache, tmp_path)
