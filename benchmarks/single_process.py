@@ -26,7 +26,11 @@ Run from the repository root::
    built with ``ModelOptions(compile=True)``: each block one Inductor graph) and
    ``hf+compile`` (``torch.compile`` of the whole HF model), each with its own copy of the
    weights and optimizer, in the same rounds; the compile happens in the warm-up rounds, and the
-   compiled pair is compared best against best.
+   compiled pair is compared best against best. ``--profile`` adds one profiled step of each
+   model after the timed ones (``step_profile``): operator self time per kind of work, the
+   GFLOP/s of every product shape of meshtron's step against a 2048-square product in the same
+   process, and the time a step at 0.9x HF's would leave for everything but the products and
+   attention (which both run in the same kernels).
 2. **The user's path** (``trainer_path.py``): ``meshtron train``'s whole step (tiny preset, seq
    128, global batch 8, one micro-batch; data fetch, ``train_step``, metrics row) against a plain
    HF loop of the same shape (same weights and batches, ``clip_grad_norm_(1.0)``, torch AdamW
@@ -50,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import step_profile
 import torch
 import trainer_path
 import transformers
@@ -136,8 +141,27 @@ def build_steps(shape: Shape, compiled: bool = False
     return params, steps
 
 
+def where_time_goes(calls: dict[str, Callable[[], float]], meshtron_s: float,
+                    hf_s: float) -> dict[str, Any]:
+    """One profiled step of meshtron and of HF: seconds per kind of work (operator self time,
+    ``step_profile``), every product's GFLOP/s, and the one-thread product ceiling. Then, from
+    the timed medians (the profiler slows the model with more operators more): what a step at
+    0.9x HF's leaves for everything but the products and attention, which both models run in
+    the same kernels, against what meshtron's step spends beyond them."""
+    out: dict[str, Any] = {"peak_gemm_gflops": round(step_profile.peak_gemm_gflops(), 1)}
+    for model in ("meshtron", "hf"):
+        out[model] = {**step_profile.profile_step(calls[model], torch.device("cpu"),
+                                                  lambda: None),
+                      "gemms": step_profile.gemm_rates(calls[model])}
+    ours = out["meshtron"]["seconds"]
+    shared = ours.get("gemm", 0.0) + ours.get("attention", 0.0)
+    out["budget_rest_s"] = 0.9 * hf_s - shared
+    out["meshtron_rest_s"] = meshtron_s - shared
+    return out
+
+
 def bench_step(name: str, shape: Shape, steps: int, warmup: int,
-               compiled: bool = False) -> dict[str, Any]:
+               compiled: bool = False, profiled: bool = False) -> dict[str, Any]:
     params, calls = build_steps(shape, compiled)
     run = harness.interleave(calls, steps, warmup=warmup)  # who goes first alternates
     harness.check_close(run.first, f"{name}: first losses", reference="hf")
@@ -160,7 +184,28 @@ def bench_step(name: str, shape: Shape, steps: int, warmup: int,
                                                     times["hf+compile"]),
             "vs_hf_eager_pair_ratio": harness.pair_ratio(times["meshtron+compile"], times["hf"]),
         }} if compiled else {}),
+        **({"profile": where_time_goes(calls, ours_s, theirs_s)} if profiled else {}),
     }
+
+
+def print_profile(row: dict[str, Any]) -> None:
+    prof = row["profile"]
+    print(f"\n{row['shape']}: one profiled step each (operator self time, s); one-thread "
+          f"product ceiling {prof['peak_gemm_gflops']} GFLOP/s\n")
+    kinds = sorted(set(prof["meshtron"]["seconds"]) | set(prof["hf"]["seconds"]))
+    print(harness.markdown_table(
+        ("model", "total", *kinds),
+        ((model, f"{prof[model]['total_s']:.3f}",
+          *(f"{prof[model]['seconds'].get(k, 0.0):.3f}" for k in kinds))
+         for model in ("meshtron", "hf"))))
+    print("\nmeshtron's products (slowest first)\n")
+    print(harness.markdown_table(
+        ("product", "calls", "s", "GFLOP/s"),
+        ((g["shape"], g["calls"], f"{g['s']:.3f}", g["gflops"])
+         for g in prof["meshtron"]["gemms"])))
+    print(f"\nat 0.9x HF's median step, {1e3 * prof['budget_rest_s']:.0f} ms would be left for "
+          f"everything but products and attention (profiled); meshtron's median step spends "
+          f"{1e3 * prof['meshtron_rest_s']:.0f} ms there")
 
 
 def bench_preprocess(runs: int) -> dict[str, Any]:
@@ -198,6 +243,9 @@ def main() -> None:
                         help="skip the model-only training step comparison")
     parser.add_argument("--compiled", action="store_true",
                         help="also time both models under torch.compile")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of each model: time per kind of work, "
+                        "each product's GFLOP/s against a large product's")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,7 +259,8 @@ def main() -> None:
             print(f"\ntraining step (fp32, AdamW), median of {args.steps} interleaved steps each; "
                   "ratio = meshtron / HF; pair ratio = median over steps of meshtron / the HF "
                   "step of the same round")
-        rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup, args.compiled))
+        rows.append(bench_step(name, SHAPES[name], args.steps, args.warmup, args.compiled,
+                               args.profile))
         print(f"  {name}: meshtron {rows[-1]['meshtron_s']:.3f}, HF {rows[-1]['hf_s']:.3f} "
               "s/step", flush=True)
     if rows:
@@ -232,6 +281,8 @@ def main() -> None:
                 ((r["shape"], f"{c['meshtron_s']:.3f}", f"{c['hf_s']:.3f}", f"{c['ratio']:.3f}",
                   f"{c['pair_ratio_median']:.3f}", f"{c['vs_hf_eager_pair_ratio']:.3f}")
                  for r in rows for c in [r["compiled"]])))
+    for row in rows if args.profile else []:
+        print_profile(row)
     result = harness.record(info, train_step=rows)
     if args.user_steps > 0:
         user = trainer_path.bench_user_path(args.user_steps, args.warmup, args.data_cache)

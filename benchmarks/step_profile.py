@@ -13,6 +13,8 @@ the optimizer) give its time by phase as well, each range with everything inside
 from __future__ import annotations
 
 import re
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,3 +77,37 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         "top": [{"name": name[:120], "s": round(seconds, 6), "calls": calls,
                  "category": category(name)} for name, seconds, calls in rows[:TOP]],
     }
+
+
+def gemm_rates(step: Callable[[], Any]) -> list[dict[str, Any]]:
+    """Each matrix-product shape of one CPU ``step``: calls, seconds and GFLOP/s (2·m·k·n per
+    ``aten::mm``/``addmm``), slowest total first. Set against :func:`peak_gemm_gflops`, it says
+    how much of the step a faster implementation of the same products could still save."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key not in ("aten::mm", "aten::addmm"):
+            continue
+        shapes = [s for s in event.input_shapes if len(s) == 2]
+        if len(shapes) < 2 or event.self_cpu_time_total <= 0:
+            continue
+        (m, k), (_, n) = shapes[-2], shapes[-1]
+        seconds = event.self_cpu_time_total / 1e6
+        rows.append({"shape": f"[{m}x{k}] @ [{k}x{n}]", "calls": event.count,
+                     "s": round(seconds, 6),
+                     "gflops": round(2 * m * k * n * event.count / seconds / 1e9, 1)})
+    return sorted(rows, key=lambda row: -row["s"])
+
+
+def peak_gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """This process's fp32 matrix-product rate on a large square product (median of
+    ``repeats``): the ceiling the step's products are measured against."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        a @ b
+        times.append(time.thread_time() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
