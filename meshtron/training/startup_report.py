@@ -56,7 +56,7 @@ def run_lines(cfg: Config, plan: RunPlan, padded_vocab: int) -> list[str]:
         lines.append(f"pipeline: {p.schedule} over {p.pp} stages with layers "
                      f"{plan.partition.describe()}, {plan.schedule.microbatches} "
                      f"micro-batches; bubble {100 * plan.schedule.theoretical_bubble():.1f}% "
-                     "in theory")
+                     f"in theory; receives posted {plan.schedule.receives_ahead} ahead")
     return lines
 
 
