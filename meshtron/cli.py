@@ -249,7 +249,7 @@ def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
     comm = [a for row in schedule.stages for a in row if a.kind in COMM_KINDS]
     sends = sum(a.kind.startswith("SEND") for a in comm)
     print(f"communication: {sends} sends and {len(comm) - sends} receive posts "
-          "(not shown above)")
+          f"(not shown above), each posted {schedule.receives_ahead} ahead")
     costs = ", ".join(f"{k}={v:g}" for k, v in schedule.default_costs().items())
     print(f"bubble fraction ({costs}): theory {schedule.theoretical_bubble():.4f}, "
           f"simulated {schedule.bubble_fraction():.4f}")

@@ -15,7 +15,8 @@ def test_schedule_prints_the_table_and_writes_a_png(tmp_path, monkeypatch, capsy
     lines = out.splitlines()
     assert "stage 0: F0 F1 B0 F2 B1 B2" in lines
     assert "stage 1: F0 B0 F1 B1 F2 B2" in lines
-    assert "communication: 6 sends and 6 receive posts (not shown above)" in lines
+    assert "communication: 6 sends and 6 receive posts (not shown above), each posted 1 ahead" \
+        in lines
     assert "bubble fraction (F=1, B=2): theory 0.2500, simulated 0.2500" in lines
     assert "peak in-flight micro-batches per stage: 2 1" in lines
     png = tmp_path / "schedule-1f1b-pp2-vpp1-m3.png"
