@@ -408,3 +408,12 @@ def test_receives_ahead_defaults():
         == [1, 1, 1]
     assert build_schedule("interleaved", 2, 2, 8).receives_ahead == 3
     assert build_schedule("1f1b", 1, 1, 4).receives_ahead == 0  # no pipeline, no messages
+
+
+@pytest.mark.parametrize("case", [("interleaved", 3, 2, 18), ("1f1b", 2, 1, 12),
+                                  ("zb-h1", 3, 1, 15), ("gpipe", 2, 1, 11)])
+def test_the_default_for_many_micro_batches_is_that_of_4_pp(case):
+    """Past 4 * pp micro-batches the default is read off a 4 * pp schedule: the same value
+    as the whole schedule's."""
+    assert build_schedule(*case).receives_ahead == \
+        receives_ahead_needed(build_schedule(*case, receives_ahead=0))
