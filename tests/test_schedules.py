@@ -401,6 +401,14 @@ def test_the_default_posts_every_receive_before_its_message_is_sent(case):
         assert posted_late(build_schedule(*case, receives_ahead=schedule.receives_ahead - 1)) > 0
 
 
+@pytest.mark.parametrize("case", [c for c in GRID if c[1] > 1 and c[2] == 1],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_one_receive_ahead_is_enough_without_interleaving(case):
+    """At most one (none with a single micro-batch): what the cost model's memory estimate
+    takes for every non-interleaved schedule."""
+    assert build_schedule(*case).receives_ahead == min(1, case[3] - 1)
+
+
 def test_receives_ahead_defaults():
     """One message ahead for gpipe, 1f1b and zb-h1; interleaving sends in bursts and needs more
     (3 at pp=2: what the measured pipeline needed, docs/performance.md)."""

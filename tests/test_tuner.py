@@ -334,6 +334,26 @@ def test_the_peak_over_stages_is_the_highest_stage_priced_alone(preset, schedule
     assert estimator.memory(c) == next(m for m in each if m.peak == highest)
 
 
+def test_a_pipeline_stage_counts_its_receives_posted_ahead(monkeypatch):
+    """A stage holds ``build_schedule``'s ``receives_ahead`` hidden-state messages (micro-batch x
+    seq x hidden x 2 bytes in bf16) per stream it receives on, beyond the consumed one:
+    1f1b at pp=4 posts 1 ahead, on one stream at the ends and two in the middle; interleaved
+    at pp=4 posts 2, on two streams everywhere. They are part of the stage's transient."""
+    problem = pipeline_problem("llama3-8b", 4, 8)
+    estimator = Estimator(problem)
+    message = 1 * 2048 * problem.model.hidden_size * 2
+    c = candidate(pp=4, schedule="1f1b")
+    assert build_schedule("1f1b", 4, 1, 8).receives_ahead == 1
+    assert [estimator.posted_receives(c, s) for s in range(4)] == \
+        [message, 2 * message, 2 * message, message]
+    interleaved = candidate(pp=4, vpp=2, schedule="interleaved")
+    assert build_schedule("interleaved", 4, 2, 8).receives_ahead == 2
+    assert [estimator.posted_receives(interleaved, s) for s in range(4)] == [4 * message] * 4
+    with_posts = estimator.memory(c, stage=1)
+    monkeypatch.setattr(estimator, "posted_receives", lambda c, stage: 0.0)
+    assert with_posts.transient - estimator.memory(c, stage=1).transient == 2 * message
+
+
 # ----------------------------------------------------------------------------- on paper
 
 

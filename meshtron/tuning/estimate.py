@@ -100,6 +100,7 @@ class Estimator:
         self._stage_params: dict[tuple[int, int, int], StageParams] = {}
         self._activations: dict[tuple, float] = {}
         self._in_flight: dict[tuple, list[int]] = {}
+        self._receives_ahead: dict[tuple, int] = {}
         self._shape_index: dict[tuple[int, int], list[int]] = {}
         self._peak_stages: dict[tuple, list[int]] = {}
         self._shape_bytes: dict[tuple, tuple[dict[str, float], float, float, float]] = {}
@@ -233,6 +234,25 @@ class Estimator:
                                                    receives_ahead=0).peak_in_flight()
         return self._in_flight[key]
 
+    def posted_receives(self, c: Candidate, stage: int) -> float:
+        """Bytes of a stage's pipeline receives posted ahead of their consumers
+        (``build_schedule``'s default): that many hidden-state messages on every stream the
+        stage receives on (from the stage before, from the stage after; both on every stage
+        when interleaved), beyond the consumed one its activations count."""
+        if c.pp == 1:
+            return 0.0
+        key = (c.schedule, c.pp, c.vpp)
+        if key not in self._receives_ahead:  # at most 1 unless interleaved; an interleaved
+            # schedule's need is highest from 4 * pp micro-batches on (tests/test_schedules.py)
+            self._receives_ahead[key] = 1 if c.vpp == 1 else build_schedule(
+                c.schedule, c.pp, c.vpp, 4 * c.pp).receives_ahead
+        pr = self.problem
+        message = (c.micro_batch * pr.seq_len / c.cp * pr.model.hidden_size * pr.element_size
+                   / (c.tp if c.sp else 1))
+        wraps = c.vpp > 1
+        streams = (stage > 0 or wraps) + (stage < c.pp - 1 or wraps)
+        return self._receives_ahead[key] * message * streams
+
     def peak_candidates(self, c: Candidate, in_flight: list[int]) -> list[int]:
         """The stages, in order, that can hold the peak: of each stage shape its first stage
         and its first with the most micro-batches in flight. A stage's memory grows with its
@@ -345,6 +365,7 @@ class Estimator:
         worst, peak = None, -1.0
         for s in stages:
             state, held, chunk, extra, transient, copies = per_shape[index[s]]
+            transient += self.posted_receives(c, s)
             buffers = max(in_flight[s] * chunk + extra + transient, copies)
             total = held + (1 + pr.profile.memory_step_slack) * buffers
             if total > peak:

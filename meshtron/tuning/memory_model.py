@@ -10,7 +10,8 @@ expert-data-parallel group). Activations are the trainer's per-layer formula
 does not cover) times the layers of a chunk times the micro-batches the schedule keeps in
 flight on that stage (:meth:`Schedule.peak_in_flight`). Transients are the largest buffers a
 step creates on top: the fp32 logits of the loss on the last stage, the gathered units and
-gradient buckets of ZeRO-3 (this unit and the prefetched next one) or ZeRO-2 (one unit).
+gradient buckets of ZeRO-3 (this unit and the prefetched next one) or ZeRO-2 (one unit), and
+a pipeline stage's receives posted ahead (``Estimator.posted_receives``).
 Under ZeRO a backend that copies a queued reduce-scatter's input (gloo) holds those copies
 (of the whole gradient under ZeRO 1, of the two latest buckets under ZeRO 2 and 3, which keep
 no more queued) at the end of the backward, when the activations are freed: the step's buffers
