@@ -52,9 +52,14 @@ class _Hop:
         payload = payload.contiguous()
         self.received = torch.empty_like(payload)
         group.stats.record(group.name, "send", payload.numel() * payload.element_size())
-        self.works = [
-            dist.isend(payload, group=group.pg, group_dst=(rank + 1) % size, tag=tag),
-            dist.irecv(self.received, group=group.pg, group_src=(rank - 1) % size, tag=tag)]
+        # one batch: NCCL would run a lone send and receive of the same pair (cp=2) one after
+        # the other on one stream, each rank's send waiting for the receive queued behind the
+        # other's send; batched, they run together (gloo starts them one by one either way)
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, payload, group=group.pg, group_peer=(rank + 1) % size,
+                       tag=tag),
+            dist.P2POp(dist.irecv, self.received, group=group.pg,
+                       group_peer=(rank - 1) % size, tag=tag)])
         self.payload = payload  # alive until sent
 
     def wait(self) -> torch.Tensor:

@@ -81,6 +81,11 @@ class ParallelMesh:
             "pp_ends", [[g[0], g[-1]] for g in pp_groups] if layout.pp > 1 else [])
         """First and last stage of this rank's pipeline (they share tied embeddings); just this
         rank, without a process group, on the stages between."""
+        self.pp_sends, self.pp_receives = self._make_links(pp_groups)
+        """Per neighbouring stage (in the ring of stages), the 2-rank process group that
+        carries this rank's messages to it, and the one that carries its messages to this
+        rank: one group per direction, so each group's operations are all sends on one side
+        and all receives on the other (see :meth:`_make_links`)."""
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -98,6 +103,32 @@ class ParallelMesh:
                 if members == mine:
                     pg = created
         return Group(name, mine, mine.index(self.global_rank), pg, self.stats)
+
+    def _make_links(self, pp_groups: list[list[int]]
+                    ) -> tuple[dict[int, dist.ProcessGroup], dict[int, dist.ProcessGroup]]:
+        """One process group per ordered pair (sender stage, receiver stage) of neighbours in
+        every pipeline, created collectively on every rank; this rank's, by peer stage.
+
+        NCCL runs the operations of one group in order on one stream. With a group shared by
+        both directions, a stage's send can queue behind its own receive of a message the
+        peer sends only after its own receive, which queued behind that send: a deadlock
+        that gloo never shows (tests/test_nccl_rules.py). With one group per direction, a
+        group's operations match one for one in the order both sides issue them.
+        """
+        sends: dict[int, dist.ProcessGroup] = {}
+        receives: dict[int, dist.ProcessGroup] = {}
+        if self.layout.pp == 1:
+            return sends, receives
+        pp = self.layout.pp
+        for group in pp_groups:
+            pairs = dict.fromkeys((a, (a + step) % pp) for a in range(pp) for step in (1, -1))
+            for a, b in pairs:
+                created = dist.new_group(sorted((group[a], group[b])))
+                if group[a] == self.global_rank:
+                    sends[b] = created
+                elif group[b] == self.global_rank:
+                    receives[a] = created
+        return sends, receives
 
     def tp_subgroup(self, size: int) -> Group:
         """Runs of ``size`` consecutive ranks inside the tp group (e.g. ranks sharing a kv head).

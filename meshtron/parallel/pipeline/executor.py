@@ -1,12 +1,15 @@
 """The pipeline executor: runs one stage's actions of any :class:`Schedule`.
 
 Activations and their gradients travel between stages with non-blocking point-to-point
-messages over this rank's pipeline group: a send is started as soon as its tensor exists and
-waited for as soon as the schedule shows it complete (:mod:`.completions`), else at the end of
-the step; a receive is posted where the schedule says and waited for just before the action
-that consumes it. Every message carries a tag naming (direction,
-micro-batch, receiving virtual stage), and the schedule posts receives in the order the peer
-sends, so matching is unambiguous for transports that match by tag (gloo) or by order (NCCL).
+messages, each direction between two stages over a group of its own
+(``ParallelMesh.pp_sends`` / ``pp_receives``: NCCL orders one group's operations on one
+stream, so a shared group could queue a send behind a receive and deadlock). A send is started
+as soon as its tensor exists and waited for as soon as the schedule shows it complete
+(:mod:`.completions`), else at the end of the step; a receive is posted where the schedule says
+and waited for just before the action that consumes it. Every message carries a tag naming
+(direction, micro-batch, receiving virtual stage), and the schedule posts receives in the order
+the peer sends, so matching is unambiguous for transports that match by tag (gloo) or by order
+(NCCL).
 
 Gradient reduction over data-parallel ranks is driven the same way as without a pipeline: each
 action that produces weight gradients (B, and W under a split backward) is one "micro-batch" of
@@ -79,14 +82,19 @@ class PipelineExecutor:
                 + microbatch * self.plan.virtual_stages + virtual_stage)
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Start sending to stage ``peer`` over the group of this direction alone."""
         tensor = tensor.detach().contiguous()
         self.mesh.stats.record(self.mesh.pp.name, "send", tensor.numel() * tensor.element_size())
-        return dist.isend(tensor, group=self.mesh.pp.pg, group_dst=peer, tag=tag)
+        return dist.isend(tensor, dst=self.mesh.pp.ranks[peer], group=self.mesh.pp_sends[peer],
+                          tag=tag)
 
     def _post_receive(self, shape: torch.Size, dtype: torch.dtype, peer: int,
                       tag: int) -> tuple[dist.Work, torch.Tensor]:
+        """Post a receive from stage ``peer`` over the group of that direction alone."""
         buffer = torch.empty(shape, dtype=dtype, device=self._device())
-        return dist.irecv(buffer, group=self.mesh.pp.pg, group_src=peer, tag=tag), buffer
+        work = dist.irecv(buffer, src=self.mesh.pp.ranks[peer],
+                          group=self.mesh.pp_receives[peer], tag=tag)
+        return work, buffer
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
