@@ -315,8 +315,11 @@ def collective_op(kind: str, nbytes: int, n: int, group: dist.ProcessGroup | Non
                 full.nbytes)
 
     def exchange() -> None:
+        # one batch: NCCL runs a lone send and receive of one pair in order on one stream,
+        # and each rank's send would wait for a receive queued behind the other's send
         peer = rank ^ 1
-        for work in (dist.isend(full, peer), dist.irecv(received, peer)):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, full, peer),
+                                            dist.P2POp(dist.irecv, received, peer)]):
             work.wait()
 
     return exchange, full.nbytes
