@@ -32,6 +32,7 @@ CONFIG_VALUES = [
     ("--model.rope_theta=inf", "model.rope_theta must be a positive number"),
     ("--model.norm_eps=0", "model.norm_eps must be a positive number"),
     ("--parallel.bucket_mb=inf", "parallel.bucket_mb must be a positive number"),
+    ("--parallel.receives_ahead=-1", "parallel.receives_ahead must be 0 or more, got -1"),
     ("--train.peak_flops=nan", "train.peak_flops must be a positive number of FLOP/s"),
     ("--train.peak_flops=0", "train.peak_flops must be a positive number of FLOP/s"),
     ("--model.num_layers=1000000000", "model.num_layers=1000000000 is beyond any model"),
