@@ -187,9 +187,8 @@ class Estimator:
         pr = self.problem
         _, _, unique = self.pipeline(c)
         groups = layout_groups(c, pr.profile.gpus_per_node)
-        tokens = c.micro_batch * pr.seq_len / c.cp
-        boundary = tokens * pr.model.hidden_size * pr.element_size / (c.tp if c.sp else 1)
-        hop = send_seconds(pr.profile, boundary, groups.pp_crosses_nodes) if c.pp > 1 else 0.0
+        hop = (send_seconds(pr.profile, self.stage_message_bytes(c), groups.pp_crosses_nodes)
+               if c.pp > 1 else 0.0)
         head_gemm, _, head_memory = self._work_seconds(
             head_work(pr.model, pr.seq_len, c, pr.element_size), self.rate_scale(c))
         merge = self._work_seconds(mtp_merge_work(pr.model, pr.seq_len, c),
@@ -246,12 +245,16 @@ class Estimator:
             # schedule's need is highest from 4 * pp micro-batches on (tests/test_schedules.py)
             self._receives_ahead[key] = 1 if c.vpp == 1 else build_schedule(
                 c.schedule, c.pp, c.vpp, 4 * c.pp).receives_ahead
-        pr = self.problem
-        message = (c.micro_batch * pr.seq_len / c.cp * pr.model.hidden_size * pr.element_size
-                   / (c.tp if c.sp else 1))
         wraps = c.vpp > 1
         streams = (stage > 0 or wraps) + (stage < c.pp - 1 or wraps)
-        return self._receives_ahead[key] * message * streams
+        return self._receives_ahead[key] * self.stage_message_bytes(c) * streams
+
+    def stage_message_bytes(self, c: Candidate) -> float:
+        """One micro-batch's hidden states between pipeline stages on one rank: this rank's
+        share of the sequence (over cp, and over tp under sequence parallelism)."""
+        pr = self.problem
+        tokens = c.micro_batch * pr.seq_len / c.cp
+        return tokens * pr.model.hidden_size * pr.element_size / (c.tp if c.sp else 1)
 
     def peak_candidates(self, c: Candidate, in_flight: list[int]) -> list[int]:
         """The stages, in order, that can hold the peak: of each stage shape its first stage
