@@ -20,7 +20,12 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
 from meshtron.config.checks import require
 from meshtron.errors import MeshtronError
 from meshtron.models.arch import architecture_of
-from meshtron.models.flops import layer_and_head_cost, padded_vocab_size, training_flops_per_token
+from meshtron.models.flops import (
+    attention_cost,
+    layer_and_head_cost,
+    padded_vocab_size,
+    training_flops_per_token,
+)
 from meshtron.models.transformer import ModelOptions, no_aux_gradient
 from meshtron.models.vision import vision_flops
 from meshtron.parallel.mesh.layout import MeshLayout
@@ -133,7 +138,8 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
         costs = layer_and_head_cost(model, cfg.train.seq_len)
         encoder = (vision_flops(model.vision, model.hidden_size) / cfg.train.seq_len
                    if model.vision.enabled else 0.0)  # per token, as the layers' costs
-        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers, encoder)
+        halves = attention_cost(model, cfg.train.seq_len) if p.pp_half_layers else None
+        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers, encoder, halves)
     return RunPlan(dataclasses.replace(cfg, model=model), layout, micro_batch, micro_batches,
                    padded_vocab_size(model), partition, schedule)
 

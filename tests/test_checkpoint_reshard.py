@@ -16,7 +16,8 @@ MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=
 SAVE = {  # name -> (world size, layout)
     "one": (1, []),
     "tp2": (2, ["--parallel.tp=2"]),
-    "pp2": (2, ["--parallel.pp=2", "--model.tie_embeddings=false"]),
+    "pp2": (2, ["--parallel.pp=2", "--model.tie_embeddings=false",
+                "--parallel.pp_layers=2.5,1.5"]),  # layer 2 cut between the stages
     "vpp2": (2, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved"]),
     "dp2z1": (2, ["--parallel.zero=1", "--checkpoint.async=true"]),
     "3d": (8, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=1",
@@ -26,7 +27,7 @@ RESUME = [  # (saved as, world size, resumed layout)
     ("tp2", 1, []),
     ("one", 4, ["--parallel.tp=4"]),
     ("pp2", 1, []),
-    ("one", 2, ["--parallel.pp=2", "--parallel.schedule=zb-h1"]),
+    ("one", 2, ["--parallel.pp=2", "--parallel.schedule=zb-h1", "--parallel.pp_layers=1.5,2.5"]),
     ("vpp2", 1, []),
     ("dp2z1", 4, ["--parallel.zero=3", "--train.micro_batch=1"]),
     ("3d", 1, []),

@@ -42,6 +42,7 @@ def test_resolved_config_round_trips(tmp_path):
                                    "'model.hidden_size'?)"),
         (["--trian.steps=3"], "unknown config section 'trian' (did you mean 'train'?)"),
         (["--train.steps=abc"], "train.steps: expected int, got 'abc'"),
+        (["--parallel.pp_layers=2.5,x"], "parallel.pp_layers: expected int or float, got 'x'"),
         (["--train.global_batch=-4"], "train.global_batch must be a positive integer, got -4"),
         (["--train.micro_batch=3"], "train.global_batch=8 is not a multiple of "
                                     "train.micro_batch=3"),

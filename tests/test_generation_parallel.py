@@ -31,7 +31,8 @@ PROMPTS = ["def ", "import os\nclass A:", "x"]  # different lengths: left paddin
 NEW = 6
 MOE = ["--model.moe.num_experts=4", "--model.moe.top_k=2", "--model.moe.expert_ffn_size=64"]
 MODELS = {"llama": ["--model.num_kv_heads=2"], "moe": MOE}
-LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
+HALVES = ("--parallel.pp_layers=1.5,0.5",)  # stage 1: layer 1's MLP half only, no attention
+LAYOUTS = [(2, 1, ()), (1, 2, ()), (2, 2, ()), (1, 2, HALVES)]  # (tp, pp, settings)
 
 
 def greedy(path: str | Path, tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1,
@@ -55,9 +56,11 @@ def group_cases(rank: int, world_size: int, cache: str, root: str,
     run_training(test_overrides(cache, tp2, steps=2) + MODELS["llama"] + ["--parallel.tp=2"],
                  rank, world_size)
     torch.distributed.barrier()
-    cases = [(name, tp, pp) for name in checkpoints for tp, pp in LAYOUTS] + [("tp2", 2, 1)]
+    cases = [(name, *layout) for name in checkpoints for layout in LAYOUTS] + [("tp2", 2, 1, ())]
     paths = {**checkpoints, "tp2": tp2}
-    return {case: greedy(paths[case[0]], case[1], case[2], rank, world_size) for case in cases}
+    return {(name, tp, pp, settings): greedy(paths[name], tp, pp, rank, world_size,
+                                             settings=settings)
+            for name, tp, pp, settings in cases}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +85,13 @@ def group(data_cache, checkpoints, tmp_path_factory) -> dict:
 def test_tp_pp_generation_equals_one_process(group, checkpoints, name):
     reference = greedy(checkpoints[name])
     assert all(len(tokens) == NEW for tokens, _ in reference)  # nothing cut short
-    for tp, pp in LAYOUTS:
-        assert group[(name, tp, pp)] == reference, f"{name} at tp={tp} pp={pp}"
+    for tp, pp, settings in LAYOUTS:
+        assert group[(name, tp, pp, settings)] == reference, f"{name} at tp={tp} pp={pp} {settings}"
 
 
 def test_checkpoint_saved_at_tp2_generates_at_tp1_and_back(group, checkpoints):
-    assert greedy(group["tp2_path"]) == group[("tp2", 2, 1)]  # saved at tp=2, run at tp=1
-    assert greedy(checkpoints["llama"]) == group[("llama", 2, 1)]  # saved at tp=1, run at tp=2
+    assert greedy(group["tp2_path"]) == group[("tp2", 2, 1, ())]  # saved at tp=2, run at tp=1
+    assert greedy(checkpoints["llama"]) == group[("llama", 2, 1, ())]  # at tp=1, run at tp=2
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -55,6 +55,59 @@ def test_stage_builds_only_its_layers():
     assert sorted(model.layers) == ["0", "1", "2"] and model.has_embedding and model.has_head
 
 
+def test_balanced_split_cuts_a_layer_in_halves_when_that_balances_better():
+    # attention 0.4 of a layer, head 1.3 layers: 4.5 | 3.5 puts 4.4 and 4.9 on the stages
+    assert balanced_counts(8, 2, layer_cost=1.0, head_cost=1.3, attention_cost=0.4) \
+        == [4.5, 3.5]
+    assert balanced_counts(8, 2, layer_cost=1.0, head_cost=2.0, attention_cost=0.4) == [5, 3]
+    # the costliest stage is 1.5 either way; ties put more early, as with whole layers
+    assert balanced_counts(4, 4, layer_cost=1.0, head_cost=1.0, attention_cost=0.5) \
+        == [1.5, 1.5, 0.5, 0.5]
+
+
+def test_half_layers_keep_the_global_names_and_the_whole_models_logits():
+    """Layer 2 cut between its attention (stage 0) and its MLP (stage 1): the two stages
+    hold exactly the whole model's parameters under the same names, and chained they give
+    the whole model's logits."""
+    import torch
+
+    from meshtron.models.init import initialize
+    from meshtron.models.transformer import ModelOptions, Transformer
+
+    cfg = load_config(overrides=["--model.num_layers=4", "--model.vocab_size=512",
+                                 "--model.hidden_size=64", "--model.num_heads=4",
+                                 "--model.num_kv_heads=2", "--model.ffn_hidden_size=96"]).model
+    part = partition_layers(cfg, pp=2, vpp=1, costs=(1.0, 0.0), explicit=[2.5, 1.5])
+    assert part.describe() == "2.5 | 1.5"
+    assert part.stage_layers(0).halves == ((2, "attention"),)
+    assert part.stage_layers(1).halves == ((2, "mlp"),)
+    whole = Transformer(cfg)
+    stages = [Transformer(cfg, options=ModelOptions(stage=part.stage_layers(s)))
+              for s in (0, 1)]
+    for model in (whole, *stages):
+        initialize(model, seed=3, std=cfg.init_std, num_layers=cfg.num_layers)
+    names = [set(dict(m.named_parameters())) for m in stages]
+    assert not names[0] & names[1] and names[0] | names[1] == set(dict(whole.named_parameters()))
+    assert "layers.2.attn.q.weight" in names[0] and "layers.2.mlp_norm.weight" in names[1]
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(stages[1](stages[0](tokens)), whole(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (["--parallel.pp=2", "--parallel.pp_layers=2.25,1.75"],
+     "at least half a layer, in whole or half layers"),
+    (["--parallel.pp=2", "--parallel.pp_layers=0,4"], "at least half a layer"),
+    (["--parallel.vpp=2", "--parallel.schedule=interleaved", "--parallel.pp_layers=1.5,2.5"],
+     "cuts a layer in halves, which must sit on two pipeline stages"),
+])
+def test_bad_half_layer_splits_are_refused(layout, expected, tmp_path):
+    with pytest.raises(MeshtronError, match=re.escape(expected)) as err:
+        cfg = load_config(overrides=test_overrides(str(tmp_path), str(tmp_path)) + [
+            "--model.num_layers=4", *layout])
+        check_run(cfg, 2 if "--parallel.pp=2" in layout else 1)
+    assert "\n" not in str(err.value)
+
+
 BAD_LAYOUTS = [
     (["--parallel.pp=4", "--model.num_layers=2"], 4, "needs at least 4 layers"),
     (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved",
@@ -84,7 +137,7 @@ def test_bad_pipeline_layouts_are_refused(overrides, world, expected, tmp_path):
 SCHEDULES = [
     ["--parallel.schedule=gpipe"],
     ["--parallel.schedule=1f1b"],
-    ["--parallel.schedule=zb-h1"],
+    ["--parallel.schedule=zb-h1", "--parallel.pp_half_layers=true"],  # 1.5 | 0.5 at pp=2
     ["--parallel.schedule=interleaved", "--parallel.vpp=2", "--model.num_layers=4"],
 ]
 LAYOUTS = {
@@ -93,7 +146,8 @@ LAYOUTS = {
         # uneven split, tied embeddings across the two ends, gpt2 (learned positions, biases)
         ["--parallel.pp=2", "--model.num_layers=3", "--train.micro_batch=1",
          "--model.tie_embeddings=true", "--parallel.schedule=zb-h1"],
-        ["--parallel.pp=2", "--model.num_layers=3", "--parallel.pp_layers=2,1",
+        # layer 2 cut in halves: stage 1 holds its MLP half and the head, no attention
+        ["--parallel.pp=2", "--model.num_layers=3", "--parallel.pp_layers=2.5,0.5",
          "--model.arch=gpt2", "--model.tie_embeddings=true", "--train.micro_batch=2",
          "--train.eval_every=10"],
     ],
@@ -102,7 +156,8 @@ LAYOUTS = {
     + [["--parallel.pp=4", "--parallel.vpp=2", "--parallel.schedule=interleaved",
         "--model.num_layers=8", "--train.micro_batch=2"]]
     + [["--parallel.pp=2", f"--parallel.zero={z}", "--train.micro_batch=1",
-        "--parallel.bucket_mb=0.02", "--model.tie_embeddings=true"] for z in (1, 3)],
+        "--parallel.bucket_mb=0.02", "--model.tie_embeddings=true",
+        f"--parallel.pp_half_layers={z == 3}"] for z in (1, 3)],  # zero=3: 1.5 | 0.5
     8: [["--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1",
          "--parallel.sp=true", "--parallel.bucket_mb=0.02"]],
 }

@@ -9,6 +9,7 @@ other or to a world size belong to the run plan (:mod:`meshtron.plan`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -46,7 +47,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if is_none and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
+        if len(inner) == 1:
+            return _coerce(value, inner[0], where)
+        for option in inner:  # the first alternative that takes the value (int | float)
+            with contextlib.suppress(MeshtronError):
+                return _coerce(value, option, where)
+        raise MeshtronError(f"{where}: expected {' or '.join(map(_type_name, inner))}, got "
+                            f"{value!r}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):

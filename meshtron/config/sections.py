@@ -261,8 +261,12 @@ class ParallelConfig:
     """Gradients are reduced in buckets of about this many MiB, overlapping backward."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs vpp >= 2) or zb-h1."""
-    pp_layers: list[int] | None = None
-    """Layers per virtual pipeline stage (pp * vpp counts in model order); unset: balanced."""
+    pp_layers: list[int | float] | None = None
+    """Layers per virtual pipeline stage (pp * vpp counts in model order); unset: balanced. A
+    half (``4.5,3.5``) cuts a layer between its attention and its MLP (needs pp >= 2)."""
+    pp_half_layers: bool = False
+    """Let the balanced split also cut a layer between its attention and its MLP (stages
+    balanced to half a layer, for few layers per stage beside a large output layer)."""
     receives_ahead: int | None = None
     """Pipeline receives posted this many messages before their consumer, so hand-overs happen
     while the stage computes (each one more message buffer per stream); unset: what the

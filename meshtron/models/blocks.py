@@ -30,6 +30,7 @@ from meshtron.models.rotary import Rotary
 from meshtron.parallel.context.attention import attend
 from meshtron.parallel.context.sequence import Sequence, attention_mask
 from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.pipeline.partition import ATTENTION_HALF, MLP_HALF
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -297,12 +298,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """One transformer layer, or one half of it where a pipeline stage boundary cuts the layer
+    between its attention and its MLP (``parts``): the two stages' halves keep the layer's
+    global parameter names, so checkpoints and initialisation do not see the cut."""
+
     def __init__(self, cfg: ModelConfig, layer: int, arch: Architecture, region: TPRegion,
                  mesh: ParallelMesh, mode: LinearMode, selective_recompute: bool,
-                 aux_loss_weight: Callable[[], float]):
+                 aux_loss_weight: Callable[[], float],
+                 parts: tuple[str, ...] = (ATTENTION_HALF, MLP_HALF)):
         super().__init__()
-        self.attn_norm = make_norm(cfg, arch, region)
-        self.attn = arch.attention(cfg, layer, arch, region, mesh, mode, selective_recompute)
+        self.has_attention, self.has_mlp = ATTENTION_HALF in parts, MLP_HALF in parts
+        if self.has_attention:
+            self.attn_norm = make_norm(cfg, arch, region)
+            self.attn = arch.attention(cfg, layer, arch, region, mesh, mode, selective_recompute)
+        if not self.has_mlp:
+            return
         self.mlp_norm = make_norm(cfg, arch, region)
         if cfg.is_moe_layer(layer):
             moe = cfg.moe
@@ -321,14 +331,17 @@ class Block(nn.Module):
         if whole:
             self.forward = torch.compile(self.forward)  # type: ignore[method-assign]
             return
-        self.attn_norm.compile()
-        self.mlp_norm.compile()
-        if isinstance(self.attn, Attention):
-            self.attn.heads = torch.compile(self.attn.heads)  # type: ignore[method-assign]
-        if isinstance(self.mlp, MLP):
-            self.mlp.activation = torch.compile(self.mlp.activation)  # type: ignore
+        if self.has_attention:
+            self.attn_norm.compile()
+            if isinstance(self.attn, Attention):
+                self.attn.heads = torch.compile(self.attn.heads)  # type: ignore[method-assign]
+        if self.has_mlp:
+            self.mlp_norm.compile()
+            if isinstance(self.mlp, MLP):
+                self.mlp.activation = torch.compile(self.mlp.activation)  # type: ignore
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotary, cache, sequence)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.has_attention:
+            x = x + self.attn(self.attn_norm(x), rotary, cache, sequence)
+        return x + self.mlp(self.mlp_norm(x)) if self.has_mlp else x

@@ -99,13 +99,19 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * model_size(cfg).matmul_params + 6.0 * layers * seq_len * scores
 
 
+def attention_cost(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one layer's attention half (projections and scores,
+    causally halved): the share of :func:`layer_and_head_cost`'s layer that a pipeline stage
+    boundary between a layer's attention and its MLP puts on the earlier stage."""
+    attention = architecture_of(cfg).attention
+    return 2.0 * attention.matmul_params(cfg) + seq_len * attention.score_width(cfg)
+
+
 def layer_and_head_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """Forward FLOPs per token of one dense transformer layer (attention scores causally
     halved) and of the output layer with the multi-token-prediction modules (on the last
     stage): the costs the pipeline's layer balancing weighs."""
-    attention = architecture_of(cfg).attention
-    layer = 2.0 * (attention.matmul_params(cfg) + mlp_matmul_params(cfg, cfg.ffn_hidden_size))
-    layer += seq_len * attention.score_width(cfg)
+    layer = attention_cost(cfg, seq_len) + 2.0 * mlp_matmul_params(cfg, cfg.ffn_hidden_size)
     head = 2.0 * cfg.hidden_size * padded_vocab_size(cfg)
     merge = 4.0 * cfg.hidden_size ** 2
     return layer, head + cfg.mtp_depth * (layer + merge + head)

@@ -114,8 +114,8 @@ class Generator:
     def __init__(self, model: Transformer, mesh: ParallelMesh | None = None):
         self.model = model.eval()
         self.mesh = mesh or ParallelMesh.single()
-        attn = model.blocks()[0].attn
-        self.dtype, self.device = attn.proj.weight.dtype, attn.proj.weight.device
+        weight = next(p for p in model.parameters() if p.dim() == 2)  # a product's weight
+        self.dtype, self.device = weight.dtype, weight.device
         pp = self.mesh.pp
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
         last_stage = pp.ranks[-1]
@@ -123,14 +123,14 @@ class Generator:
         """The global rank that samples: the first tp rank of this replica's last stage."""
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A cache for this stage's layers only (the others get empty placeholders)."""
-        blocks = self.model.blocks()
-        attn = blocks[0].attn
-        own = {block.attn.layer for block in blocks}
-        cache = attn.new_cache(0, batch, max_len, self.dtype, self.device)
+        """A cache for this stage's attention layers only (the others get empty
+        placeholders; a stage may hold a layer's MLP half alone)."""
+        own = {block.attn.layer: block.attn for block in self.model.blocks()
+               if block.has_attention}
+        cache = KVCache(0, batch, 0, max_len, 0, self.dtype, self.device)
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for layer in range(self.model.cfg.num_layers):
-            part = attn.new_cache(1, batch, max_len, self.dtype, self.device) \
+            part = own[layer].new_cache(1, batch, max_len, self.dtype, self.device) \
                 if layer in own else None
             cache.keys.append(part.keys[0] if part else empty)
             cache.values.append(part.values[0] if part else empty)

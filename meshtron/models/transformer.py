@@ -129,7 +129,7 @@ class Transformer(nn.Module):
         mode = LinearMode(options.fp8, self.grad_store)
         self.layers = nn.ModuleDict({
             str(i): Block(cfg, i, arch, region, mesh, mode, options.recompute == "selective",
-                          options.aux_loss_weight)
+                          options.aux_loss_weight, stage.parts(i))
             for chunk in self.chunks for i in chunk})
         if options.compile:  # per block, as TorchTitan: one graph serves every layer
             quiet = mesh.tp.pg is None and mesh.cp.pg is None
@@ -157,7 +157,7 @@ class Transformer(nn.Module):
     def moe_layers(self) -> dict[int, MoE]:
         """This rank's mixture-of-experts layers by global layer index."""
         return {int(i): block.mlp for i, block in self.layers.items()
-                if isinstance(block.mlp, MoE)}
+                if block.has_mlp and isinstance(block.mlp, MoE)}
 
     def mtp_layers(self) -> list[MTPLayer]:
         """The multi-token-prediction modules this rank runs (on the last stage), in order."""

@@ -9,6 +9,12 @@ The balanced split minimises the most expensive virtual stage, where a layer cos
 FLOPs per token and the output layer + loss is charged its own FLOPs in the same unit (the
 embedding lookup does no matrix multiply and is free; the plan passes
 :func:`meshtron.models.flops.layer_and_head_cost`). ``parallel.pp_layers`` overrides it.
+
+A stage boundary may also fall inside a layer, between its attention and its MLP (a count of
+``4.5`` layers; with ``parallel.pp_half_layers`` the balanced split considers such cuts too):
+one stage then holds the layer's attention half, the next its MLP half, and the hidden state
+between them is what crosses. With few layers per stage and a large output layer that is the
+difference between a stage one layer short and a balanced one (benchmarks/pipeline_bound.py).
 """
 
 from __future__ import annotations
@@ -20,54 +26,99 @@ from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
 
 
-def balanced_counts(num_layers: int, stages: int, layer_cost: float,
-                    head_cost: float, first_cost: float = 0.0) -> list[int]:
-    """Layers per virtual stage (each at least one) minimising the costliest stage; ties go
-    to the split that puts more layers early. ``first_cost``: what the first stage runs
-    besides its layers (a vision model's image encoder)."""
-    assert num_layers >= stages, "checked by check_layer_split"
+def balanced_split(pieces: list[float], stages: int, head_cost: float,
+                   first_cost: float = 0.0) -> list[int]:
+    """Consecutive runs of ``pieces`` (their number per stage, each at least one) minimising
+    the costliest stage, the last also charged ``head_cost`` and the first ``first_cost``;
+    ties go to the split that puts more pieces early."""
+    assert len(pieces) >= stages, "checked by check_layer_split"
+    ends = [0.0]
+    for cost in pieces:
+        ends.append(ends[-1] + cost)
 
     @cache
     def best(first: int, stages_left: int) -> tuple[float, tuple[int, ...]]:
-        """Cheapest split of layers first.. into ``stages_left`` stages."""
-        remaining = num_layers - first
+        """Cheapest split of pieces first.. into ``stages_left`` stages."""
         extra = first_cost if first == 0 else 0.0
         if stages_left == 1:
-            return remaining * layer_cost + head_cost + extra, (remaining,)
+            return ends[-1] - ends[first] + head_cost + extra, (len(pieces) - first,)
         options = []
-        for count in range(remaining - stages_left + 1, 0, -1):
+        for count in range(len(pieces) - first - stages_left + 1, 0, -1):
             rest_cost, rest = best(first + count, stages_left - 1)
-            options.append((max(count * layer_cost + extra, rest_cost), (count, *rest)))
+            own = ends[first + count] - ends[first] + extra
+            options.append((max(own, rest_cost), (count, *rest)))
         return min(options, key=lambda option: option[0])
 
     return list(best(0, stages)[1])
 
 
+def balanced_counts(num_layers: int, stages: int, layer_cost: float,
+                    head_cost: float, first_cost: float = 0.0,
+                    attention_cost: float | None = None) -> list[float]:
+    """Layers per virtual stage minimising the costliest stage (see :func:`balanced_split`).
+    ``first_cost``: what the first stage runs besides its layers (a vision model's image
+    encoder). ``attention_cost`` (of ``layer_cost``): given, a stage may also end after a
+    layer's attention half, and counts come in halves."""
+    if attention_cost is None:
+        return list(balanced_split([layer_cost] * num_layers, stages, head_cost, first_cost))
+    halves = [attention_cost, layer_cost - attention_cost] * num_layers
+    return [in_layers(n) for n in balanced_split(halves, stages, head_cost, first_cost)]
+
+
+def in_layers(halves: int) -> float:
+    """A number of half layers as layers: an int when whole (``4``), else ``4.5``."""
+    return halves // 2 if halves % 2 == 0 else halves / 2
+
+
+ATTENTION_HALF, MLP_HALF = "attention", "mlp"
+"""The halves of a layer that a stage boundary may separate."""
+
+
 @dataclass(frozen=True)
 class StageLayers:
     """The part of the model one pipeline stage holds: its chunks of global layer indices, in
-    the order its forward passes run them, and whether it holds the embedding and the head."""
+    the order its forward passes run them, whether it holds the embedding and the head, and
+    the layers it holds only one half of (``(layer, ATTENTION_HALF or MLP_HALF)``)."""
 
     chunks: tuple[tuple[int, ...], ...]
     embedding: bool
     head: bool
+    halves: tuple[tuple[int, str], ...] = ()
+
+    def parts(self, layer: int) -> tuple[str, ...]:
+        """The halves of ``layer`` this stage holds: both, or the one it shares."""
+        return next(((half,) for i, half in self.halves if i == layer), (ATTENTION_HALF, MLP_HALF))
 
 
 @dataclass(frozen=True)
 class PipelinePartition:
-    """The layer split of a ``pp`` x ``vpp`` pipeline (``counts`` per virtual stage)."""
+    """The layer split of a ``pp`` x ``vpp`` pipeline (``counts`` of layers per virtual stage,
+    in halves where a boundary cuts a layer)."""
 
     pp: int
     vpp: int
-    counts: tuple[int, ...]
+    counts: tuple[float, ...]
 
     @property
     def virtual_stages(self) -> int:
         return self.pp * self.vpp
 
+    def _half_bounds(self, virtual_stage: int) -> tuple[int, int]:
+        """The first and one-past-last half layer of ``virtual_stage`` (half 2i is layer i's
+        attention, 2i + 1 its MLP)."""
+        start = round(2 * sum(self.counts[:virtual_stage]))
+        return start, start + round(2 * self.counts[virtual_stage])
+
     def layers_of(self, virtual_stage: int) -> list[int]:
-        start = sum(self.counts[:virtual_stage])
-        return list(range(start, start + self.counts[virtual_stage]))
+        """The layers ``virtual_stage`` holds all or half of."""
+        start, end = self._half_bounds(virtual_stage)
+        return list(range(start // 2, (end + 1) // 2))
+
+    def halves_of(self, virtual_stage: int) -> list[tuple[int, str]]:
+        """The layers ``virtual_stage`` holds only one half of, with that half."""
+        start, end = self._half_bounds(virtual_stage)
+        return [*([(start // 2, MLP_HALF)] if start % 2 else []),
+                *([(end // 2, ATTENTION_HALF)] if end % 2 else [])]
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
         return chunk * self.pp + stage
@@ -84,16 +135,19 @@ class PipelinePartition:
 
     def stage_layers(self, stage: int) -> StageLayers:
         """What the model of pipeline stage ``stage`` holds."""
+        halves = [h for c in range(self.vpp) for h in self.halves_of(self.virtual_stage(stage, c))]
         return StageLayers(tuple(tuple(c) for c in self.chunks_of(stage)),
-                           self.holds_embedding(stage), self.holds_head(stage))
+                           self.holds_embedding(stage), self.holds_head(stage), tuple(halves))
 
     def describe(self) -> str:
-        """Layers per stage, e.g. ``3 | 1`` (``2+2 | 2+2`` with chunks)."""
-        return " | ".join("+".join(str(len(c)) for c in self.chunks_of(s))
-                          for s in range(self.pp))
+        """Layers per stage, e.g. ``3 | 1`` (``2+2 | 2+2`` with chunks, ``4.5 | 3.5`` with a
+        layer cut in halves)."""
+        return " | ".join("+".join(f"{self.counts[self.virtual_stage(s, c)]:g}"
+                                   for c in range(self.vpp)) for s in range(self.pp))
 
 
-def check_layer_split(cfg: ModelConfig, pp: int, vpp: int, explicit: list[int] | None) -> None:
+def check_layer_split(cfg: ModelConfig, pp: int, vpp: int,
+                      explicit: list[float] | None) -> None:
     """Reject a split that cannot be made, saying what is needed."""
     stages = pp * vpp
     if explicit:
@@ -102,10 +156,16 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int, explicit: list[int] |
                 f"parallel.pp_layers has {len(explicit)} entries, the pipeline has pp*vpp = "
                 f"{pp}*{vpp} = {stages} virtual stages"
             )
-        if min(explicit) < 1 or sum(explicit) != cfg.num_layers:
+        if min(explicit) < 0.5 or any(2 * n != round(2 * n) for n in explicit) \
+                or sum(explicit) != cfg.num_layers:
             raise MeshtronError(
-                f"parallel.pp_layers={explicit} must give every virtual stage at least one layer "
-                f"and sum to model.num_layers={cfg.num_layers}"
+                f"parallel.pp_layers={explicit} must give every virtual stage at least half a "
+                f"layer, in whole or half layers, and sum to model.num_layers={cfg.num_layers}"
+            )
+        if pp == 1 and any(n != int(n) for n in explicit):
+            raise MeshtronError(
+                f"parallel.pp_layers={explicit} cuts a layer in halves, which must sit on two "
+                "pipeline stages: give whole layers or set parallel.pp >= 2"
             )
         return
     if cfg.num_layers < stages:
@@ -123,11 +183,13 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int, explicit: list[int] |
 
 
 def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, float],
-                     explicit: list[int] | None = None,
-                     first_cost: float = 0.0) -> PipelinePartition:
+                     explicit: list[float] | None = None, first_cost: float = 0.0,
+                     attention_cost: float | None = None) -> PipelinePartition:
     """The split given by ``explicit`` (``parallel.pp_layers``) or the one balanced for
     ``costs``: the forward FLOPs per token of one layer and of the output layer, and
-    ``first_cost`` of what the first stage runs before its layers."""
+    ``first_cost`` of what the first stage runs before its layers; ``attention_cost`` (a
+    layer's attention half, with ``parallel.pp_half_layers`` and pp >= 2) lets it cut layers
+    in halves."""
     check_layer_split(cfg, pp, vpp, explicit)
     stages = pp * vpp
     if explicit:
@@ -135,5 +197,6 @@ def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, fl
     if vpp > 1:  # interleaving assumes equal chunks, as in Megatron
         return PipelinePartition(pp, vpp, (cfg.num_layers // stages,) * stages)
     layer, head = costs
-    counts = balanced_counts(cfg.num_layers, stages, layer, head, first_cost)
+    counts = balanced_counts(cfg.num_layers, stages, layer, head, first_cost,
+                             attention_cost if pp > 1 else None)
     return PipelinePartition(pp, vpp, tuple(counts))
