@@ -35,13 +35,16 @@ gradient clipping at 1.0 over the whole pipeline:
 
 ``meshtron 1f1b balanced`` and ``meshtron zb-h1 balanced`` use meshtron's default split
 instead (``plan_pipeline`` without ``pp_layers``: the balanced counts, with the embedding's
-and the head's cost counted); they are unpaired, and the split of every meshtron
-configuration is printed. Every ``meshtron <schedule>`` posts receives ahead by the
-schedule's default (``build_schedule``'s ``receives_ahead_needed``: 1 for gpipe, 1f1b and
-zb-h1, 3 for interleaved at pp=2), so a hand-over can happen while the stage computes;
-``meshtron <schedule> late`` posts each receive only right before its consumer
-(``receives_ahead=0``, the executor's behaviour before 2026-12-05); also unpaired. Beside the
-pairs, **best vs best** sets the fastest meshtron configuration against the fastest torch one.
+and the head's cost counted); ``meshtron <schedule> halves`` the half-layer split that
+balances each part's cost as ``pipeline_bound.py`` measures it in the main process just before
+(``parallel.pp_layers`` such as ``4.5,3.5``: a stage boundary between a layer's attention and
+its MLP). They are unpaired, and the split of every meshtron configuration is printed.
+Every ``meshtron <schedule>`` posts receives ahead by the schedule's default
+(``receives_ahead_needed``: 1 for gpipe, 1f1b and zb-h1, 3 for interleaved at pp=2), so a
+hand-over can happen while the stage computes; ``meshtron <schedule> late`` posts each receive
+only right before its consumer (``receives_ahead=0``, the executor's behaviour before
+2026-12-05); also unpaired. Beside the pairs, **best vs best** sets the fastest meshtron
+configuration against the fastest torch one.
 
 Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
 (vpp=2) / ``ScheduleInterleaved1F1B`` (two stages per rank); ``zb-h1`` /
@@ -94,6 +97,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import harness
+import pipeline_bound
 import pipeline_idle
 import torch
 import torch.distributed as dist
@@ -152,8 +156,9 @@ class Setup:
     vpp: int
     optional: bool = False
     """Dropped (and the error reported) when a round fails with it."""
-    balanced: bool = False
-    """meshtron's default split (the head's cost counted) instead of torch's even one."""
+    split: str = "even"
+    """meshtron's layer split: ``even`` (as torch's stages), ``balanced`` (its default, the
+    head's cost counted) or ``halves`` (balanced to half layers by measured costs)."""
     ahead: int | None = None
     """meshtron: receives posted this many messages early (``build_schedule``; None: its
     default, ``receives_ahead_needed``)."""
@@ -168,8 +173,10 @@ SETUPS = {s.name: s for s in (
     Setup("torch Interleaved1F1B", "torch", "ScheduleInterleaved1F1B", 2),
     Setup("meshtron zb-h1", "meshtron", "zb-h1", 1),
     Setup("torch InterleavedZB", "torch", "ScheduleInterleavedZeroBubble", 1, optional=True),
-    Setup("meshtron 1f1b balanced", "meshtron", "1f1b", 1, balanced=True),
-    Setup("meshtron zb-h1 balanced", "meshtron", "zb-h1", 1, balanced=True),
+    Setup("meshtron 1f1b balanced", "meshtron", "1f1b", 1, split="balanced"),
+    Setup("meshtron zb-h1 balanced", "meshtron", "zb-h1", 1, split="balanced"),
+    Setup("meshtron 1f1b halves", "meshtron", "1f1b", 1, split="halves"),
+    Setup("meshtron zb-h1 halves", "meshtron", "zb-h1", 1, split="halves"),
     Setup("meshtron 1f1b late", "meshtron", "1f1b", 1, ahead=0),
     Setup("meshtron interleaved late", "meshtron", "interleaved", 2, ahead=0),
     Setup("meshtron zb-h1 late", "meshtron", "zb-h1", 1, ahead=0),
@@ -201,20 +208,21 @@ class StageChunk(nn.Module):
         return self._model[0](x, chunk=self.chunk)
 
 
-def _plan(s: Shape, pp: int, vpp: int, schedule: str, balanced: bool = False) -> RunPlan:
+def _plan(s: Shape, pp: int, vpp: int, schedule: str, split: str = "even",
+          halves: list[float] | None = None) -> RunPlan:
     """The run plan with an even layer split over ``pp * vpp`` virtual stages (as torch's
-    stages are), or with meshtron's balanced default."""
+    stages are), meshtron's balanced default, or ``halves`` (layers per stage)."""
     stages = pp * vpp
-    even = [] if balanced else [
-        f"--parallel.pp_layers={','.join([str(s.layers // stages)] * stages)}"]
+    counts = {"even": [s.layers // stages] * stages, "halves": halves}.get(split)
+    layers = [f"--parallel.pp_layers={','.join(f'{c:g}' for c in counts)}"] if counts else []
     return plan_run(s.config(f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
-                             f"--parallel.schedule={schedule}", *even), pp)
+                             f"--parallel.schedule={schedule}", *layers), pp)
 
 
-def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, balanced: bool = False
-            ) -> tuple[RunPlan, Transformer]:
+def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, split: str = "even",
+            halves: list[float] | None = None) -> tuple[RunPlan, Transformer]:
     """The plan (see :func:`_plan`) and this rank's seeded model built from it."""
-    plan = _plan(s, mesh.pp.size, vpp, schedule, balanced)
+    plan = _plan(s, mesh.pp.size, vpp, schedule, split, halves)
     cfg = plan.config
     model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
@@ -224,8 +232,9 @@ def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, balanced: boo
 Step = Callable[[torch.Tensor], float]
 
 
-def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh) -> tuple[Step, PipelineExecutor]:
-    plan, model = _stages(s, mesh, setup.vpp, setup.schedule, setup.balanced)
+def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: list[float] | None
+                   ) -> tuple[Step, PipelineExecutor]:
+    plan, model = _stages(s, mesh, setup.vpp, setup.schedule, setup.split, halves)
     cfg = plan.config
     schedule = build_schedule(setup.schedule, mesh.pp.size, setup.vpp, s.microbatches,
                               receives_ahead=setup.ahead)
@@ -281,7 +290,7 @@ def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
     return step
 
 
-def build_all(names: list[str], s: Shape, rank: int, pp: int
+def build_all(names: list[str], s: Shape, rank: int, pp: int, halves: list[float] | None
               ) -> tuple[dict[str, Step], dict[str, PipelineExecutor]]:
     """Every configuration of ``names`` on this rank (``MeshLayout(pp, tp=1, cp=1, pp=pp)``):
     its step, and for meshtron its executor, whose ``trace`` records the compute actions."""
@@ -291,7 +300,7 @@ def build_all(names: list[str], s: Shape, rank: int, pp: int
     for name in names:
         setup = SETUPS[name]
         if setup.family == "meshtron":
-            steps[name], executors[name] = build_meshtron(setup, s, mesh)
+            steps[name], executors[name] = build_meshtron(setup, s, mesh, halves)
         else:
             steps[name] = build_torch(setup, s, mesh)
     return steps, executors
@@ -305,7 +314,7 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     rotating order; for meshtron, the trace summary of every timed step."""
     s = Shape(**args["shape"])
     names: list[str] = args["configs"]
-    steps, executors = build_all(names, s, rank, dist.get_world_size())
+    steps, executors = build_all(names, s, rank, dist.get_world_size(), args["halves"])
     gen = torch.Generator().manual_seed(1000)
     batches = [torch.randint(0, s.vocab, (s.global_batch, s.seq + 1), generator=gen)
                for _ in range(args["warmup"] + args["steps"])]
@@ -335,13 +344,15 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
     """All rounds for one pipeline size; every figure of its tables."""
     names = [n for n in args.configs if not (SETUPS[n].vpp > 1 and s.layers % (pp * 2))]
+    halves = pipeline_bound.half_layer_split(s, pp) \
+        if any(SETUPS[n].split == "halves" for n in names) else None
     dropped: dict[str, str] = {}
     runs: list[list[dict[str, Any]]] = []
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         while True:
             task = {"shape": asdict(s), "configs": names, "warmup": args.warmup,
-                    "steps": args.steps, "offset": r}
+                    "steps": args.steps, "offset": r, "halves": halves}
             started = time.perf_counter()
             try:
                 run = harness.spawn(steps_task, pp, task, timeout=args.timeout)
@@ -386,7 +397,7 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
                        receives_ahead=SETUPS[n].ahead),
         [[rank["traces"][n] for rank in run] for run in runs])
         for n in names if SETUPS[n].family == "meshtron"}
-    partitions = {n: _partition(SETUPS[n], s, pp) for n in names
+    partitions = {n: _partition(SETUPS[n], s, pp, halves) for n in names
                   if SETUPS[n].family == "meshtron"}
     return {"pp": pp, "configs": rows, "pairs": pairs, "best": best, "bubbles": bubbles,
             "partitions": partitions, "dropped": dropped,
@@ -394,10 +405,10 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
             "last_warmup_loss": runs[0][0]["last_warmup_loss"]}
 
 
-def _partition(setup: Setup, s: Shape, pp: int) -> list[int]:
+def _partition(setup: Setup, s: Shape, pp: int, halves: list[float] | None) -> list[float]:
     """Layers per virtual stage of a meshtron configuration (the plan; no processes)."""
-    partition = _plan(s, pp, setup.vpp, setup.schedule, setup.balanced).partition
-    return [len(partition.layers_of(v)) for v in range(partition.virtual_stages)]
+    partition = _plan(s, pp, setup.vpp, setup.schedule, setup.split, halves).partition
+    return list(partition.counts)
 
 
 def _slowest(run: list[dict[str, Any]], name: str) -> list[float]:

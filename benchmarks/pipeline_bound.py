@@ -1,0 +1,176 @@
+"""The fastest any pipeline of ``benchmarks/pipeline.py``'s model can be: parts' costs, splits.
+
+Run from the repository root::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_bound.py [--rounds N] [--pp 2 4] [--json OUT]
+
+**What is measured.** The model is ``pipeline.py``'s (``Shape``: meshtron's ``Transformer``,
+8 llama layers of hidden 256, vocab 4096, fp32), in one process with one thread. For one
+micro-batch (2 x 128 tokens) the script times forward + backward of each part a pipeline
+stage can hold:
+
+- ``embedding``: the token embedding (the first stage's extra work);
+- ``attention half``: a layer's norm, attention and residual add;
+- ``MLP half``: a layer's second norm, MLP and residual add;
+- ``layer``: a whole layer;
+- ``head``: the final norm, output layer and loss (the last stage's extra work).
+
+Each part runs once per round, in an order that rotates every round, after 3 warm-up rounds;
+a part's cost is its median over the rounds.
+
+**What is derived.** A stage's compute per micro-batch is the sum of its parts. The step of any
+schedule is at least ``micro-batches x`` the busiest stage's compute. For each ``pp`` the script
+gives the busiest stage of four splits:
+
+- the even split, ``L / pp`` layers a stage: torch's stages in ``pipeline.py``;
+- the best split in whole layers: meshtron's balanced split, here fed measured costs;
+- the best split in half layers, a stage boundary also allowed between a layer's attention
+  and its MLP (halves scaled so that they add up to the measured whole layer);
+- a perfect split: the total over ``pp``, no finer than the largest single part.
+
+Each is also given as a ratio to the even split: the lowest step-time ratio that balancing
+alone can reach against the even split. Bubbles, communication and the optimizer step come on
+top of all four alike.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from functools import cache
+
+import harness
+import torch
+from pipeline import Shape
+
+from meshtron.models.init import initialize
+from meshtron.models.transformer import Transformer
+
+PARTS = ("embedding", "attention half", "MLP half", "layer", "head")
+
+
+def part_steps(s: Shape) -> dict[str, Callable[[], None]]:
+    """Forward + backward of one micro-batch through each part of a seeded model."""
+    cfg = s.config().model
+    model = Transformer(cfg).train()
+    initialize(model, seed=0, std=cfg.init_std, num_layers=cfg.num_layers)
+    block = model.layers["0"]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(s.micro_batch, s.seq, s.hidden, generator=gen, requires_grad=True)
+    tokens = torch.randint(0, s.vocab, (s.micro_batch, s.seq), generator=gen)
+
+    def embedding() -> None:
+        model.embed_tokens(tokens, 0).sum().backward()
+
+    def attention() -> None:
+        (hidden + block.attn(block.attn_norm(hidden), model.rotary)).sum().backward()
+
+    def mlp() -> None:
+        (hidden + block.mlp(block.mlp_norm(hidden))).sum().backward()
+
+    def layer() -> None:
+        block(hidden, model.rotary).sum().backward()
+
+    def head() -> None:
+        logits = model.readout(model.final_norm(hidden))
+        model.loss_sum(logits.flatten(0, 1), tokens.flatten()).backward()
+
+    return dict(zip(PARTS, (embedding, attention, mlp, layer, head), strict=True))
+
+
+def busiest(costs: Sequence[float], stages: int) -> tuple[float, tuple[int, ...]]:
+    """The smallest possible cost of the costliest of ``stages`` runs of consecutive
+    ``costs`` (each run non-empty), and the runs' lengths."""
+
+    @cache
+    def best(first: int, left: int) -> tuple[float, tuple[int, ...]]:
+        if left == 1:
+            return sum(costs[first:]), (len(costs) - first,)
+        options = []
+        for end in range(first + 1, len(costs) - left + 2):
+            rest, counts = best(end, left - 1)
+            options.append((max(sum(costs[first:end]), rest), (end - first, *counts)))
+        return min(options)
+
+    return best(0, stages)
+
+
+Split = tuple[float, list[float] | None]
+"""The busiest stage's compute (ms per micro-batch) and the layers per stage (None: a
+continuous split)."""
+
+
+def splits(ms: dict[str, float], layers: int, pp: int) -> dict[str, Split]:
+    """Each split of ``layers`` over ``pp`` stages; the embedding rides on the first piece,
+    the head on the last."""
+    layer, embed, head = ms["layer"], ms["embedding"], ms["head"]
+    attention = layer * ms["attention half"] / (ms["attention half"] + ms["MLP half"])
+
+    def ends(pieces: list[float]) -> list[float]:
+        return [pieces[0] + embed, *pieces[1:-1], pieces[-1] + head]
+
+    whole = ends([layer] * layers)
+    per_stage = layers // pp
+    even = max(sum(whole[i * per_stage:(i + 1) * per_stage]) for i in range(pp))
+    by_layers, layer_counts = busiest(whole, pp)
+    by_halves, half_counts = busiest(ends([attention, layer - attention] * layers), pp)
+    total = layers * layer + embed + head
+    return {"even": (even, [float(per_stage)] * pp),
+            "whole layers": (by_layers, [float(c) for c in layer_counts]),
+            "half layers": (by_halves, [c / 2 for c in half_counts]),
+            "perfect": (max(total / pp, head, layer), None)}
+
+
+def measure(s: Shape, rounds: int) -> dict[str, float]:
+    """Each part's median forward + backward, ms (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runs = harness.interleave(part_steps(s), rounds, warmup=3)
+    torch.set_num_threads(threads)
+    return {part: 1e3 * statistics.median(runs.wall[part]) for part in PARTS}
+
+
+def half_layer_split(s: Shape, pp: int, rounds: int = 30) -> list[float]:
+    """Layers per stage of the half-layer split that balances the measured costs."""
+    counts = splits(measure(s, rounds), s.layers, pp)["half layers"][1]
+    assert counts is not None
+    return counts
+
+
+def main() -> None:
+    cli = harness.cli
+    parser = cli.parser(__doc__, cli.rounds(30, "timed rounds (each part once a round)"))
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
+    args = parser.parse_args()
+    s = Shape()
+    if any(pp < 2 or s.layers % pp for pp in args.pp):
+        parser.error(f"--pp: each size at least 2 and dividing the {s.layers} layers")
+    info = harness.host_info()
+    print(harness.host_line(info, "1 process, 1 thread"), flush=True)
+    print(f"llama {s.layers} x {s.hidden} (ffn {s.ffn}, vocab {s.vocab}), micro-batch "
+          f"{s.micro_batch} x {s.seq} tokens, fp32; forward + backward, median of "
+          f"{args.rounds} rounds\n")
+    ms = measure(s, args.rounds)
+    print(harness.markdown_table(("part", "ms", "in layers"),
+                                 ((p, f"{ms[p]:.2f}", f"{ms[p] / ms['layer']:.2f}")
+                                  for p in PARTS)))
+    results = {}
+    for pp in args.pp:
+        results[pp] = splits(ms, s.layers, pp)
+        print(f"\npp={pp}: the busiest stage's compute per micro-batch\n")
+        even = results[pp]["even"][0]
+        print(harness.markdown_table(
+            ("split", "layers per stage", "ms", "vs even"),
+            ((name, " + ".join(f"{c:g}" for c in counts) if counts else "continuous",
+              f"{v:.2f}", f"{v / even:.3f}") for name, (v, counts) in results[pp].items())))
+    print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    harness.write_json(args.json, harness.record(
+        info, shape=asdict(s), args=harness.plain_args(args), part_ms=ms,
+        splits={str(pp): {name: {"busiest_stage_ms": v, "layers_per_stage": counts}
+                          for name, (v, counts) in r.items()} for pp, r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
