@@ -42,9 +42,8 @@ its MLP). They are unpaired, and the split of every meshtron configuration is pr
 Every ``meshtron <schedule>`` posts receives ahead by the schedule's default
 (``receives_ahead_needed``: 1 for gpipe, 1f1b and zb-h1, 3 for interleaved at pp=2), so a
 hand-over can happen while the stage computes; ``meshtron <schedule> late`` posts each receive
-only right before its consumer (``receives_ahead=0``, the executor's behaviour before
-2026-12-05); also unpaired. Beside the pairs, **best vs best** sets the fastest meshtron
-configuration against the fastest torch one.
+only right before its consumer (``receives_ahead=0``, as before 2026-12-05); also unpaired.
+**Best vs best** sets the fastest meshtron configuration against the fastest torch one.
 
 Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
 (vpp=2) / ``ScheduleInterleaved1F1B`` (two stages per rank); ``zb-h1`` /
@@ -97,7 +96,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import harness
-import pipeline_bound
 import pipeline_idle
 import torch
 import torch.distributed as dist
@@ -344,8 +342,10 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
     """All rounds for one pipeline size; every figure of its tables."""
     names = [n for n in args.configs if not (SETUPS[n].vpp > 1 and s.layers % (pp * 2))]
-    halves = pipeline_bound.half_layer_split(s, pp) \
-        if any(SETUPS[n].split == "halves" for n in names) else None
+    halves = None
+    if any(SETUPS[n].split == "halves" for n in names):  # (imported here: it imports Shape)
+        import pipeline_bound
+        halves = pipeline_bound.half_layer_split(s, pp)
     dropped: dict[str, str] = {}
     runs: list[list[dict[str, Any]]] = []
     load = [os.getloadavg()[0]]

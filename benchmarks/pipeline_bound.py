@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
-from functools import cache
 
 import harness
 import torch
@@ -47,6 +46,7 @@ from pipeline import Shape
 
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
+from meshtron.parallel.pipeline.partition import balanced_split
 
 PARTS = ("embedding", "attention half", "MLP half", "layer", "head")
 
@@ -80,21 +80,14 @@ def part_steps(s: Shape) -> dict[str, Callable[[], None]]:
     return dict(zip(PARTS, (embedding, attention, mlp, layer, head), strict=True))
 
 
-def busiest(costs: Sequence[float], stages: int) -> tuple[float, tuple[int, ...]]:
-    """The smallest possible cost of the costliest of ``stages`` runs of consecutive
-    ``costs`` (each run non-empty), and the runs' lengths."""
-
-    @cache
-    def best(first: int, left: int) -> tuple[float, tuple[int, ...]]:
-        if left == 1:
-            return sum(costs[first:]), (len(costs) - first,)
-        options = []
-        for end in range(first + 1, len(costs) - left + 2):
-            rest, counts = best(end, left - 1)
-            options.append((max(sum(costs[first:end]), rest), (end - first, *counts)))
-        return min(options)
-
-    return best(0, stages)
+def busiest(pieces: list[float], stages: int, first: float, head: float
+            ) -> tuple[float, list[int]]:
+    """meshtron's balanced split of ``pieces`` over ``stages`` (``first`` and ``head``
+    charged to the first and last stage): the costliest stage and the pieces per stage."""
+    counts = balanced_split(pieces, stages, head, first)
+    bounds = [sum(counts[:i]) for i in range(stages + 1)]
+    costs = [sum(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return max(costs[0] + first, *costs[1:-1], costs[-1] + head), counts
 
 
 Split = tuple[float, list[float] | None]
@@ -103,19 +96,16 @@ continuous split)."""
 
 
 def splits(ms: dict[str, float], layers: int, pp: int) -> dict[str, Split]:
-    """Each split of ``layers`` over ``pp`` stages; the embedding rides on the first piece,
+    """Each split of ``layers`` over ``pp`` stages; the embedding rides on the first stage,
     the head on the last."""
     layer, embed, head = ms["layer"], ms["embedding"], ms["head"]
     attention = layer * ms["attention half"] / (ms["attention half"] + ms["MLP half"])
 
-    def ends(pieces: list[float]) -> list[float]:
-        return [pieces[0] + embed, *pieces[1:-1], pieces[-1] + head]
-
-    whole = ends([layer] * layers)
     per_stage = layers // pp
-    even = max(sum(whole[i * per_stage:(i + 1) * per_stage]) for i in range(pp))
-    by_layers, layer_counts = busiest(whole, pp)
-    by_halves, half_counts = busiest(ends([attention, layer - attention] * layers), pp)
+    even = per_stage * layer + max(embed, head)  # pp >= 2: the ends on two stages
+    by_layers, layer_counts = busiest([layer] * layers, pp, embed, head)
+    halves = [attention, layer - attention] * layers
+    by_halves, half_counts = busiest(halves, pp, embed, head)
     total = layers * layer + embed + head
     return {"even": (even, [float(per_stage)] * pp),
             "whole layers": (by_layers, [float(c) for c in layer_counts]),
