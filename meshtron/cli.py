@@ -386,10 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("schedule", help="show a pipeline schedule, its bubble, and a timeline PNG")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zb-h1")
+    p.add_argument("--schedule", default="1f1b",
+                   help="gpipe, 1f1b, interleaved, zb-h1 or zb-v")
     p.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
     p.add_argument("--vpp", type=int, default=1,
-                   help="model chunks per stage, >= 2 for interleaved (default 1)")
+                   help="model chunks per stage: >= 2 for interleaved, 2 for zb-v (default 1)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
     p.add_argument("--out", help="PNG path (default: ./schedule-S-ppP-vppV-mM.png)")
     p.set_defaults(func=cmd_schedule)

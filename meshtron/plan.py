@@ -117,13 +117,14 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     require(p.pp_layers is None or p.pp > 1 or p.vpp > 1, f"parallel.pp_layers={p.pp_layers} is "
             "set but there is no pipeline (parallel.pp=1, parallel.vpp=1)")
     if p.pp > 1 or p.vpp > 1:
-        check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers)
+        check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers, p.schedule == "zb-v")
         if cfg.train.micro_batch is None:
             micro_batch, micro_batches = _pipeline_micro_batch(cfg, micro_batch)
         schedule = build_schedule(p.schedule, p.pp, p.vpp, micro_batches, p.receives_ahead)
-        require(not (p.schedule == "zb-h1" and p.zero == 3 and layout.dp * p.cp > 1),
-                "parallel.schedule=zb-h1 computes weight gradients after the block's backward "
-                "has released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with zb-h1")
+        require(not (schedule.split_backward and p.zero == 3 and layout.dp * p.cp > 1),
+                f"parallel.schedule={p.schedule} computes weight gradients after the block's "
+                "backward has released its ZeRO-3 parameters; use parallel.zero 0, 1 or 2 with "
+                f"{p.schedule}")
         require(not (p.tp_comm_overlap and schedule.split_backward), "parallel.tp_comm_overlap "
                 f"does not combine with parallel.schedule={p.schedule} (its split backward "
                 "defers weight gradients the overlapped products form at once)")
@@ -139,7 +140,13 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
         encoder = (vision_flops(model.vision, model.hidden_size) / cfg.train.seq_len
                    if model.vision.enabled else 0.0)  # per token, as the layers' costs
         halves = attention_cost(model, cfg.train.seq_len) if p.pp_half_layers else None
-        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers, encoder, halves)
+        partition = partition_layers(model, p.pp, p.vpp, costs, p.pp_layers, encoder, halves,
+                                     schedule.vshape)
+        if schedule.vshape:  # zb-v orders its actions by each chunk's cost
+            chunk_costs = partition.virtual_stage_costs(
+                *costs, attention_cost(model, cfg.train.seq_len), encoder)
+            schedule = build_schedule(p.schedule, p.pp, p.vpp, micro_batches, p.receives_ahead,
+                                      chunk_costs)
     return RunPlan(dataclasses.replace(cfg, model=model), layout, micro_batch, micro_batches,
                    padded_vocab_size(model), partition, schedule)
 

@@ -21,14 +21,14 @@ def operations(schedule: Schedule, shared: bool) -> list[list[tuple]]:
     SEND or RECV, message). A message is (direction, micro-batch, receiving virtual stage). A
     stream is the pair's group on this stage (``shared``: one group for both directions), or
     the group of one direction."""
-    pp, out = schedule.pp, []
+    out = []
     for stage, row in enumerate(schedule.stages):
         issued, computes = [], 0
         for a in row:
             if a.kind in COMPUTE_KINDS:
                 computes += 1
                 continue
-            direction, virtual = a.kind[-1], a.chunk * pp + stage
+            direction, virtual = a.kind[-1], schedule.virtual(stage, a.chunk)
             kind = a.kind[:4]
             if kind == "SEND":
                 virtual += 1 if direction == "F" else -1
@@ -60,9 +60,9 @@ def deadlocks(schedule: Schedule, shared: bool) -> bool:
                     progressed = True
             while ran[s] < len(computes[s]):
                 a = computes[s][ran[s]]
-                virtual = a.chunk * pp + s
+                virtual = schedule.virtual(s, a.chunk)
                 source = virtual - 1 if a.kind == "F" else virtual + 1 if a.kind == "B" else -1
-                if 0 <= source <= last and source % pp != s and \
+                if 0 <= source <= last and schedule.place(source)[0] != s and \
                         (a.kind, a.microbatch, virtual) not in moved:
                     break
                 ran[s] += 1
@@ -73,6 +73,7 @@ def deadlocks(schedule: Schedule, shared: bool) -> bool:
 CASES = [(name, pp, 1, m) for name in ("gpipe", "1f1b", "zb-h1") for pp in (2, 3, 4)
          for m in sorted({pp, 2 * pp, 5 * pp})]
 CASES += [("interleaved", pp, v, m) for pp in (2, 3, 4) for v in (2, 3) for m in (pp, 5 * pp)]
+CASES += [("zb-v", pp, 2, m) for pp in (2, 3, 4) for m in (pp, pp + 1, 5 * pp)]
 
 
 @pytest.mark.parametrize("ahead", [0, None])

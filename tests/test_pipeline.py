@@ -45,6 +45,32 @@ def test_plan_chunks_interleave_over_stages():
     assert explicit.chunks_of(1) == [[3, 4, 5, 6, 7]]
 
 
+def test_zb_v_places_the_ends_on_stage_0_and_its_order_follows_the_chunks_costs():
+    """The V: stage 0 holds virtual stages 0 and 3 (embedding and head, so a tied weight is
+    one tensor there), stage 1 the middle two. The balanced split keeps the turn of the V on
+    a whole layer, and the plan orders the actions by each chunk's FLOPs: with a head of 1.3
+    layers that order is at least as short, timed with those costs, as the unit-cost one."""
+    cfg = load_config(overrides=["--model.num_layers=8", "--model.vocab_size=512"]).model
+    part = partition_layers(cfg, pp=2, vpp=2, costs=(1.0, 1.3), attention_cost=0.4,
+                            vshape=True)
+    assert part.describe() == "2.5+1 | 2.5+2" and sum(part.counts[:2]) == 5
+    assert part.chunks_of(0) == [[0, 1, 2], [7]] and part.chunks_of(1) == [[2, 3, 4], [5, 6]]
+    assert [part.holds_embedding(s) for s in (0, 1)] == [part.holds_head(s) for s in (0, 1)] \
+        == [True, False]
+    costs = part.virtual_stage_costs(1.0, 1.3, 0.4)
+    assert costs == pytest.approx([2.4, 2.6, 2.0, 2.3])
+    ordered = build_schedule("zb-v", 2, 2, 8, costs=costs)
+    unit = build_schedule("zb-v", 2, 2, 8)
+    assert ordered.costs == tuple(costs) and unit.costs is None
+
+    def makespan(schedule):
+        rows = schedule.timeline(action_cost=lambda st, a: costs[schedule.virtual(st, a.chunk)])
+        return max(row[-1][1] for row in rows)
+
+    assert makespan(ordered) <= makespan(unit)
+    assert makespan(ordered) < 1.03 * 8 * 3 * max(costs[0] + costs[3], costs[1] + costs[2])
+
+
 def test_stage_builds_only_its_layers():
     cfg = load_config(overrides=["--model.num_layers=3", "--model.vocab_size=512",
                                  "--model.tie_embeddings=true"]).model
@@ -121,6 +147,13 @@ BAD_LAYOUTS = [
     (["--parallel.pp=2", "--parallel.vpp=2", "--model.num_layers=4"], 2, "interleaved"),
     (["--parallel.pp=2", "--parallel.schedule=zb-h1", "--parallel.zero=3",
       "--model.num_layers=2"], 4, "zb-h1"),
+    (["--parallel.pp=2", "--parallel.schedule=zb-v", "--model.num_layers=4"], 2,
+     "schedule 'zb-v' places two chunks per stage in a V over pp >= 2 stages: set vpp=2"),
+    (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v", "--parallel.zero=3",
+      "--model.num_layers=4"], 4, "parallel.schedule=zb-v computes weight gradients after"),
+    (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v",
+      "--parallel.pp_layers=1.5,1,0.5,1", "--model.num_layers=4"], 2,
+     "cuts a layer at the turn of zb-v's V"),
 ]
 
 
@@ -150,11 +183,16 @@ LAYOUTS = {
         ["--parallel.pp=2", "--model.num_layers=3", "--parallel.pp_layers=2.5,0.5",
          "--model.arch=gpt2", "--model.tie_embeddings=true", "--train.micro_batch=2",
          "--train.eval_every=10"],
+        # zb-v: stage 0 runs virtual stages 0 and 3 (embedding and head: one tied weight),
+        # stage 1 hands 1 to 2 over in memory; layer 1 cut in halves across the stages
+        ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v",
+         "--model.num_layers=4", "--parallel.pp_layers=1.5,0.5,1,1", "--train.micro_batch=2",
+         "--model.tie_embeddings=true", "--train.eval_every=10"],
     ],
     4: [["--parallel.pp=4", "--model.num_layers=4", "--train.micro_batch=1", *s]
         for s in SCHEDULES[:3]]
-    + [["--parallel.pp=4", "--parallel.vpp=2", "--parallel.schedule=interleaved",
-        "--model.num_layers=8", "--train.micro_batch=2"]]
+    + [["--parallel.pp=4", "--parallel.vpp=2", f"--parallel.schedule={name}",
+        "--model.num_layers=8", "--train.micro_batch=2"] for name in ("interleaved", "zb-v")]
     + [["--parallel.pp=2", f"--parallel.zero={z}", "--train.micro_batch=1",
         "--parallel.bucket_mb=0.02", "--model.tie_embeddings=true",
         f"--parallel.pp_half_layers={z == 3}"] for z in (1, 3)],  # zero=3: 1.5 | 0.5

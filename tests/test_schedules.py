@@ -26,6 +26,7 @@ def grid() -> list[tuple[str, int, int, int]]:
             cases += [("gpipe", pp, 1, m), ("1f1b", pp, 1, m), ("zb-h1", pp, 1, m)]
         if pp >= 2:
             cases += [("interleaved", pp, v, m) for v in (2, 3) for m in (pp, 2 * pp, 3 * pp)]
+            cases += [("zb-v", pp, 2, m) for m in sorted({pp, pp + 1, 2 * pp, 8})]
     cases += [("gpipe", 4, 1, 2), ("gpipe", 3, 1, 1)]  # GPipe allows fewer micro-batches than pp
     return cases
 
@@ -35,7 +36,11 @@ IDS = [f"{n}-pp{p}-vpp{v}-m{m}" for n, p, v, m in GRID]
 
 
 def virtual(schedule: Schedule, stage: int, action: Action) -> int:
-    return action.chunk * schedule.pp + stage
+    return schedule.virtual(stage, action.chunk)
+
+
+def stage_of(schedule: Schedule, virtual_stage: int) -> int:
+    return schedule.place(virtual_stage)[0]
 
 
 @pytest.mark.parametrize("case", GRID, ids=IDS)
@@ -60,8 +65,9 @@ def streams(s: Schedule, kind: str) -> dict[tuple[int, int], list[tuple[str, int
         for a in row:
             if a.kind == f"SEND_{kind[-1]}" and kind.startswith("SEND"):
                 k = virtual(s, stage, a) + (1 if a.kind == "SEND_F" else -1)
-                assert k % s.pp == a.peer
-                out.setdefault((stage, a.peer), []).append((a.kind[-1], a.microbatch, k // s.pp))
+                assert stage_of(s, k) == a.peer
+                out.setdefault((stage, a.peer), []).append((a.kind[-1], a.microbatch,
+                                                            s.place(k)[1]))
             if a.kind == f"RECV_{kind[-1]}" and kind.startswith("RECV"):
                 out.setdefault((a.peer, stage), []).append((a.kind[-1], a.microbatch, a.chunk))
     return out
@@ -81,22 +87,25 @@ def test_sends_and_receives_match_in_order_per_pair(case):
             k = virtual(s, stage, a)
             if a.kind in ("F", "B"):
                 produces = (a.kind == "F" and k < last) or (a.kind == "B" and k > 0)
+                target = k + (1 if a.kind == "F" else -1)
                 following = row[i + 1] if i + 1 < len(row) else None
                 assert (following == Action(f"SEND_{a.kind}", a.microbatch, a.chunk,
-                                            (k + (1 if a.kind == "F" else -1)) % s.pp)) == (
-                    produces and s.pp > 1)
+                                            stage_of(s, target) if produces else None)) == (
+                    produces and stage_of(s, target) != stage)
             sends[a.kind] += a.kind.startswith("SEND")
-    # one message per boundary between virtual stages, per micro-batch, each way
-    assert sends["SEND_F"] == sends["SEND_B"] == (last * s.microbatches if s.pp > 1 else 0)
+    # one message per boundary between virtual stages on two stages, per micro-batch, each way
+    crossings = sum(stage_of(s, k) != stage_of(s, k + 1) for k in range(last))
+    assert crossings == (0 if s.pp == 1 else last - s.vshape)
+    assert sends["SEND_F"] == sends["SEND_B"] == crossings * s.microbatches
 
 
 def consumed(s: Schedule, stage: int, a: Action) -> tuple[int, tuple[str, int, int]] | None:
     """(sender stage, message) that compute action ``a`` needs from another stage, if any."""
     k, last = virtual(s, stage, a), s.pp * s.vpp - 1
     source = k - 1 if a.kind == "F" else k + 1 if a.kind == "B" else -1
-    if not 0 <= source <= last or source % s.pp == stage:
+    if not 0 <= source <= last or stage_of(s, source) == stage:
         return None
-    return source % s.pp, (a.kind, a.microbatch, a.chunk)
+    return stage_of(s, source), (a.kind, a.microbatch, a.chunk)
 
 
 @pytest.mark.parametrize("case", GRID, ids=IDS)
@@ -151,7 +160,7 @@ def run_globally(s: Schedule) -> list[list[tuple[float, float, Action]]]:
                 k = virtual(s, stage, a)
                 if a.kind.startswith("SEND"):
                     target = k + (1 if a.kind == "SEND_F" else -1)
-                    msg = (a.kind[-1], a.microbatch, target // s.pp)
+                    msg = (a.kind[-1], a.microbatch, s.place(target)[1])
                     wire.setdefault((stage, a.peer), deque()).append((msg, clock[stage]))
                     match((stage, a.peer))
                 elif a.kind.startswith("RECV"):
@@ -190,9 +199,13 @@ def test_simulated_bubble_equals_theory(case):
     s = build_schedule(*case)
     p, m, v = s.pp, s.microbatches, s.vpp
     formula = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
-               "interleaved": (p - 1) / (v * m + p - 1), "zb-h1": (p - 1) / (3 * m + p - 1)}
+               "interleaved": (p - 1) / (v * m + p - 1), "zb-h1": (p - 1) / (3 * m + p - 1),
+               "zb-v": (p - 1) / (6 * m + p - 1)}
     assert s.theoretical_bubble() == pytest.approx(formula[s.name], abs=1e-15)
-    assert s.bubble_fraction() == pytest.approx(s.theoretical_bubble(), abs=1e-12)
+    if s.name == "zb-v" and m % p:  # its order reaches the bound for multiples of pp
+        assert s.theoretical_bubble() < s.bubble_fraction() < 3 * s.theoretical_bubble()
+    else:
+        assert s.bubble_fraction() == pytest.approx(s.theoretical_bubble(), abs=1e-12)
 
 
 @pytest.mark.parametrize("case", [c for c in GRID if c[0] == "zb-h1" and c[1] > 1],
@@ -222,6 +235,8 @@ def test_peak_in_flight_equals_theory(case):
         expected = [min(p - st, m) for st in range(p)]
     elif s.name == "zb-h1":
         expected = [min(p, m)] * p
+    elif s.name == "zb-v":  # chunks: 1F1B's bound of p micro-batches on a stage, 2 chunks each
+        expected = [min(2 * p, 2 * m)] * p
     else:
         expected = [min((p - st - 1) * 2 + (v - 1) * p + 1, m * v) for st in range(p)]
     assert s.peak_in_flight() == expected
@@ -241,6 +256,7 @@ def test_table_shows_chunks_only_when_interleaved():
 
 def test_split_backward_only_for_zero_bubble():
     assert build_schedule("zb-h1", 2, 1, 2).split_backward
+    assert build_schedule("zb-v", 2, 2, 2).split_backward
     assert not any(build_schedule(n, 2, v, 2).split_backward
                    for n, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)))
 
@@ -260,7 +276,11 @@ def test_split_backward_only_for_zero_bubble():
     (("interleaved", 2, 1, 4), ["needs vpp >= 2", "got vpp=1"]),
     (("interleaved", 1, 2, 4), ["needs pp >= 2"]),
     (("1f1b", 2, 2, 4), ["vpp=2 needs schedule 'interleaved'"]),
-    (("gpipe", 2, 3, 4), ["vpp=3 needs schedule 'interleaved'"]),
+    (("gpipe", 2, 3, 4), ["vpp=3 needs schedule 'interleaved' or 'zb-v'"]),
+    (("zb-v", 2, 1, 4), ["'zb-v' places two chunks per stage in a V", "set vpp=2"]),
+    (("zb-v", 1, 2, 4), ["over pp >= 2 stages", "got pp=1, vpp=2"]),
+    (("zb-v", 2, 3, 4), ["set vpp=2", "got pp=2, vpp=3"]),
+    (("zb-v", 3, 2, 2), ["needs at least pp=3 micro-batches, got 2"]),
 ])
 def test_bad_input_raises_one_clear_sentence(args, words):
     with pytest.raises(MeshtronError) as err:
@@ -299,8 +319,8 @@ def run_with_blocking_send_waits(schedule: Schedule, waits: list[dict[int, list[
         """(from, to, direction, micro-batch, receiving virtual stage) of a send or receive."""
         if a.kind.startswith("SEND_"):
             step = 1 if a.kind == "SEND_F" else -1
-            return stage, a.peer, a.kind[-1], a.microbatch, a.chunk * pp + stage + step
-        return a.peer, stage, a.kind[-1], a.microbatch, a.chunk * pp + stage
+            return stage, a.peer, a.kind[-1], a.microbatch, virtual(schedule, stage, a) + step
+        return a.peer, stage, a.kind[-1], a.microbatch, virtual(schedule, stage, a)
 
     consumes = [{(a.kind[-1], a.microbatch, a.chunk): message(s, a) for a in row
                  if a.kind.startswith("RECV_")} for s, row in enumerate(rows)]
@@ -384,7 +404,8 @@ def posted_late(schedule: Schedule) -> int:
                 continue
             kind = a.kind[-1]
             source = virtual(schedule, r, a) + (-1 if kind == "F" else 1)
-            sent = ended[source % schedule.pp, Action(kind, a.microbatch, source // schedule.pp)]
+            sender, chunk = schedule.place(source)
+            sent = ended[sender, Action(kind, a.microbatch, chunk)]
             first_post.setdefault(a.peer, now)
             late += first_post[a.peer] < now and sent <= now
     return late
@@ -425,3 +446,31 @@ def test_the_default_for_many_micro_batches_is_that_of_4_pp(case):
     as the whole schedule's."""
     assert build_schedule(*case).receives_ahead == \
         receives_ahead_needed(build_schedule(*case, receives_ahead=0))
+
+
+# ------------------------------------------------------------------ zb-v
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zero_bubble_v_places_chunks_in_a_v_and_idles_only_while_the_first_forward_travels(pp):
+    """Stage s runs virtual stages s and 2pp-1-s, so stage 0 holds the embedding and the head
+    and the turn of the V is a hand-over in memory on stage pp-1. With F = B = W = 1 per chunk
+    every stage is idle p-1 units in a makespan of 6m + p - 1, a sixth of 1F1B's idle time
+    (3(p-1) units of whole-stage work = 6(p-1) chunk units) at 1F1B's activation bound."""
+    for m in (pp, 2 * pp, 4 * pp):
+        s = build_schedule("zb-v", pp, 2, m)
+        assert [(s.virtual(st, 0), s.virtual(st, 1)) for st in range(pp)] == \
+            [(st, 2 * pp - 1 - st) for st in range(pp)]
+        assert all(s.place(s.virtual(st, c)) == (st, c) for st in range(pp) for c in (0, 1))
+        rows = s.timeline()
+        makespan = max(row[-1][1] for row in rows)
+        assert makespan == 6 * m + pp - 1
+        assert all(makespan - sum(end - start for start, end, _ in row) == pp - 1
+                   for row in rows)
+        one = build_schedule("1f1b", pp, 1, m)
+        assert max(s.peak_in_flight()) == 2 * max(one.peak_in_flight())  # chunks = 2 per stage
+        h1 = build_schedule("zb-h1", pp, 1, m)
+        assert s.bubble_fraction() < h1.bubble_fraction() < one.bubble_fraction()
+    turn = build_schedule("zb-v", 2, 2, 2).stages[1]  # stage 1 runs virtual stages 1 and 2
+    assert not any(a.kind == "SEND_F" and a.chunk == 0 for a in turn)
+    assert not any(a.kind == "SEND_B" and a.chunk == 1 for a in turn)

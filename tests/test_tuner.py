@@ -255,7 +255,7 @@ def test_a_copying_backend_holds_the_queued_gradients_at_the_end_of_the_backward
 
 
 PIPELINES = [("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2), ("interleaved", 4, 4),
-             ("zb-h1", 4, 1), ("zb-h1", 8, 1), ("gpipe", 4, 1)]
+             ("zb-h1", 4, 1), ("zb-h1", 8, 1), ("gpipe", 4, 1), ("zb-v", 4, 2)]
 
 
 def pipeline_problem(preset: str, pp: int, microbatches: int) -> Problem:
@@ -291,7 +291,7 @@ def test_equal_stage_costs_give_the_simulators_makespan_and_the_closed_form(
     ("llama3-8b", "interleaved", 4, 2, 200), ("llama3-8b", "zb-h1", 4, 1, 200),
     ("gpt3-175b", "1f1b", 32, 1, 40), ("gpt3-175b", "interleaved", 8, 3, 40),
     ("gpt3-175b", "zb-h1", 16, 1, 30), ("tiny-deepseek", "1f1b", 4, 1, 101),
-    ("tiny-deepseek", "interleaved", 2, 2, 100)])
+    ("tiny-deepseek", "interleaved", 2, 2, 100), ("llama3-8b", "zb-v", 4, 2, 200)])
 def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, vpp,
                                                           microbatches):
     """Past 24 micro-batches the estimator simulates two counts and extends the line; with the
@@ -309,7 +309,7 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
             return a.forward
         if action.kind == "W":
             return a.weight
-        return a.backward if schedule == "zb-h1" else a.backward + a.weight
+        return a.backward if schedule in ("zb-h1", "zb-v") else a.backward + a.weight
 
     rows = build_schedule(schedule, pp, vpp, microbatches).timeline(action_cost=price)
     direct = max(row[-1][1] for row in rows if row)
@@ -322,7 +322,8 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
     ("gpt3-175b", "interleaved", 8, 3, 40, 3, "selective"),
     ("gpt3-175b", "zb-h1", 16, 1, 30, 2, "none"), ("tiny-deepseek", "1f1b", 4, 1, 101, 1,
                                                    "full"),
-    ("tiny-deepseek", "interleaved", 2, 2, 100, 0, "none")])
+    ("tiny-deepseek", "interleaved", 2, 2, 100, 0, "none"),
+    ("llama3-8b", "zb-v", 4, 2, 12, 1, "none")])
 def test_the_peak_over_stages_is_the_highest_stage_priced_alone(preset, schedule, pp, vpp,
                                                                 microbatches, zero, recompute):
     """The search prices only the stages that can hold the peak: the result is the first

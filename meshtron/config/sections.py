@@ -20,7 +20,7 @@ from meshtron.config.vision_section import VisionConfig
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 REDUCE_DTYPES = ("fp32", "bf16")
 FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 CP_COMMS = ("ring", "all_to_all", "all_gather")
 RECOMPUTE = ("none", "selective", "full")
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -260,7 +260,8 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     """Gradients are reduced in buckets of about this many MiB, overlapping backward."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved (needs vpp >= 2) or zb-h1."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs vpp >= 2), zb-h1 or zb-v (needs vpp=2:
+    two chunks per stage in a V, stage 0 holding the embedding and the head)."""
     pp_layers: list[int | float] | None = None
     """Layers per virtual pipeline stage (pp * vpp counts in model order); unset: balanced. A
     half (``4.5,3.5``) cuts a layer between its attention and its MLP (needs pp >= 2)."""

@@ -144,7 +144,8 @@ class Transformer(nn.Module):
             if not cfg.tie_embeddings or not hasattr(self, "embed"):
                 self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, False,
                                                    region)
-        two_ends = mesh.pp.size > 1 and (self.has_embedding or self.has_head)
+        # the embedding and the head on two stages (on one, zb-v's stage 0: one weight)
+        two_ends = mesh.pp.size > 1 and self.has_embedding != self.has_head
         if two_ends and (cfg.tie_embeddings or cfg.mtp_depth):  # the embedding at both ends
             tied = self.embed.weight if hasattr(self, "embed") else self.output.weight
             tie_across_pipeline(tied, mesh.pipeline_ends,

@@ -33,6 +33,11 @@ class Candidate:
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    @property
+    def vshape(self) -> bool:
+        """Chunks placed in a V (zb-v): another partition than looped chunks of the same vpp."""
+        return self.schedule == "zb-v"
+
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""
         return global_batch // (self.dp * self.micro_batch)

@@ -167,10 +167,11 @@ class Estimator:
     def pipeline(self, c: Candidate) -> tuple[PipelinePartition, list[StageShape],
                                               dict[StageShape, int]]:
         """The partition, each stage's shape, and one stage of each distinct shape."""
-        key = (c.pp, c.vpp)
+        key = (c.pp, c.vpp, c.vshape)
         if key not in self._pipelines:
             costs = layer_and_head_cost(self.problem.model, self.problem.seq_len)
-            part = partition_layers(self.problem.model, c.pp, c.vpp, costs)
+            part = partition_layers(self.problem.model, c.pp, c.vpp, costs,
+                                    vshape=c.vshape)
             shapes = stage_shapes(self.problem.model, part)
             unique: dict[StageShape, int] = {}
             for stage, shape in enumerate(shapes):
@@ -245,7 +246,7 @@ class Estimator:
             # schedule's need is highest from 4 * pp micro-batches on (tests/test_schedules.py)
             self._receives_ahead[key] = 1 if c.vpp == 1 else build_schedule(
                 c.schedule, c.pp, c.vpp, 4 * c.pp).receives_ahead
-        wraps = c.vpp > 1
+        wraps = c.vpp > 1 and not c.vshape  # looped chunks: every stage has both peers
         streams = (stage > 0 or wraps) + (stage < c.pp - 1 or wraps)
         return self._receives_ahead[key] * self.stage_message_bytes(c) * streams
 
@@ -262,11 +263,11 @@ class Estimator:
         micro-batches in flight, so no other stage of the shape is higher, nor equal and
         earlier; pricing only these keeps a deep pipeline's search from visiting every stage
         of every candidate."""
-        key = (c.pp, c.vpp, tuple(in_flight))
+        key = (c.pp, c.vpp, c.vshape, tuple(in_flight))
         if key not in self._peak_stages:
             first: dict[int, int] = {}
             most: dict[int, int] = {}
-            for s, number in enumerate(self._shape_index[(c.pp, c.vpp)]):
+            for s, number in enumerate(self._shape_index[(c.pp, c.vpp, c.vshape)]):
                 first.setdefault(number, s)
                 if number not in most or in_flight[s] > in_flight[most[number]]:
                     most[number] = s
@@ -280,7 +281,7 @@ class Estimator:
         if c.pp == 1:
             return busy
         p, m = c.pp, microbatches
-        fraction = {"zb-h1": (p - 1) / (3 * m + p - 1),
+        fraction = {"zb-h1": (p - 1) / (3 * m + p - 1), "zb-v": (p - 1) / (6 * m + p - 1),
                     "interleaved": (p - 1) / (c.vpp * m + p - 1)}.get(c.schedule,
                                                                       (p - 1) / (m + p - 1))
         return busy / (1 - fraction)
@@ -291,7 +292,7 @@ class Estimator:
         _, shapes, _ = self.pipeline(c)
         if c.pp == 1:
             return microbatches * costs[shapes[0].chunks[0]].total
-        split = c.schedule == "zb-h1"
+        split = c.schedule in ("zb-h1", "zb-v")
 
         def price(stage: int, action: Action) -> float:
             a = costs[shapes[stage].chunks[action.chunk]]
@@ -316,7 +317,7 @@ class Estimator:
     # ------------------------------------------------------------------ memory
 
     def stage_params(self, c: Candidate, stage: int) -> StageParams:
-        key = (c.pp, c.vpp, stage)
+        key = (c.pp, c.vpp, c.vshape, stage)
         if key not in self._stage_params:
             part, _, _ = self.pipeline(c)
             held = part.stage_layers(stage)
@@ -351,7 +352,8 @@ class Estimator:
                     self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
             else:
                 chunk_extra = 0.0
-            key = (c.pp, c.vpp, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.micro_batch)
+            key = (c.pp, c.vpp, c.vshape, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero,
+                   c.micro_batch)
             if key not in self._shape_bytes:
                 params = self.stage_params(c, first)
                 state = state_bytes(params, c, pr.element_size, pr.reduce_size)
@@ -363,7 +365,7 @@ class Estimator:
                                           pr.profile.reduce_scatter_copy))
             state, held, transient, copies = self._shape_bytes[key]
             per_shape.append((state, held, chunk, chunk_extra, transient, copies))
-        index = self._shape_index[(c.pp, c.vpp)]
+        index = self._shape_index[(c.pp, c.vpp, c.vshape)]
         stages = [stage] if stage is not None else self.peak_candidates(c, in_flight)
         worst, peak = None, -1.0
         for s in stages:
@@ -387,7 +389,7 @@ class Estimator:
         """Per gradient group (dense, experts): (reduction, gather of updated chunks, ZeRO-3
         gather) seconds; and the optimizer step's seconds (memory-bound: every state byte
         read and written once)."""
-        key = (c.pp, c.vpp, stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.world_size)
+        key = (c.pp, c.vpp, c.vshape, stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.world_size)
         if key not in self._dp:
             pr = self.problem
             groups = layout_groups(c, pr.profile.gpus_per_node)

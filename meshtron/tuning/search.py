@@ -111,13 +111,13 @@ def _pipelines(pins: Pins, pp: int, layers: int) -> list[tuple[int, str]]:
     if pp == 1:
         return [(1, "1f1b")] if pins.schedule in (None, "1f1b", "gpipe") and \
             pins.vpp in (None, 1) else []
-    schedules = [pins.schedule] if pins.schedule else ["1f1b", "zb-h1", "interleaved"]
+    schedules = [pins.schedule] if pins.schedule else ["1f1b", "zb-h1", "interleaved", "zb-v"]
     out = []
     for schedule in schedules:
-        vpps = [v for v in range(2, 5) if layers % (pp * v) == 0] \
-            if schedule == "interleaved" else [1]
+        vpps = ([v for v in range(2, 5) if layers % (pp * v) == 0] if schedule == "interleaved"
+                else [2] if schedule == "zb-v" and layers >= 2 * pp else [1])
         out += [(v, schedule) for v in pins.allow("vpp", vpps)
-                if (v > 1) == (schedule == "interleaved")]
+                if (v > 1) == (schedule in ("interleaved", "zb-v"))]
     return out
 
 
@@ -135,7 +135,7 @@ def candidates(problem: Problem, pins: Pins) -> Iterator[Candidate]:
                     continue
                 for zero in pins.allow("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                     for vpp, schedule in _pipelines(pins, pp, layers):
-                        if schedule == "zb-h1" and zero == 3 and dp * cp > 1:
+                        if schedule in ("zb-h1", "zb-v") and zero == 3 and dp * cp > 1:
                             continue
                         for mb in pins.allow("micro_batch", powers_of_two(min(share, 64))):
                             count = share // mb if share % mb == 0 else 0
@@ -160,7 +160,7 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
     kept: dict[tuple, str] = {}
     for c in candidates(problem, pins):
         considered += 1
-        key = (c.tp, c.cp, c.pp, c.vpp, c.ep, c.etp, c.zero)
+        key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.zero)
         if key not in state_fits:
             worst = max(sum(state_bytes(estimator.stage_params(c, s), c, problem.element_size,
                                         problem.reduce_size).values()) for s in range(c.pp))

@@ -19,8 +19,8 @@ Message = tuple[str, int, int]
 
 def _sent_message(schedule: Schedule, stage: int, send: Action) -> Message:
     direction = send.kind[-1]
-    virtual = send.chunk * schedule.pp + stage + (1 if direction == "F" else -1)
-    return direction, send.microbatch, virtual // schedule.pp
+    virtual = schedule.virtual(stage, send.chunk) + (1 if direction == "F" else -1)
+    return direction, send.microbatch, schedule.place(virtual)[1]
 
 
 def _consumer(action: Action) -> Message | None:

@@ -9,7 +9,8 @@ as soon as its tensor exists and waited for as soon as the schedule shows it com
 and waited for just before the action that consumes it. Every message carries a tag naming
 (direction, micro-batch, receiving virtual stage), and the schedule posts receives in the order
 the peer sends, so matching is unambiguous for transports that match by tag (gloo) or by order
-(NCCL).
+(NCCL). Where consecutive virtual stages sit on the same stage (the turn of zb-v's V) the
+activation and its gradient are handed over in memory, detached as if sent.
 
 Gradient reduction over data-parallel ranks is driven the same way as without a pipeline: each
 action that produces weight gradients (B, and W under a split backward) is one "micro-batch" of
@@ -30,7 +31,7 @@ from torch import nn
 from meshtron.parallel.context.sequence import MicroBatch
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.completions import send_completions
-from meshtron.parallel.pipeline.partition import PipelinePartition
+from meshtron.parallel.pipeline.partition import PipelinePartition, placement_of
 from meshtron.parallel.pipeline.schedules import Action, Schedule
 from meshtron.parallel.tensor.weight_grad import WeightGradStore
 
@@ -68,6 +69,7 @@ class PipelineExecutor:
         self.store: WeightGradStore | None = model.grad_store
         assert (self.store is not None) == schedule.split_backward, (
             "a zero-bubble schedule needs a model built with split_weight_grads, and only it")
+        assert plan.vshape == schedule.vshape, "the partition and the schedule place chunks alike"
         grad_actions = [i for i, a in enumerate(self.actions) if a.kind in ("B", "W")]
         self.last_grad_action = grad_actions[-1] if grad_actions else -1
         self.trace: list[tuple[Action, float, float]] | None = None
@@ -95,6 +97,11 @@ class PipelineExecutor:
         work = dist.irecv(buffer, src=self.mesh.pp.ranks[peer],
                           group=self.mesh.pp_receives[peer], tag=tag)
         return work, buffer
+
+    def _local_chunk(self, virtual_stage: int) -> int | None:
+        """This stage's chunk that runs ``virtual_stage``, or None if another stage does."""
+        stage, chunk = placement_of(self.plan.pp, virtual_stage, self.plan.vshape)
+        return chunk if stage == self.stage else None
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -140,6 +147,8 @@ class PipelineExecutor:
             elif kind == "F":
                 if vstage == 0:
                     x = micro_batches[m].tokens
+                elif (before := self._local_chunk(vstage - 1)) is not None:
+                    x = stash[m, before][1].detach().requires_grad_(True)
                 else:
                     work, x = receives.pop(("F", m, c))
                     work.wait()
@@ -161,8 +170,11 @@ class PipelineExecutor:
                 x, out = stash.pop((m, c))
                 grad = None
                 if vstage != last_virtual:
-                    work, grad = receives.pop(("B", m, c))
-                    work.wait()
+                    if (after := self._local_chunk(vstage + 1)) is not None:
+                        grad = input_grads.pop((m, after))
+                    else:
+                        work, grad = receives.pop(("B", m, c))
+                        work.wait()
                 started = time.perf_counter()
                 optimizer.begin_micro_batch(last=index == self.last_grad_action)
                 if self.store is not None:
@@ -204,22 +216,25 @@ class PipelineExecutor:
         dtype = next(model.parameters()).dtype
         total = torch.zeros((), dtype=torch.float64, device=self._device())
         sends: list[dist.Work] = []
-        pp = self.mesh.pp.size
         for m, micro_batch in enumerate(micro_batches):
+            out = micro_batch.tokens
             for c in range(plan.vpp):
                 vstage = plan.virtual_stage(self.stage, c)
-                if vstage == 0:
-                    x = micro_batch.tokens
+                if vstage == 0 or self._local_chunk(vstage - 1) is not None:
+                    x = out
                 else:
-                    work, x = self._post_receive(self._hidden_shape(micro_batch), dtype,
-                                                 (self.stage - 1) % pp, self._tag("F", m, vstage))
+                    source = placement_of(plan.pp, vstage - 1, plan.vshape)[0]
+                    work, x = self._post_receive(self._hidden_shape(micro_batch), dtype, source,
+                                                 self._tag("F", m, vstage))
                     work.wait()
                 out = model(x, chunk=c, sequence=micro_batch.sequence, images=micro_batch.images)
                 if vstage == plan.virtual_stages - 1:
                     total += model.loss_sum(out, micro_batch.targets).double()
+                elif self._local_chunk(vstage + 1) is None:
+                    target = placement_of(plan.pp, vstage + 1, plan.vshape)[0]
+                    sends.append(self._send(out.to(dtype), target, self._tag("F", m, vstage + 1)))
                 else:
-                    sends.append(self._send(out.to(dtype), (self.stage + 1) % pp,
-                                            self._tag("F", m, vstage + 1)))
+                    out = out.to(dtype)
         for work in sends:
             work.wait()
         return total

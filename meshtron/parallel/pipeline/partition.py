@@ -1,9 +1,11 @@
 """Which transformer layers each pipeline stage (and each of its virtual chunks) holds.
 
 With ``pp`` stages and ``vpp`` chunks per stage there are ``pp * vpp`` virtual stages; chunk
-``c`` of stage ``s`` is virtual stage ``c * pp + s`` (Megatron's interleaving), and virtual
-stages take consecutive runs of layers in model order. Virtual stage 0 also holds the
-embedding, the last one the final norm, the output layer and the loss.
+``c`` of stage ``s`` is virtual stage ``c * pp + s`` (Megatron's interleaving) or, in the V
+placement of the zb-v schedule (two chunks), ``s`` and ``2 * pp - 1 - s``: stage 0 then holds
+the first and the last virtual stage. Virtual stages take consecutive runs of layers in model
+order. Virtual stage 0 also holds the embedding, the last one the final norm, the output layer
+and the loss.
 
 The balanced split minimises the most expensive virtual stage, where a layer costs its forward
 FLOPs per token and the output layer + loss is charged its own FLOPs in the same unit (the
@@ -27,10 +29,11 @@ from meshtron.errors import MeshtronError
 
 
 def balanced_split(pieces: list[float], stages: int, head_cost: float,
-                   first_cost: float = 0.0) -> list[int]:
+                   first_cost: float = 0.0, even_after: int | None = None) -> list[int]:
     """Consecutive runs of ``pieces`` (their number per stage, each at least one) minimising
     the costliest stage, the last also charged ``head_cost`` and the first ``first_cost``;
-    ties go to the split that puts more pieces early."""
+    ties go to the split that puts more pieces early. ``even_after``: the first that many
+    stages together take an even number of pieces (a whole layer where pieces are halves)."""
     assert len(pieces) >= stages, "checked by check_layer_split"
     ends = [0.0]
     for cost in pieces:
@@ -44,30 +47,49 @@ def balanced_split(pieces: list[float], stages: int, head_cost: float,
             return ends[-1] - ends[first] + head_cost + extra, (len(pieces) - first,)
         options = []
         for count in range(len(pieces) - first - stages_left + 1, 0, -1):
+            if stages - stages_left + 1 == even_after and (first + count) % 2:
+                continue
             rest_cost, rest = best(first + count, stages_left - 1)
             own = ends[first + count] - ends[first] + extra
             options.append((max(own, rest_cost), (count, *rest)))
-        return min(options, key=lambda option: option[0])
+        return min(options, key=lambda option: option[0], default=(float("inf"), ()))
 
     return list(best(0, stages)[1])
 
 
 def balanced_counts(num_layers: int, stages: int, layer_cost: float,
                     head_cost: float, first_cost: float = 0.0,
-                    attention_cost: float | None = None) -> list[float]:
+                    attention_cost: float | None = None,
+                    whole_after: int | None = None) -> list[float]:
     """Layers per virtual stage minimising the costliest stage (see :func:`balanced_split`).
     ``first_cost``: what the first stage runs besides its layers (a vision model's image
     encoder). ``attention_cost`` (of ``layer_cost``): given, a stage may also end after a
-    layer's attention half, and counts come in halves."""
+    layer's attention half, and counts come in halves, except that the first ``whole_after``
+    stages together hold whole layers."""
     if attention_cost is None:
         return list(balanced_split([layer_cost] * num_layers, stages, head_cost, first_cost))
     halves = [attention_cost, layer_cost - attention_cost] * num_layers
-    return [in_layers(n) for n in balanced_split(halves, stages, head_cost, first_cost)]
+    return [in_layers(n) for n in balanced_split(halves, stages, head_cost, first_cost,
+                                                 whole_after)]
 
 
 def in_layers(halves: int) -> float:
     """A number of half layers as layers: an int when whole (``4``), else ``4.5``."""
     return halves // 2 if halves % 2 == 0 else halves / 2
+
+
+def virtual_stage_of(pp: int, stage: int, chunk: int, vshape: bool = False) -> int:
+    """The virtual stage chunk ``chunk`` of ``stage`` runs: looped (Megatron) or in a V."""
+    if vshape:
+        return stage if chunk == 0 else 2 * pp - 1 - stage
+    return chunk * pp + stage
+
+
+def placement_of(pp: int, virtual_stage: int, vshape: bool = False) -> tuple[int, int]:
+    """The (stage, chunk) that runs ``virtual_stage`` (inverse of :func:`virtual_stage_of`)."""
+    if vshape:
+        return (virtual_stage, 0) if virtual_stage < pp else (2 * pp - 1 - virtual_stage, 1)
+    return virtual_stage % pp, virtual_stage // pp
 
 
 ATTENTION_HALF, MLP_HALF = "attention", "mlp"
@@ -93,11 +115,12 @@ class StageLayers:
 @dataclass(frozen=True)
 class PipelinePartition:
     """The layer split of a ``pp`` x ``vpp`` pipeline (``counts`` of layers per virtual stage,
-    in halves where a boundary cuts a layer)."""
+    in halves where a boundary cuts a layer), its chunks placed in a V with ``vshape``."""
 
     pp: int
     vpp: int
     counts: tuple[float, ...]
+    vshape: bool = False
 
     @property
     def virtual_stages(self) -> int:
@@ -121,7 +144,7 @@ class PipelinePartition:
                 *([(end // 2, ATTENTION_HALF)] if end % 2 else [])]
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
-        return chunk * self.pp + stage
+        return virtual_stage_of(self.pp, stage, chunk, self.vshape)
 
     def chunks_of(self, stage: int) -> list[list[int]]:
         """Global layer indices of each chunk of ``stage``, chunk 0 first."""
@@ -131,13 +154,29 @@ class PipelinePartition:
         return stage == 0
 
     def holds_head(self, stage: int) -> bool:
-        return stage == self.pp - 1
+        return placement_of(self.pp, self.virtual_stages - 1, self.vshape)[0] == stage
 
     def stage_layers(self, stage: int) -> StageLayers:
         """What the model of pipeline stage ``stage`` holds."""
         halves = [h for c in range(self.vpp) for h in self.halves_of(self.virtual_stage(stage, c))]
         return StageLayers(tuple(tuple(c) for c in self.chunks_of(stage)),
                            self.holds_embedding(stage), self.holds_head(stage), tuple(halves))
+
+    def virtual_stage_costs(self, layer: float, head: float, attention: float | None = None,
+                            first: float = 0.0) -> list[float]:
+        """Each virtual stage's forward cost in the units of ``layer`` (a layer), ``head``
+        (the output layer and loss, on the last), ``first`` (what the first runs before its
+        layers) and ``attention`` (a layer's attention half; None: half a layer)."""
+        half = {ATTENTION_HALF: layer / 2 if attention is None else attention}
+        half[MLP_HALF] = layer - half[ATTENTION_HALF]
+        costs = []
+        for k in range(self.virtual_stages):
+            cut = self.halves_of(k)
+            costs.append((len(self.layers_of(k)) - len(cut)) * layer
+                         + sum(half[part] for _, part in cut))
+        costs[0] += first
+        costs[-1] += head
+        return costs
 
     def describe(self) -> str:
         """Layers per stage, e.g. ``3 | 1`` (``2+2 | 2+2`` with chunks, ``4.5 | 3.5`` with a
@@ -147,7 +186,7 @@ class PipelinePartition:
 
 
 def check_layer_split(cfg: ModelConfig, pp: int, vpp: int,
-                      explicit: list[float] | None) -> None:
+                      explicit: list[float] | None, vshape: bool = False) -> None:
     """Reject a split that cannot be made, saying what is needed."""
     stages = pp * vpp
     if explicit:
@@ -167,6 +206,12 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int,
                 f"parallel.pp_layers={explicit} cuts a layer in halves, which must sit on two "
                 "pipeline stages: give whole layers or set parallel.pp >= 2"
             )
+        if vshape and sum(explicit[:pp]) != int(sum(explicit[:pp])):
+            raise MeshtronError(
+                f"parallel.pp_layers={explicit} cuts a layer at the turn of zb-v's V, where "
+                f"virtual stages {pp - 1} and {pp} share stage {pp - 1}: the first {pp} entries "
+                "must sum to whole layers"
+            )
         return
     if cfg.num_layers < stages:
         raise MeshtronError(
@@ -174,7 +219,7 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int,
             f"{stages} layers, model.num_layers is {cfg.num_layers}; lower parallel.pp or "
             "parallel.vpp"
         )
-    if vpp > 1 and cfg.num_layers % stages:
+    if vpp > 1 and not vshape and cfg.num_layers % stages:
         raise MeshtronError(
             f"parallel.vpp={vpp} splits each stage's layers into {vpp} equal chunks: "
             f"model.num_layers={cfg.num_layers} must be divisible by pp*vpp = {stages} (or "
@@ -184,19 +229,22 @@ def check_layer_split(cfg: ModelConfig, pp: int, vpp: int,
 
 def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, float],
                      explicit: list[float] | None = None, first_cost: float = 0.0,
-                     attention_cost: float | None = None) -> PipelinePartition:
+                     attention_cost: float | None = None,
+                     vshape: bool = False) -> PipelinePartition:
     """The split given by ``explicit`` (``parallel.pp_layers``) or the one balanced for
     ``costs``: the forward FLOPs per token of one layer and of the output layer, and
     ``first_cost`` of what the first stage runs before its layers; ``attention_cost`` (a
     layer's attention half, with ``parallel.pp_half_layers`` and pp >= 2) lets it cut layers
-    in halves."""
-    check_layer_split(cfg, pp, vpp, explicit)
+    in halves. ``vshape``: chunks placed in a V (zb-v), whose virtual stages are balanced like
+    stages, as its schedule assumes (stage 0 runs the embedding and the head; no layer is cut
+    at the turn of the V, where two virtual stages share a stage)."""
+    check_layer_split(cfg, pp, vpp, explicit, vshape)
     stages = pp * vpp
     if explicit:
-        return PipelinePartition(pp, vpp, tuple(explicit))
-    if vpp > 1:  # interleaving assumes equal chunks, as in Megatron
+        return PipelinePartition(pp, vpp, tuple(explicit), vshape)
+    if vpp > 1 and not vshape:  # interleaving assumes equal chunks, as in Megatron
         return PipelinePartition(pp, vpp, (cfg.num_layers // stages,) * stages)
     layer, head = costs
     counts = balanced_counts(cfg.num_layers, stages, layer, head, first_cost,
-                             attention_cost if pp > 1 else None)
-    return PipelinePartition(pp, vpp, tuple(counts))
+                             attention_cost if pp > 1 else None, pp if vshape else None)
+    return PipelinePartition(pp, vpp, tuple(counts), vshape)

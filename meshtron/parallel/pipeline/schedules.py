@@ -7,18 +7,22 @@ simulation turns an order into start and end times, from which the bubble fracti
 tests compare it with the closed-form theory of each schedule.
 
 Virtual stages follow Megatron's interleaving: chunk ``c`` of stage ``s`` is virtual stage
-``c * pp + s``; a forward flows from virtual stage ``k`` to ``k + 1``, a backward back.
+``c * pp + s``; zb-v places its two chunks in a V instead (``s`` and ``2 * pp - 1 - s``, see
+:mod:`.partition`). A forward flows from virtual stage ``k`` to ``k + 1``, a backward back.
 """
 
 from __future__ import annotations
 
 import bisect
 import difflib
-from collections.abc import Callable
+import heapq
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshtron.config import SCHEDULES
 from meshtron.errors import MeshtronError
+from meshtron.parallel.pipeline.partition import placement_of, virtual_stage_of
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -57,15 +61,31 @@ class Schedule:
     receives_ahead: int = 0
     """How many messages past the consumed one each receive post reaches
     (:func:`add_communication`)."""
+    costs: tuple[float, ...] | None = None
+    """The virtual stages' relative costs the order was made for (zb-v; None: equal)."""
 
     @property
     def split_backward(self) -> bool:
         """True when ``B`` computes input gradients only and ``W`` the weight gradients."""
-        return self.name == "zb-h1"
+        return self.name in ("zb-h1", "zb-v")
+
+    @property
+    def vshape(self) -> bool:
+        """True when the two chunks of each stage sit in a V (zb-v): stage 0 runs the first
+        and the last virtual stage."""
+        return self.name == "zb-v"
 
     @property
     def num_virtual_stages(self) -> int:
         return self.pp * self.vpp
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        """The virtual stage chunk ``chunk`` of ``stage`` runs."""
+        return virtual_stage_of(self.pp, stage, chunk, self.vshape)
+
+    def place(self, virtual: int) -> tuple[int, int]:
+        """The (stage, chunk) that runs virtual stage ``virtual``."""
+        return placement_of(self.pp, virtual, self.vshape)
 
     def compute_actions(self, stage: int) -> list[Action]:
         """The stage's ``F``/``B``/``W`` actions in order, without communication."""
@@ -77,10 +97,12 @@ class Schedule:
 
     def dependencies(self, stage: int, action: Action) -> list[tuple[int, Action]]:
         """The (stage, compute action) pairs that must finish before ``action`` can start."""
-        k, last, m = action.chunk * self.pp + stage, self.num_virtual_stages - 1, action.microbatch
+        k, m = self.virtual(stage, action.chunk), action.microbatch
+        last = self.num_virtual_stages - 1
 
         def at(kind: str, virtual: int) -> tuple[int, Action]:
-            return virtual % self.pp, Action(kind, m, virtual // self.pp)
+            s, chunk = self.place(virtual)
+            return s, Action(kind, m, chunk)
 
         if action.kind == "F":
             return [at("F", k - 1)] if k > 0 else []
@@ -137,13 +159,17 @@ class Schedule:
         """Closed-form bubble fraction under the default unit costs.
 
         gpipe, 1f1b: (p-1)/(m+p-1); interleaved: (p-1)/(v·m+p-1); zb-h1: (p-1)/(3m+p-1), the
-        (p-1)·(F+B-W) idle time per stage of Qi et al. over a makespan of 3m+p-1.
+        (p-1)·(F+B-W) idle time per stage of Qi et al. over a makespan of 3m+p-1; zb-v:
+        (p-1)/(6m+p-1), only the last stage's wait for the first forward to reach it (p-1
+        chunk forwards) over 6m chunk actions.
         """
         p, m = self.pp, self.microbatches
         if self.name == "interleaved":
             return (p - 1) / (self.vpp * m + p - 1)
         if self.name == "zb-h1":
             return (p - 1) / (3 * m + p - 1)
+        if self.name == "zb-v":
+            return (p - 1) / (6 * m + p - 1)
         return (p - 1) / (m + p - 1)
 
     def peak_in_flight(self) -> list[int]:
@@ -168,7 +194,7 @@ class Schedule:
 
 
 def add_communication(pp: int, vpp: int, compute: list[list[Action]],
-                      ahead: int = 0) -> list[list[Action]]:
+                      ahead: int = 0, vshape: bool = False) -> list[list[Action]]:
     """Insert sends after producers and receive posts before consumers, matched in order.
 
     Every (sender, receiver) pair carries one ordered stream of messages; the receiver posts
@@ -176,8 +202,8 @@ def add_communication(pp: int, vpp: int, compute: list[list[Action]],
     message of that sender up to the one consumed and, with ``ahead`` = n, the n after it too,
     so that those can arrive while this stage computes (a receive posted just before it is
     needed makes the stage wait for the whole hand-over; each one posted ahead holds one
-    message's buffer longer). Chunks on the same stage (pp=1) hand activations over locally
-    and get no actions.
+    message's buffer longer). Chunks on the same stage (pp=1, or the turn of zb-v's V) hand
+    activations over locally and get no actions.
     """
     last = pp * vpp - 1
     streams: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
@@ -186,13 +212,13 @@ def add_communication(pp: int, vpp: int, compute: list[list[Action]],
         row: list[Action] = []
         for a in actions:
             row.append(a)
-            target = _neighbour(a, a.chunk * pp + s, last)
-            if target is None or target % pp == s:
+            target = _neighbour(a, virtual_stage_of(pp, s, a.chunk, vshape), last)
+            if target is None or placement_of(pp, target, vshape)[0] == s:
                 continue
             direction = a.kind  # "F" or "B"
-            row.append(Action(f"SEND_{direction}", a.microbatch, a.chunk, target % pp))
-            streams.setdefault((s, target % pp), []).append(
-                (direction, a.microbatch, target // pp))
+            peer, chunk = placement_of(pp, target, vshape)
+            row.append(Action(f"SEND_{direction}", a.microbatch, a.chunk, peer))
+            streams.setdefault((s, peer), []).append((direction, a.microbatch, chunk))
         sent.append(row)
 
     index = {pair: {msg: i for i, msg in enumerate(msgs)} for pair, msgs in streams.items()}
@@ -201,9 +227,9 @@ def add_communication(pp: int, vpp: int, compute: list[list[Action]],
         posted: dict[int, int] = {}
         row = []
         for a in actions:
-            source = _neighbour(a, a.chunk * pp + r, last, consumed=True)
-            if source is not None and source % pp != r:
-                src = source % pp
+            source = _neighbour(a, virtual_stage_of(pp, r, a.chunk, vshape), last, consumed=True)
+            src = None if source is None else placement_of(pp, source, vshape)[0]
+            if src is not None and src != r:
                 stream, first = streams[(src, r)], posted.get(src, 0)
                 upto = min(len(stream) - 1, index[(src, r)][(a.kind, a.microbatch, a.chunk)]
                            + ahead)
@@ -258,7 +284,76 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int,
     return order
 
 
-def _generate(name: str, pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
+def _zero_bubble_v(pp: int, microbatches: int,
+                   costs: Sequence[float] | None = None) -> list[list[Action]]:
+    """ZB-V (Qi et al., 2024): each stage's order as list scheduling on the costs gives it.
+
+    Two chunks per stage in a V; ``costs[k]``: what each of F, B and W costs on virtual stage
+    k (None: 1 everywhere). Whenever a stage is free it runs, of the actions whose input is
+    ready, a backward, else a forward, else its oldest deferred ``W``; among backwards or
+    forwards the oldest micro-batch, the later virtual stage first. A stage starts a new
+    micro-batch (its first chunk's forward) only while fewer than ``pp`` of its micro-batches
+    await their first chunk's ``W``: at most 2 * pp chunk activations, 1F1B's bound. With unit
+    costs and m a multiple of pp the makespan is then 6m + p - 1, every stage idle only while
+    the first forward travels (:meth:`Schedule.theoretical_bubble`); other m leave a little
+    more. Unequal chunks (a head, half layers) get an order that fits them from their costs.
+    """
+    last, total = 2 * pp - 1, 6 * microbatches
+    cost = list(costs) if costs is not None else [1.0] * (2 * pp)
+    ends: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
+    orders: list[list[Action]] = [[] for _ in range(pp)]
+    following = [{(kind, chunk): 0 for kind in "FB" for chunk in (0, 1)} for _ in range(pp)]
+    weights: list[list[Action]] = [[] for _ in range(pp)]
+    started = [0] * pp  # micro-batches whose first chunk's W has not run
+    free = [0.0] * pp
+
+    def ready(kind: str, m: int, virtual: int, time: float) -> bool:
+        if kind == "F":
+            needed = None if virtual == 0 else ("F", m, virtual - 1)
+        else:
+            needed = ("F", m, virtual) if virtual == last else ("B", m, virtual + 1)
+        return needed is None or ends.get(needed, math.inf) <= time
+
+    def pick(s: int, time: float) -> Action | None:
+        for kind in "BF":
+            options = []
+            for chunk in (0, 1):
+                m, virtual = following[s][kind, chunk], virtual_stage_of(pp, s, chunk, True)
+                new_microbatch = kind == "F" and chunk == 0
+                if m < microbatches and ready(kind, m, virtual, time) \
+                        and not (new_microbatch and started[s] >= pp):
+                    options.append((m, -virtual, chunk))
+            if options:
+                m, _, chunk = min(options)
+                return Action(kind, m, chunk)
+        return weights[s].pop(0) if weights[s] else None
+
+    events = [0.0]  # the moments an action ends: the only ones at which a choice changes
+    while events:
+        time = heapq.heappop(events)
+        for s in range(pp):
+            if free[s] > time or len(orders[s]) == total:
+                continue
+            action = pick(s, time)
+            if action is None:
+                continue
+            if action.kind == "W":
+                started[s] -= action.chunk == 0
+            else:
+                following[s][action.kind, action.chunk] += 1
+                started[s] += action.kind == "F" and action.chunk == 0
+                if action.kind == "B":
+                    weights[s].append(Action("W", action.microbatch, action.chunk))
+            virtual = virtual_stage_of(pp, s, action.chunk, True)
+            free[s] = ends[action.kind, action.microbatch, virtual] = time + cost[virtual]
+            heapq.heappush(events, free[s])
+            orders[s].append(action)
+    assert all(len(order) == total for order in orders), "zb-v ordering left actions out"
+    return orders
+
+
+def _generate(name: str, pp: int, vpp: int, microbatches: int,
+              costs: Sequence[float] | None = None) -> list[list[Action]]:
     forwards = [Action("F", m, 0) for m in range(microbatches)]
     backwards = [Action("B", m, 0) for m in range(microbatches)]
     if name == "gpipe":
@@ -267,6 +362,8 @@ def _generate(name: str, pp: int, vpp: int, microbatches: int) -> list[list[Acti
         return [_one_f_one_b(forwards, backwards, pp - s - 1) for s in range(pp)]
     if name == "zb-h1":
         return [_one_f_one_b(forwards, backwards, pp - s - 1, weight_delay=s) for s in range(pp)]
+    if name == "zb-v":
+        return _zero_bubble_v(pp, microbatches, costs)
     forwards = _interleaved_order(pp, vpp, microbatches, backward=False)
     backwards = _interleaved_order(pp, vpp, microbatches, backward=True)
     return [_one_f_one_b(forwards, backwards, min((pp - s - 1) * 2 + (vpp - 1) * pp,
@@ -289,8 +386,13 @@ def _validate(name: str, pp: int, vpp: int, microbatches: int) -> None:
                                 f"got vpp={vpp}; use schedule 1f1b for one chunk")
         if pp < 2:
             raise MeshtronError("schedule 'interleaved' needs pp >= 2 pipeline stages, got pp=1")
+    elif name == "zb-v":
+        if vpp != 2 or pp < 2:
+            raise MeshtronError(f"schedule 'zb-v' places two chunks per stage in a V over "
+                                f"pp >= 2 stages: set vpp=2 (got pp={pp}, vpp={vpp})")
     elif vpp > 1:
-        raise MeshtronError(f"vpp={vpp} needs schedule 'interleaved', got schedule '{name}'")
+        raise MeshtronError(f"vpp={vpp} needs schedule 'interleaved' or 'zb-v', got schedule "
+                            f"'{name}'")
     if name != "gpipe" and microbatches < pp:
         raise MeshtronError(f"schedule '{name}' needs at least pp={pp} micro-batches, got "
                             f"{microbatches}; raise train.global_batch or lower train.micro_batch")
@@ -327,17 +429,19 @@ def receives_ahead_needed(schedule: Schedule) -> int:
         for a in row:
             if a.kind.startswith("SEND_"):
                 producer = Action(a.kind[-1], a.microbatch, a.chunk)
-                target = _neighbour(producer, a.chunk * schedule.pp + s, last)
+                target = _neighbour(producer, schedule.virtual(s, a.chunk), last)
                 assert target is not None and a.peer is not None
                 sent.setdefault((s, a.peer), []).append(
-                    ((producer.kind, a.microbatch, target // schedule.pp), ended[s, producer]))
+                    ((producer.kind, a.microbatch, schedule.place(target)[1]),
+                     ended[s, producer]))
     needed = 0
     for r in range(schedule.pp):
         consumers: dict[int, list[Action]] = {}
         for a in schedule.compute_actions(r):
-            source = _neighbour(a, a.chunk * schedule.pp + r, last, consumed=True)
-            if source is not None and source % schedule.pp != r:
-                consumers.setdefault(source % schedule.pp, []).append(a)
+            source = _neighbour(a, schedule.virtual(r, a.chunk), last, consumed=True)
+            src = None if source is None else schedule.place(source)[0]
+            if src is not None and src != r:
+                consumers.setdefault(src, []).append(a)
         for src, actions in consumers.items():
             stream = sent[src, r]
             index = {message: i for i, (message, _) in enumerate(stream)}
@@ -351,15 +455,23 @@ def receives_ahead_needed(schedule: Schedule) -> int:
 
 
 def build_schedule(name: str, pp: int, vpp: int, microbatches: int,
-                   receives_ahead: int | None = None) -> Schedule:
+                   receives_ahead: int | None = None,
+                   costs: Sequence[float] | None = None) -> Schedule:
     """The named schedule for pp stages with vpp chunks each, communication included (each
     stream's receives posted ``receives_ahead`` messages early: :func:`add_communication`;
-    None: :func:`receives_ahead_needed`, what the unit-cost timeline asks for)."""
+    None: :func:`receives_ahead_needed`, what the unit-cost timeline asks for). ``costs``:
+    each virtual stage's relative cost of an F, B or W, which zb-v orders its actions by
+    (None: equal); the other schedules' orders are fixed."""
     _validate(name, pp, vpp, microbatches)
-    compute = _generate(name, pp, vpp, microbatches)
+    if costs is not None and (len(costs) != pp * vpp or min(costs) <= 0):
+        raise MeshtronError(f"pipeline costs need one positive value per virtual stage "
+                            f"({pp * vpp}), got {list(costs)}")
+    compute, vshape = _generate(name, pp, vpp, microbatches, costs), name == "zb-v"
     if receives_ahead is None:  # past 4 * pp micro-batches the need no longer grows
-        receives_ahead = (receives_ahead_needed(build_schedule(name, pp, vpp, 4 * pp, 0))
+        receives_ahead = (receives_ahead_needed(build_schedule(name, pp, vpp, 4 * pp, 0, costs))
                           if microbatches > 4 * pp else receives_ahead_needed(
-            Schedule(name, pp, vpp, microbatches, add_communication(pp, vpp, compute))))
+            Schedule(name, pp, vpp, microbatches,
+                     add_communication(pp, vpp, compute, vshape=vshape))))
     return Schedule(name, pp, vpp, microbatches,
-                    add_communication(pp, vpp, compute, receives_ahead), receives_ahead)
+                    add_communication(pp, vpp, compute, receives_ahead, vshape), receives_ahead,
+                    tuple(costs) if costs is not None else None)
