@@ -92,11 +92,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import harness
 import pipeline_idle
+import pipeline_report
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -111,7 +112,7 @@ from meshtron.optim.adamw import build_adamw
 from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
-from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.parallel.pipeline.schedules import Schedule, build_schedule
 from meshtron.plan import RunPlan, plan_run
 from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
@@ -175,13 +176,18 @@ SETUPS = {s.name: s for s in (
     Setup("meshtron zb-h1 balanced", "meshtron", "zb-h1", 1, split="balanced"),
     Setup("meshtron 1f1b halves", "meshtron", "1f1b", 1, split="halves"),
     Setup("meshtron zb-h1 halves", "meshtron", "zb-h1", 1, split="halves"),
+    Setup("meshtron zb-v", "meshtron", "zb-v", 2),
+    Setup("torch ZBV", "torch", "ScheduleZBVZeroBubble", 2, optional=True),
+    Setup("meshtron zb-v halves", "meshtron", "zb-v", 2, split="halves"),
     Setup("meshtron 1f1b late", "meshtron", "1f1b", 1, ahead=0),
     Setup("meshtron interleaved late", "meshtron", "interleaved", 2, ahead=0),
     Setup("meshtron zb-h1 late", "meshtron", "zb-h1", 1, ahead=0),
 )}
 PAIRS = [("meshtron gpipe", "torch GPipe"), ("meshtron 1f1b", "torch 1F1B"),
          ("meshtron interleaved", "torch Interleaved1F1B"),
-         ("meshtron zb-h1", "torch InterleavedZB")]
+         ("meshtron zb-h1", "torch InterleavedZB"), ("meshtron zb-v", "torch ZBV")]
+TORCH_LAYOUTS = {"ScheduleInterleaved1F1B": "interleaved", "ScheduleZBVZeroBubble": "zb-v"}
+"""The meshtron schedule whose chunk placement a torch schedule shares (else one chunk)."""
 
 
 # ------------------------------------------------------------------------- the competitors
@@ -206,23 +212,31 @@ class StageChunk(nn.Module):
         return self._model[0](x, chunk=self.chunk)
 
 
+Halves = dict[int, list[float]]
+"""Layers per virtual stage of the half-layer splits by vpp (1, or 2: zb-v's V)."""
+
+
 def _plan(s: Shape, pp: int, vpp: int, schedule: str, split: str = "even",
-          halves: list[float] | None = None) -> RunPlan:
+          halves: Halves | None = None) -> RunPlan:
     """The run plan with an even layer split over ``pp * vpp`` virtual stages (as torch's
-    stages are), meshtron's balanced default, or ``halves`` (layers per stage)."""
+    stages are), meshtron's balanced default, or ``halves`` (layers per virtual stage)."""
     stages = pp * vpp
-    counts = {"even": [s.layers // stages] * stages, "halves": halves}.get(split)
+    counts = {"even": [s.layers // stages] * stages,
+              "halves": halves[vpp] if halves else None}.get(split)
     layers = [f"--parallel.pp_layers={','.join(f'{c:g}' for c in counts)}"] if counts else []
     return plan_run(s.config(f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
                              f"--parallel.schedule={schedule}", *layers), pp)
 
 
 def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, split: str = "even",
-            halves: list[float] | None = None) -> tuple[RunPlan, Transformer]:
-    """The plan (see :func:`_plan`) and this rank's seeded model built from it."""
+            halves: Halves | None = None, ours: bool = True) -> tuple[RunPlan, Transformer]:
+    """The plan (see :func:`_plan`) and this rank's seeded model built from it (for torch,
+    ``ours`` False, with weight gradients formed in the backward, as its stages expect)."""
     plan = _plan(s, mesh.pp.size, vpp, schedule, split, halves)
     cfg = plan.config
-    model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
+    options = plan.model_options(mesh.pp.rank)
+    model = Transformer(plan.model, mesh,
+                        options if ours else replace(options, split_weight_grads=False))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     return plan, model.train()
 
@@ -230,12 +244,11 @@ def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, split: str = 
 Step = Callable[[torch.Tensor], float]
 
 
-def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: list[float] | None
+def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: Halves | None
                    ) -> tuple[Step, PipelineExecutor]:
     plan, model = _stages(s, mesh, setup.vpp, setup.schedule, setup.split, halves)
     cfg = plan.config
-    schedule = build_schedule(setup.schedule, mesh.pp.size, setup.vpp, s.microbatches,
-                              receives_ahead=setup.ahead)
+    schedule = _schedule(setup, s, mesh.pp.size, halves)
     executor = PipelineExecutor(model, mesh, plan.partition, schedule, cfg.model.hidden_size)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
     precision = Precision("fp32", torch.device("cpu"))
@@ -250,7 +263,8 @@ def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: list[floa
 
 
 def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
-    plan, model = _stages(s, mesh, setup.vpp, "interleaved" if setup.vpp > 1 else "1f1b")
+    plan, model = _stages(s, mesh, setup.vpp, TORCH_LAYOUTS.get(setup.schedule, "1f1b"),
+                          ours=False)
     cfg, partition = plan.config, plan.partition
     count = partition.virtual_stages
     stages = [pipelining.PipelineStage(StageChunk(model, c),
@@ -288,7 +302,7 @@ def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
     return step
 
 
-def build_all(names: list[str], s: Shape, rank: int, pp: int, halves: list[float] | None
+def build_all(names: list[str], s: Shape, rank: int, pp: int, halves: Halves | None
               ) -> tuple[dict[str, Step], dict[str, PipelineExecutor]]:
     """Every configuration of ``names`` on this rank (``MeshLayout(pp, tp=1, cp=1, pp=pp)``):
     its step, and for meshtron its executor, whose ``trace`` records the compute actions."""
@@ -345,7 +359,7 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
     halves = None
     if any(SETUPS[n].split == "halves" for n in names):  # (imported here: it imports Shape)
         import pipeline_bound
-        halves = pipeline_bound.half_layer_split(s, pp)
+        halves = pipeline_bound.half_layer_splits(s, pp)
     dropped: dict[str, str] = {}
     runs: list[list[dict[str, Any]]] = []
     load = [os.getloadavg()[0]]
@@ -393,8 +407,7 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
                  "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
                                                   itertools.chain(*times[theirs]))}
     bubbles = {n: pipeline_idle.idle_figures(
-        build_schedule(SETUPS[n].schedule, pp, SETUPS[n].vpp, s.microbatches,
-                       receives_ahead=SETUPS[n].ahead),
+        _schedule(SETUPS[n], s, pp, halves),
         [[rank["traces"][n] for rank in run] for run in runs])
         for n in names if SETUPS[n].family == "meshtron"}
     partitions = {n: _partition(SETUPS[n], s, pp, halves) for n in names
@@ -405,7 +418,16 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
             "last_warmup_loss": runs[0][0]["last_warmup_loss"]}
 
 
-def _partition(setup: Setup, s: Shape, pp: int, halves: list[float] | None) -> list[float]:
+def _schedule(setup: Setup, s: Shape, pp: int, halves: Halves | None) -> Schedule:
+    """A meshtron configuration's schedule: its plan's (zb-v's order made for the split's
+    FLOPs), receives posted ``setup.ahead`` ahead."""
+    planned = _plan(s, pp, setup.vpp, setup.schedule, setup.split, halves).schedule
+    assert planned is not None
+    return build_schedule(setup.schedule, pp, setup.vpp, s.microbatches,
+                          receives_ahead=setup.ahead, costs=planned.costs)
+
+
+def _partition(setup: Setup, s: Shape, pp: int, halves: Halves | None) -> list[float]:
     """Layers per virtual stage of a meshtron configuration (the plan; no processes)."""
     partition = _plan(s, pp, setup.vpp, setup.schedule, setup.split, halves).partition
     return list(partition.counts)
@@ -413,56 +435,6 @@ def _partition(setup: Setup, s: Shape, pp: int, halves: list[float] | None) -> l
 
 def _slowest(run: list[dict[str, Any]], name: str) -> list[float]:
     return harness.across_ranks(rank["times"][name] for rank in run)
-
-
-def print_pp(result: dict[str, Any], args: Any) -> None:
-    pp, cores = result["pp"], os.cpu_count() or 1
-    first, last = result["first_loss"], result["last_warmup_loss"]
-    print(f"\n## pp={pp} ({pp} processes on {cores} cores; load average "
-          f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f})")
-    if pp > cores:
-        print(f"NOTE: {pp} processes on {cores} cores oversubscribe the machine: stages "
-              "time-share cores, action durations include waiting for a core, and the idle "
-              "fractions below are distorted.")
-    print(f"loss check (1e-4 relative, every round): first step "
-          f"{min(first.values()):.6f}..{max(first.values()):.6f}, last warm-up step "
-          f"{min(last.values()):.6f}..{max(last.values()):.6f} over {len(first)} "
-          "configurations: agree")
-    for name, error in result["dropped"].items():
-        print(f"{name}: does not run on CPU gloo here, left out: {error}")
-    print(f"\ns/step: median of {args.rounds} rounds x {args.steps} steps (slowest rank); "
-          "ratio = meshtron / torch; pair = median of per-step ratios\n")
-    rows = result["configs"]
-    paired = {n for p in result["pairs"] for n in (p["meshtron"], p["torch"])}
-    print(harness.markdown_table(
-        ("schedule", "meshtron s/step", "torch s/step", "ratio", "pair ratio"),
-        [*((f"{p['meshtron'].removeprefix('meshtron ')} vs {p['torch']}",
-            f"{rows[p['meshtron']]['s_per_step']:.3f}", f"{rows[p['torch']]['s_per_step']:.3f}",
-            f"{p['ratio']:.2f}", f"{p['pair_ratio']:.2f}") for p in result["pairs"]),
-         *((f"{n} (unpaired)", f"{r['s_per_step']:.3f}", "", "", "")
-           for n, r in rows.items() if n not in paired)]))
-    best = result["best"]
-    if "ratio" in best:
-        print(f"\nbest vs best: {best['meshtron']} {rows[best['meshtron']]['s_per_step']:.3f} "
-              f"s/step against {best['torch']} {rows[best['torch']]['s_per_step']:.3f}: ratio "
-              f"{best['ratio']:.2f}, pair ratio {best['pair_ratio']:.2f}")
-    print("layers per virtual stage: " + "; ".join(
-        f"{n.removeprefix('meshtron ')} {v}" for n, v in result["partitions"].items()))
-    print("\nmeshtron idle fraction (1 - busy / pipeline span; median over timed steps) against "
-          "the schedule's closed form and simulation\n")
-    print(harness.markdown_table(
-        ("schedule", "pipeline span s", "idle per stage", "measured", "theory", "sim. unit",
-         "sim. measured costs (per stage)", "replayed", "measured / replayed",
-         "measured / theory", "mean F / B / W ms"),
-        ((name.removeprefix("meshtron "), f"{b['span_s']:.3f}",
-          " / ".join(f"{v:.2f}" for v in b["idle_per_stage"]), f"{b['idle']:.3f}",
-          f"{b['theory']:.3f}", f"{b['simulated_unit']:.3f}",
-          f"{b['simulated_measured_costs']:.3f} ("
-          + " / ".join(f"{v:.2f}" for v in b["simulated_measured_costs_per_stage"]) + ")",
-          f"{b['replayed']:.3f}", f"{b['measured_over_replayed']:.2f}",
-          f"{b['measured_over_theory']:.2f}",
-          " / ".join(f"{1e3 * v:.0f}" for v in b["mean_action_seconds"].values()))
-         for name, b in result["bubbles"].items())))
 
 
 def main() -> None:
@@ -488,7 +460,7 @@ def main() -> None:
     results = []
     for pp in args.pp:
         results.append(bench_pp(pp, args, shape))
-        print_pp(results[-1], args)
+        pipeline_report.print_pp(results[-1], args)
     end_load = os.getloadavg()
     print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in end_load)}")
     harness.write_json(args.json, harness.record(

@@ -20,17 +20,20 @@ a part's cost is its median over the rounds.
 
 **What is derived.** A stage's compute per micro-batch is the sum of its parts. The step of any
 schedule is at least ``micro-batches x`` the busiest stage's compute. For each ``pp`` the script
-gives the busiest stage of four splits:
+gives the busiest stage of five splits:
 
 - the even split, ``L / pp`` layers a stage: torch's stages in ``pipeline.py``;
 - the best split in whole layers: meshtron's balanced split, here fed measured costs;
 - the best split in half layers, a stage boundary also allowed between a layer's attention
   and its MLP (halves scaled so that they add up to the measured whole layer);
-- a perfect split: the total over ``pp``, no finer than the largest single part.
+- a perfect split: the total over ``pp``, no finer than the largest single part;
+- zb-v's V in half layers: ``2 * pp`` virtual stages balanced by meshtron's split (no layer
+  cut at the turn of the V), stage ``s`` holding virtual stages ``s`` and ``2 * pp - 1 - s``,
+  so that the first stage runs the embedding and the head.
 
 Each is also given as a ratio to the even split: the lowest step-time ratio that balancing
 alone can reach against the even split. Bubbles, communication and the optimizer step come on
-top of all four alike.
+top of all alike.
 """
 
 from __future__ import annotations
@@ -80,14 +83,19 @@ def part_steps(s: Shape) -> dict[str, Callable[[], None]]:
     return dict(zip(PARTS, (embedding, attention, mlp, layer, head), strict=True))
 
 
-def busiest(pieces: list[float], stages: int, first: float, head: float
+def busiest(pieces: list[float], stages: int, first: float, head: float, vshape: bool = False
             ) -> tuple[float, list[int]]:
-    """meshtron's balanced split of ``pieces`` over ``stages`` (``first`` and ``head``
-    charged to the first and last stage): the costliest stage and the pieces per stage."""
-    counts = balanced_split(pieces, stages, head, first)
+    """meshtron's balanced split of ``pieces`` over ``stages`` virtual stages (``first`` and
+    ``head`` charged to the first and last; with ``vshape``, 2 per stage in a V): the costliest
+    stage and the pieces per virtual stage."""
+    counts = balanced_split(pieces, stages, head, first, stages // 2 if vshape else None)
     bounds = [sum(counts[:i]) for i in range(stages + 1)]
     costs = [sum(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return max(costs[0] + first, *costs[1:-1], costs[-1] + head), counts
+    costs[0] += first
+    costs[-1] += head
+    if vshape:
+        costs = [a + b for a, b in zip(costs, reversed(costs))][:stages // 2]
+    return max(costs), counts
 
 
 Split = tuple[float, list[float] | None]
@@ -106,11 +114,13 @@ def splits(ms: dict[str, float], layers: int, pp: int) -> dict[str, Split]:
     by_layers, layer_counts = busiest([layer] * layers, pp, embed, head)
     halves = [attention, layer - attention] * layers
     by_halves, half_counts = busiest(halves, pp, embed, head)
+    by_v, v_counts = busiest(halves, 2 * pp, embed, head, vshape=True)
     total = layers * layer + embed + head
     return {"even": (even, [float(per_stage)] * pp),
             "whole layers": (by_layers, [float(c) for c in layer_counts]),
             "half layers": (by_halves, [c / 2 for c in half_counts]),
-            "perfect": (max(total / pp, head, layer), None)}
+            "perfect": (max(total / pp, head, layer), None),
+            "V (zb-v), half layers": (by_v, [c / 2 for c in v_counts])}
 
 
 def measure(s: Shape, rounds: int) -> dict[str, float]:
@@ -122,11 +132,13 @@ def measure(s: Shape, rounds: int) -> dict[str, float]:
     return {part: 1e3 * statistics.median(runs.wall[part]) for part in PARTS}
 
 
-def half_layer_split(s: Shape, pp: int, rounds: int = 30) -> list[float]:
-    """Layers per stage of the half-layer split that balances the measured costs."""
-    counts = splits(measure(s, rounds), s.layers, pp)["half layers"][1]
-    assert counts is not None
-    return counts
+def half_layer_splits(s: Shape, pp: int, rounds: int = 30) -> dict[int, list[float]]:
+    """Layers per virtual stage of the half-layer splits that balance the measured costs: {1:
+    one chunk per stage, 2: zb-v's V}."""
+    found = splits(measure(s, rounds), s.layers, pp)
+    one, v = found["half layers"][1], found["V (zb-v), half layers"][1]
+    assert one is not None and v is not None
+    return {1: one, 2: v}
 
 
 def main() -> None:
@@ -149,7 +161,8 @@ def main() -> None:
     results = {}
     for pp in args.pp:
         results[pp] = splits(ms, s.layers, pp)
-        print(f"\npp={pp}: the busiest stage's compute per micro-batch\n")
+        print(f"\npp={pp}: the busiest stage's compute per micro-batch (layers per virtual "
+              "stage)\n")
         even = results[pp]["even"][0]
         print(harness.markdown_table(
             ("split", "layers per stage", "ms", "vs even"),
