@@ -29,6 +29,7 @@ RESUME = [  # (saved as, world size, resumed layout)
     ("pp2", 1, []),
     ("one", 2, ["--parallel.pp=2", "--parallel.schedule=zb-h1", "--parallel.pp_layers=1.5,2.5"]),
     ("vpp2", 1, []),
+    ("vpp2", 2, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v"]),  # V
     ("dp2z1", 4, ["--parallel.zero=3", "--train.micro_batch=1"]),
     ("3d", 1, []),
     ("tp2", 2, ["--parallel.tp=2"]),  # the same layout: bit-identical
