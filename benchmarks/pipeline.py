@@ -38,7 +38,11 @@ instead (``plan_pipeline`` without ``pp_layers``: the balanced counts, with the 
 and the head's cost counted); ``meshtron <schedule> halves`` the half-layer split that
 balances each part's cost as ``pipeline_bound.py`` measures it in the main process just before
 (``parallel.pp_layers`` such as ``4.5,3.5``: a stage boundary between a layer's attention and
-its MLP). They are unpaired, and the split of every meshtron configuration is printed.
+its MLP). ``meshtron zb-v`` runs zb-v (two chunks per stage in a V: stage 0 holds virtual
+stages 0 and 3, so the embedding and the head) on the even split, ``meshtron zb-v halves`` on
+the half-layer V split ``pipeline_bound.py`` balances (such as ``2.5,2.5,2,1``); both order
+their actions by the chunks' FLOPs, as the plan does. The halves configurations are unpaired,
+and the split of every meshtron configuration is printed.
 Every ``meshtron <schedule>`` posts receives ahead by the schedule's default
 (``receives_ahead_needed``: 1 for gpipe, 1f1b and zb-h1, 3 for interleaved at pp=2), so a
 hand-over can happen while the stage computes; ``meshtron <schedule> late`` posts each receive
@@ -48,8 +52,9 @@ only right before its consumer (``receives_ahead=0``, as before 2026-12-05); als
 Pairs: meshtron ``gpipe`` / ``ScheduleGPipe``; ``1f1b`` / ``Schedule1F1B``; ``interleaved``
 (vpp=2) / ``ScheduleInterleaved1F1B`` (two stages per rank); ``zb-h1`` /
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (torch's ZB1P; it splits backward
-into input and weight gradients itself). The torch zero-bubble schedule is optional: if a round
-fails with it, the round is rerun without it and the error is printed. The first step's loss
+into input and weight gradients itself); ``zb-v`` / ``ScheduleZBVZeroBubble`` (two stages per
+rank in the same V, even split). The torch zero-bubble schedules are optional: if a round fails
+with one, the round is rerun without them and the error is printed. The first step's loss
 (initial weights, batch 0) and the last warm-up step's loss (after ``--warmup`` - 1 updates:
 gradients, clipping and optimizer included) must agree across all configurations of a pp to
 1e-4 relative (checked and printed).
