@@ -22,7 +22,7 @@ from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.precision.policy import Precision
 from meshtron.tuning import workload
 from meshtron.tuning.candidate import Candidate
-from meshtron.tuning.estimate import ActionCosts, Estimator, Problem
+from meshtron.tuning.estimate import ActionCosts, Estimator, Problem, zb_v_order_costs
 from meshtron.tuning.memory_model import stage_params, state_bytes, with_vocab
 from meshtron.tuning.profiles import load_profile
 from meshtron.tuning.search import Pins, search
@@ -311,7 +311,9 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
             return a.weight
         return a.backward if schedule in ("zb-h1", "zb-v") else a.backward + a.weight
 
-    rows = build_schedule(schedule, pp, vpp, microbatches).timeline(action_cost=price)
+    order = zb_v_order_costs(c, shapes, costs) if schedule == "zb-v" else None
+    rows = build_schedule(schedule, pp, vpp, microbatches, costs=order).timeline(
+        action_cost=price)
     direct = max(row[-1][1] for row in rows if row)
     assert estimator.pipeline_seconds(c, costs, microbatches) == pytest.approx(direct,
                                                                                rel=1e-9)

@@ -17,7 +17,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshtron.models.flops import layer_and_head_cost
-from meshtron.parallel.pipeline.partition import PipelinePartition, partition_layers
+from meshtron.parallel.pipeline.partition import (
+    PipelinePartition,
+    partition_layers,
+    virtual_stage_of,
+)
 from meshtron.parallel.pipeline.schedules import Action, build_schedule
 from meshtron.tuning.candidate import Candidate
 from meshtron.tuning.comms import collective_seconds, layout_groups, send_seconds
@@ -85,6 +89,17 @@ class ActionCosts:
     @property
     def total(self) -> float:
         return self.forward + self.backward + self.weight
+
+
+def zb_v_order_costs(c: Candidate, shapes: list[StageShape],
+                     costs: dict[ChunkShape, ActionCosts]) -> list[float]:
+    """Each virtual stage's mean action cost, which zb-v's order is made for (as the plan
+    orders it by FLOPs)."""
+    order = [0.0] * (c.pp * c.vpp)
+    for stage, shape in enumerate(shapes):
+        for chunk, piece in enumerate(shape.chunks):
+            order[virtual_stage_of(c.pp, stage, chunk, True)] = costs[piece].total / 3
+    return order
 
 
 class Estimator:
@@ -302,9 +317,11 @@ class Estimator:
                 return a.weight
             return a.backward if split else a.backward + a.weight
 
+        order = zb_v_order_costs(c, shapes, costs) if c.vshape else None
+
         def makespan(m: int) -> float:
-            rows = build_schedule(c.schedule, c.pp, c.vpp, m,
-                                  receives_ahead=0).timeline(action_cost=price)
+            rows = build_schedule(c.schedule, c.pp, c.vpp, m, receives_ahead=0,
+                                  costs=order).timeline(action_cost=price)
             return max(row[-1][1] for row in rows if row)
 
         if microbatches <= SIMULATED_MICROBATCHES:
