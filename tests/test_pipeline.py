@@ -11,8 +11,9 @@ from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import layer_and_head_cost
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
-from meshtron.parallel.pipeline.partition import balanced_counts, partition_layers
+from meshtron.parallel.pipeline.partition import balanced_counts, partition_layers, v_counts
 from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.parallel.pipeline.v_split import v_balanced_split
 from meshtron.plan import check_run
 from meshtron.training.live_memory import LiveTensorBytes
 from meshtron.training.trainer import Trainer
@@ -69,6 +70,39 @@ def test_zb_v_places_the_ends_on_stage_0_and_its_order_follows_the_chunks_costs(
 
     assert makespan(ordered) <= makespan(unit)
     assert makespan(ordered) < 1.03 * 8 * 3 * max(costs[0] + costs[3], costs[1] + costs[2])
+
+
+def test_v_split_balances_stages_exactly():
+    """``v_balanced_split`` finds the busiest stage of an exhaustive search over every V split
+    (random pieces, heads and turns); ``v_counts`` takes it when the head outweighs an average
+    virtual stage, and keeps the virtual stages balanced otherwise."""
+    import itertools
+    import random
+
+    def busiest(pieces, counts, pp, head, first):
+        bounds = [sum(counts[:k]) for k in range(2 * pp + 1)]
+        cost = [sum(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
+        cost[0], cost[-1] = cost[0] + first, cost[-1] + head
+        return max(cost[st] + cost[2 * pp - 1 - st] for st in range(pp))
+
+    rng = random.Random(0)
+    for _ in range(40):
+        pp, n = rng.choice([(2, 9), (2, 10), (3, 8)])
+        even = n % 2 == 0 and rng.random() < 0.5
+        pieces = [0.4, 0.6] * (n // 2) if even else [rng.uniform(0.2, 1.5) for _ in range(n)]
+        head, first = rng.uniform(0, 4), rng.uniform(0, 0.5)
+        got = v_balanced_split(pieces, pp, head, first, even)
+        every = [[b - a for a, b in zip((0, *cuts), (*cuts, n))]
+                 for cuts in itertools.combinations(range(1, n), 2 * pp - 1)
+                 if not (even and cuts[pp - 1] % 2)]
+        best = min(busiest(pieces, c, pp, head, first) for c in every)
+        assert min(got) >= 1 and sum(got) == n and not (even and sum(got[:pp]) % 2)
+        assert busiest(pieces, got, pp, head, first) == pytest.approx(best, rel=1e-6)
+    # a head of 1.3 layers beside 8 layers: the virtual stages' balance is kept
+    assert v_counts(8, 2, 1.0, 1.3, attention_cost=0.4) == [2.5, 2.5, 2, 1]
+    # a head of 3 layers beside 4: balancing the stages moves layers off stage 0
+    assert v_counts(4, 2, 1.0, 3.0) == [1, 1, 1, 1]
+    assert v_counts(4, 2, 1.0, 3.0, attention_cost=0.4) == [0.5, 1.5, 1.5, 0.5]
 
 
 def test_stage_builds_only_its_layers():

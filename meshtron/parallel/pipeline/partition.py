@@ -26,6 +26,7 @@ from functools import cache
 
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
+from meshtron.parallel.pipeline.v_split import v_balanced_split
 
 
 def balanced_split(pieces: list[float], stages: int, head_cost: float,
@@ -59,18 +60,39 @@ def balanced_split(pieces: list[float], stages: int, head_cost: float,
 
 def balanced_counts(num_layers: int, stages: int, layer_cost: float,
                     head_cost: float, first_cost: float = 0.0,
-                    attention_cost: float | None = None,
-                    whole_after: int | None = None) -> list[float]:
+                    attention_cost: float | None = None) -> list[float]:
     """Layers per virtual stage minimising the costliest stage (see :func:`balanced_split`).
     ``first_cost``: what the first stage runs besides its layers (a vision model's image
     encoder). ``attention_cost`` (of ``layer_cost``): given, a stage may also end after a
-    layer's attention half, and counts come in halves, except that the first ``whole_after``
-    stages together hold whole layers."""
+    layer's attention half, and counts come in halves."""
     if attention_cost is None:
         return list(balanced_split([layer_cost] * num_layers, stages, head_cost, first_cost))
     halves = [attention_cost, layer_cost - attention_cost] * num_layers
-    return [in_layers(n) for n in balanced_split(halves, stages, head_cost, first_cost,
-                                                 whole_after)]
+    return [in_layers(n) for n in balanced_split(halves, stages, head_cost, first_cost)]
+
+
+def v_counts(num_layers: int, pp: int, layer_cost: float, head_cost: float,
+             first_cost: float = 0.0, attention_cost: float | None = None) -> list[float]:
+    """zb-v's layers per virtual stage (2 pp, in model order): its virtual stages balanced,
+    as its order assumes, unless balancing its stages (:func:`v_balanced_split`) makes the
+    busiest stage cheaper, which happens when the head outweighs an average virtual stage.
+    With ``attention_cost`` in half layers, never cutting a layer at the turn of the V."""
+    halves = attention_cost is not None
+    pieces = ([attention_cost, layer_cost - attention_cost] * num_layers if halves
+              else [layer_cost] * num_layers)
+
+    def busiest(counts: list[int]) -> float:
+        bounds = [sum(counts[:k]) for k in range(2 * pp + 1)]
+        costs = [sum(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
+        costs[0] += first_cost
+        costs[-1] += head_cost
+        return max(costs[s] + costs[2 * pp - 1 - s] for s in range(pp))
+
+    chosen = balanced_split(pieces, 2 * pp, head_cost, first_cost, pp if halves else None)
+    by_stage = v_balanced_split(pieces, pp, head_cost, first_cost, even_turn=halves)
+    if by_stage is not None and busiest(by_stage) < busiest(chosen) * (1 - 1e-9):
+        chosen = by_stage
+    return [in_layers(n) if halves else n for n in chosen]
 
 
 def in_layers(halves: int) -> float:
@@ -235,9 +257,7 @@ def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, fl
     ``costs``: the forward FLOPs per token of one layer and of the output layer, and
     ``first_cost`` of what the first stage runs before its layers; ``attention_cost`` (a
     layer's attention half, with ``parallel.pp_half_layers`` and pp >= 2) lets it cut layers
-    in halves. ``vshape``: chunks placed in a V (zb-v), whose virtual stages are balanced like
-    stages, as its schedule assumes (stage 0 runs the embedding and the head; no layer is cut
-    at the turn of the V, where two virtual stages share a stage)."""
+    in halves. ``vshape``: chunks placed in a V (zb-v; :func:`v_counts`)."""
     check_layer_split(cfg, pp, vpp, explicit, vshape)
     stages = pp * vpp
     if explicit:
@@ -245,6 +265,9 @@ def partition_layers(cfg: ModelConfig, pp: int, vpp: int, costs: tuple[float, fl
     if vpp > 1 and not vshape:  # interleaving assumes equal chunks, as in Megatron
         return PipelinePartition(pp, vpp, (cfg.num_layers // stages,) * stages)
     layer, head = costs
-    counts = balanced_counts(cfg.num_layers, stages, layer, head, first_cost,
-                             attention_cost if pp > 1 else None, pp if vshape else None)
+    if vshape:
+        counts = v_counts(cfg.num_layers, pp, layer, head, first_cost, attention_cost)
+    else:
+        counts = balanced_counts(cfg.num_layers, stages, layer, head, first_cost,
+                                 attention_cost if pp > 1 else None)
     return PipelinePartition(pp, vpp, tuple(counts), vshape)
