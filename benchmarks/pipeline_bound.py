@@ -27,9 +27,9 @@ gives the busiest stage of five splits:
 - the best split in half layers, a stage boundary also allowed between a layer's attention
   and its MLP (halves scaled so that they add up to the measured whole layer);
 - a perfect split: the total over ``pp``, no finer than the largest single part;
-- zb-v's V in half layers: ``2 * pp`` virtual stages balanced by meshtron's split (no layer
-  cut at the turn of the V), stage ``s`` holding virtual stages ``s`` and ``2 * pp - 1 - s``,
-  so that the first stage runs the embedding and the head.
+- zb-v's V in half layers: meshtron's zb-v split (``partition.v_counts``, no layer cut at the
+  turn of the V), stage ``s`` holding virtual stages ``s`` and ``2 * pp - 1 - s``, so that the
+  first stage runs the embedding and the head.
 
 Each is also given as a ratio to the even split: the lowest step-time ratio that balancing
 alone can reach against the even split. Bubbles, communication and the optimizer step come on
@@ -49,7 +49,7 @@ from pipeline import Shape
 
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from meshtron.parallel.pipeline.partition import balanced_split
+from meshtron.parallel.pipeline.partition import balanced_split, v_counts
 
 PARTS = ("embedding", "attention half", "MLP half", "layer", "head")
 
@@ -83,12 +83,13 @@ def part_steps(s: Shape) -> dict[str, Callable[[], None]]:
     return dict(zip(PARTS, (embedding, attention, mlp, layer, head), strict=True))
 
 
-def busiest(pieces: list[float], stages: int, first: float, head: float, vshape: bool = False
-            ) -> tuple[float, list[int]]:
+def busiest(pieces: list[float], stages: int, first: float, head: float,
+            v_split: list[int] | None = None) -> tuple[float, list[int]]:
     """meshtron's balanced split of ``pieces`` over ``stages`` virtual stages (``first`` and
-    ``head`` charged to the first and last; with ``vshape``, 2 per stage in a V): the costliest
-    stage and the pieces per virtual stage."""
-    counts = balanced_split(pieces, stages, head, first, stages // 2 if vshape else None)
+    ``head`` charged to the first and last), or ``v_split`` (pieces per virtual stage, 2 per
+    stage in a V): the costliest stage and the pieces per virtual stage."""
+    vshape = v_split is not None
+    counts = v_split if vshape else balanced_split(pieces, stages, head, first)
     bounds = [sum(counts[:i]) for i in range(stages + 1)]
     costs = [sum(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
     costs[0] += first
@@ -114,13 +115,14 @@ def splits(ms: dict[str, float], layers: int, pp: int) -> dict[str, Split]:
     by_layers, layer_counts = busiest([layer] * layers, pp, embed, head)
     halves = [attention, layer - attention] * layers
     by_halves, half_counts = busiest(halves, pp, embed, head)
-    by_v, v_counts = busiest(halves, 2 * pp, embed, head, vshape=True)
+    planned = [round(2 * c) for c in v_counts(layers, pp, layer, head, embed, attention)]
+    by_v, v_halves = busiest(halves, 2 * pp, embed, head, v_split=planned)
     total = layers * layer + embed + head
     return {"even": (even, [float(per_stage)] * pp),
             "whole layers": (by_layers, [float(c) for c in layer_counts]),
             "half layers": (by_halves, [c / 2 for c in half_counts]),
             "perfect": (max(total / pp, head, layer), None),
-            "V (zb-v), half layers": (by_v, [c / 2 for c in v_counts])}
+            "V (zb-v), half layers": (by_v, [c / 2 for c in v_halves])}
 
 
 def measure(s: Shape, rounds: int) -> dict[str, float]:
