@@ -13,7 +13,7 @@ from meshtron.models.flops import layer_and_head_cost
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.parallel.pipeline.partition import balanced_counts, partition_layers, v_counts
 from meshtron.parallel.pipeline.schedules import build_schedule
-from meshtron.parallel.pipeline.v_split import v_balanced_split
+from meshtron.parallel.pipeline.v_split import v_balanced_splits
 from meshtron.plan import check_run
 from meshtron.training.live_memory import LiveTensorBytes
 from meshtron.training.trainer import Trainer
@@ -73,9 +73,9 @@ def test_zb_v_places_the_ends_on_stage_0_and_its_order_follows_the_chunks_costs(
 
 
 def test_v_split_balances_stages_exactly():
-    """``v_balanced_split`` finds the busiest stage of an exhaustive search over every V split
-    (random pieces, heads and turns); ``v_counts`` takes it when the head outweighs an average
-    virtual stage, and keeps the virtual stages balanced otherwise."""
+    """Every split ``v_balanced_splits`` returns has the busiest stage of an exhaustive search
+    over every V split (random pieces, heads and turns); ``v_counts`` takes one when the head
+    outweighs an average virtual stage, and keeps the virtual stages balanced otherwise."""
     import itertools
     import random
 
@@ -91,13 +91,21 @@ def test_v_split_balances_stages_exactly():
         even = n % 2 == 0 and rng.random() < 0.5
         pieces = [0.4, 0.6] * (n // 2) if even else [rng.uniform(0.2, 1.5) for _ in range(n)]
         head, first = rng.uniform(0, 4), rng.uniform(0, 0.5)
-        got = v_balanced_split(pieces, pp, head, first, even)
+        splits = v_balanced_splits(pieces, pp, head, first, even)
         every = [[b - a for a, b in zip((0, *cuts), (*cuts, n))]
                  for cuts in itertools.combinations(range(1, n), 2 * pp - 1)
                  if not (even and cuts[pp - 1] % 2)]
         best = min(busiest(pieces, c, pp, head, first) for c in every)
-        assert min(got) >= 1 and sum(got) == n and not (even and sum(got[:pp]) % 2)
-        assert busiest(pieces, got, pp, head, first) == pytest.approx(best, rel=1e-6)
+        assert splits
+        for got in splits:
+            assert min(got) >= 1 and sum(got) == n and not (even and sum(got[:pp]) % 2)
+            assert busiest(pieces, got, pp, head, first) == pytest.approx(best, rel=1e-6)
+    # the pipeline benchmark's parts (ms: embedding, attention and MLP halves, head): three
+    # splits balance the stages equally; the one with the lightest last chunk is timed fastest
+    parts = [6.83, 11.33] * 8
+    assert v_balanced_splits(parts, 2, 24.58, 0.74, True) == [[1, 5, 4, 6], [3, 5, 4, 4],
+                                                               [5, 5, 4, 2]]
+    assert v_counts(8, 2, 18.16, 24.58, 0.74, 6.83) == [2.5, 2.5, 2, 1]
     # a head of 1.3 layers beside 8 layers: the virtual stages' balance is kept
     assert v_counts(8, 2, 1.0, 1.3, attention_cost=0.4) == [2.5, 2.5, 2, 1]
     # a head of 3 layers beside 4: balancing the stages moves layers off stage 0

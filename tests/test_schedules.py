@@ -16,6 +16,7 @@ from meshtron.parallel.pipeline.schedules import (
     build_schedule,
     receives_ahead_needed,
 )
+from meshtron.parallel.pipeline.v_order import WORTH_ONE_MORE, list_schedule, replay
 
 
 def grid() -> list[tuple[str, int, int, int]]:
@@ -474,3 +475,33 @@ def test_zero_bubble_v_places_chunks_in_a_v_and_idles_only_while_the_first_forwa
     turn = build_schedule("zb-v", 2, 2, 2).stages[1]  # stage 1 runs virtual stages 1 and 2
     assert not any(a.kind == "SEND_F" and a.chunk == 0 for a in turn)
     assert not any(a.kind == "SEND_B" and a.chunk == 1 for a in turn)
+
+
+def test_zero_bubble_v_order_is_the_shortest_candidate_one_more_admitted_only_if_clearly():
+    """zb-v's order is the shortest of list-scheduled candidates. A light first chunk and a
+    heavy last one (the pipeline benchmark's split 0.5 + 2.5 + 2 + 3 layers with the head,
+    per-action ms): with pp micro-batches admitted, both stages wait once a round for the trip
+    round the V; one more fills the wait, 4% shorter, for 2 pp + 2 chunk activations instead
+    of 2 pp. With equal chunks and m a multiple of pp nothing is gained and the order keeps
+    1F1B's bound; with other m one more reaches 6m + p - 1."""
+    costs = [2.5, 15.9, 12.1, 26.4]
+    (_, tight), (_, loose) = list_schedule(2, 8, costs), list_schedule(2, 8, costs, 3)
+    assert loose < tight * (1 - WORTH_ONE_MORE)
+    chosen = build_schedule("zb-v", 2, 2, 8, costs=costs)
+    rows = chosen.timeline(action_cost=lambda st, a: costs[chosen.virtual(st, a.chunk)])
+    assert max(row[-1][1] for row in rows) == pytest.approx(loose)
+    assert chosen.peak_in_flight() == [6, 6]
+    for pp, m in ((2, 4), (3, 6), (4, 8), (2, 7), (3, 10), (4, 13)):
+        equal = build_schedule("zb-v", pp, 2, m, costs=[1.0] * (2 * pp))
+        assert max(row[-1][1] for row in equal.timeline()) == 6 * m + pp - 1
+        if m % pp == 0:
+            assert max(equal.peak_in_flight()) == 2 * pp
+    assert list_schedule(2, 7)[1] > 6 * 7 + 1  # pp admitted: a little more
+    # equal chunks but a heavier head: the greedy order made for the costs loses to the
+    # regular one (127.5 against 123 units), which the schedule takes
+    head = [1.0] * 7 + [1.5]
+    own, regular = list_schedule(4, 16, head)[1], replay(4, list_schedule(4, 16)[0], head)
+    assert (own, regular) == pytest.approx((127.5, 123.0))
+    chosen = build_schedule("zb-v", 4, 2, 16, costs=head)
+    assert max(row[-1][1] for row in chosen.timeline(
+        action_cost=lambda st, a: head[chosen.virtual(st, a.chunk)])) <= regular + 1e-9

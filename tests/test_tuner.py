@@ -296,7 +296,7 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
                                                           microbatches):
     """Past 24 micro-batches the estimator simulates two counts and extends the line; with the
     real (unequal: the last stage holds the head, MTP modules) per-stage costs that equals a
-    direct simulation at the full count."""
+    direct simulation at the full count (zb-v: within 3%)."""
     c = candidate(pp=pp, vpp=vpp, schedule=schedule, dp=2)
     estimator = Estimator(pipeline_problem(preset, pp, microbatches))
     _, shapes, _ = estimator.pipeline(c)
@@ -315,8 +315,10 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
     rows = build_schedule(schedule, pp, vpp, microbatches, costs=order).timeline(
         action_cost=price)
     direct = max(row[-1][1] for row in rows if row)
-    assert estimator.pipeline_seconds(c, costs, microbatches) == pytest.approx(direct,
-                                                                               rel=1e-9)
+    # zb-v's list-scheduled order is not periodic: its idle time still grows a little past
+    # the simulated counts (2% at 200 micro-batches here), so it extends at the busiest stage's pace
+    rel = 0.03 if schedule == "zb-v" else 1e-9
+    assert estimator.pipeline_seconds(c, costs, microbatches) == pytest.approx(direct, rel=rel)
 
 
 @pytest.mark.parametrize("preset, schedule, pp, vpp, microbatches, zero, recompute", [

@@ -237,16 +237,21 @@ class Estimator:
 
     def in_flight(self, c: Candidate, microbatches: int) -> list[int]:
         """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
-        what the schedule's warm-up holds (it stops growing after a few rounds)."""
+        what the schedule's warm-up holds (it stops growing after a few rounds). zb-v's order,
+        and so its peak, is the one made for the chunks' costs, as the plan makes it."""
         if c.pp == 1:
             return [1]
         if c.schedule == "gpipe":
             return [microbatches] * c.pp
         m = min(microbatches, 4 * c.pp)
-        key = (c.schedule, c.pp, c.vpp, m)
+        order = None
+        if c.vshape:
+            _, shapes, _ = self.pipeline(c)
+            order = tuple(zb_v_order_costs(c, shapes, self.chunk_costs(c)))
+        key = (c.schedule, c.pp, c.vpp, m, order)
         if key not in self._in_flight:
-            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m,
-                                                   receives_ahead=0).peak_in_flight()
+            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m, receives_ahead=0,
+                                                   costs=order).peak_in_flight()
         return self._in_flight[key]
 
     def posted_receives(self, c: Candidate, stage: int) -> float:
@@ -329,7 +334,12 @@ class Estimator:
         step = c.pp  # keeps interleaved's multiple of pp
         m1 = max(c.pp, SIMULATED_MICROBATCHES // step * step)
         t1, t2 = makespan(m1), makespan(m1 + step)
-        return t2 + (microbatches - m1 - step) * (t2 - t1) / step
+        slope = (t2 - t1) / step
+        if c.vshape:  # zb-v's list-scheduled order is not periodic: its busiest stage, still
+            # idle at times early on, sets the pace from there (a slower start, not a drift)
+            slope = max(slope, max(sum(costs[k].total for k in shape.chunks)
+                                   for shape in shapes))
+        return t2 + (microbatches - m1 - step) * slope
 
     # ------------------------------------------------------------------ memory
 

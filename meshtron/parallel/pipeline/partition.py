@@ -22,11 +22,12 @@ difference between a stage one layer short and a balanced one (benchmarks/pipeli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
-from meshtron.parallel.pipeline.v_split import v_balanced_split
+from meshtron.parallel.pipeline.v_order import fitted_order, v_virtual
+from meshtron.parallel.pipeline.v_split import v_balanced_splits
 
 
 def balanced_split(pieces: list[float], stages: int, head_cost: float,
@@ -73,26 +74,45 @@ def balanced_counts(num_layers: int, stages: int, layer_cost: float,
 
 def v_counts(num_layers: int, pp: int, layer_cost: float, head_cost: float,
              first_cost: float = 0.0, attention_cost: float | None = None) -> list[float]:
-    """zb-v's layers per virtual stage (2 pp, in model order): its virtual stages balanced,
-    as its order assumes, unless balancing its stages (:func:`v_balanced_split`) makes the
-    busiest stage cheaper, which happens when the head outweighs an average virtual stage.
-    With ``attention_cost`` in half layers, never cutting a layer at the turn of the V."""
+    """zb-v's layers per virtual stage (2 pp, in model order): of the split that balances the
+    virtual stages and those that balance the stages (:func:`v_balanced_splits`, better when
+    the head outweighs an average virtual stage), the one whose order
+    (:func:`.v_order.fitted_order`, over :data:`V_TRIAL_ROUNDS` pp micro-batches) ends
+    first. Splits with the same busiest stage differ there: a heavy last chunk (the head)
+    behind a light first one leaves every stage waiting once a round. With
+    ``attention_cost`` in half layers, never cutting a layer at the turn of the V."""
+    chosen = _timed_v_split(num_layers, pp, layer_cost, head_cost, first_cost, attention_cost)
+    return [in_layers(n) if attention_cost is not None else n for n in chosen]
+
+
+@lru_cache(maxsize=64)  # a plan check per searched layout asks again with the same model
+def _timed_v_split(num_layers: int, pp: int, layer_cost: float, head_cost: float,
+                   first_cost: float, attention_cost: float | None) -> tuple[int, ...]:
+    """:func:`v_counts` in pieces (layers, or halves with ``attention_cost``)."""
     halves = attention_cost is not None
     pieces = ([attention_cost, layer_cost - attention_cost] * num_layers if halves
               else [layer_cost] * num_layers)
 
-    def busiest(counts: list[int]) -> float:
+    def makespan(counts: list[int]) -> float:
         bounds = [sum(counts[:k]) for k in range(2 * pp + 1)]
         costs = [sum(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
         costs[0] += first_cost
         costs[-1] += head_cost
-        return max(costs[s] + costs[2 * pp - 1 - s] for s in range(pp))
+        return fitted_order(pp, V_TRIAL_ROUNDS * pp, costs)[1]
 
-    chosen = balanced_split(pieces, 2 * pp, head_cost, first_cost, pp if halves else None)
-    by_stage = v_balanced_split(pieces, pp, head_cost, first_cost, even_turn=halves)
-    if by_stage is not None and busiest(by_stage) < busiest(chosen) * (1 - 1e-9):
-        chosen = by_stage
-    return [in_layers(n) if halves else n for n in chosen]
+    by_stage = v_balanced_splits(pieces, pp, head_cost, first_cost, even_turn=halves)
+    step = max(1, -(-len(by_stage) // V_TRIALS))
+    options = [balanced_split(pieces, 2 * pp, head_cost, first_cost, pp if halves else None),
+               *by_stage[::step]]
+    timed = [makespan(counts) for counts in options]
+    return tuple(options[timed.index(min(timed))])
+
+
+V_TRIAL_ROUNDS = 4
+"""The micro-batches (times pp) over which :func:`v_counts` times each split's order: past the
+start-up, as the steady state of a real step."""
+V_TRIALS = 4
+"""At most this many of the stage-balanced splits are timed (spread over the ways found)."""
 
 
 def in_layers(halves: int) -> float:
@@ -103,7 +123,7 @@ def in_layers(halves: int) -> float:
 def virtual_stage_of(pp: int, stage: int, chunk: int, vshape: bool = False) -> int:
     """The virtual stage chunk ``chunk`` of ``stage`` runs: looped (Megatron) or in a V."""
     if vshape:
-        return stage if chunk == 0 else 2 * pp - 1 - stage
+        return v_virtual(pp, stage, chunk)
     return chunk * pp + stage
 
 

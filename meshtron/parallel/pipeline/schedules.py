@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import bisect
 import difflib
-import heapq
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshtron.config import SCHEDULES
 from meshtron.errors import MeshtronError
 from meshtron.parallel.pipeline.partition import placement_of, virtual_stage_of
+from meshtron.parallel.pipeline.v_order import fitted_order, list_schedule
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -286,70 +285,14 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int,
 
 def _zero_bubble_v(pp: int, microbatches: int,
                    costs: Sequence[float] | None = None) -> list[list[Action]]:
-    """ZB-V (Qi et al., 2024): each stage's order as list scheduling on the costs gives it.
-
-    Two chunks per stage in a V; ``costs[k]``: what each of F, B and W costs on virtual stage
-    k (None: 1 everywhere). Whenever a stage is free it runs, of the actions whose input is
-    ready, a backward, else a forward, else its oldest deferred ``W``; among backwards or
-    forwards the oldest micro-batch, the later virtual stage first. A stage starts a new
-    micro-batch (its first chunk's forward) only while fewer than ``pp`` of its micro-batches
-    await their first chunk's ``W``: at most 2 * pp chunk activations, 1F1B's bound. With unit
-    costs and m a multiple of pp the makespan is then 6m + p - 1, every stage idle only while
-    the first forward travels (:meth:`Schedule.theoretical_bubble`); other m leave a little
-    more. Unequal chunks (a head, half layers) get an order that fits them from their costs.
-    """
-    last, total = 2 * pp - 1, 6 * microbatches
-    cost = list(costs) if costs is not None else [1.0] * (2 * pp)
-    ends: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
-    orders: list[list[Action]] = [[] for _ in range(pp)]
-    following = [{(kind, chunk): 0 for kind in "FB" for chunk in (0, 1)} for _ in range(pp)]
-    weights: list[list[Action]] = [[] for _ in range(pp)]
-    started = [0] * pp  # micro-batches whose first chunk's W has not run
-    free = [0.0] * pp
-
-    def ready(kind: str, m: int, virtual: int, time: float) -> bool:
-        if kind == "F":
-            needed = None if virtual == 0 else ("F", m, virtual - 1)
-        else:
-            needed = ("F", m, virtual) if virtual == last else ("B", m, virtual + 1)
-        return needed is None or ends.get(needed, math.inf) <= time
-
-    def pick(s: int, time: float) -> Action | None:
-        for kind in "BF":
-            options = []
-            for chunk in (0, 1):
-                m, virtual = following[s][kind, chunk], virtual_stage_of(pp, s, chunk, True)
-                new_microbatch = kind == "F" and chunk == 0
-                if m < microbatches and ready(kind, m, virtual, time) \
-                        and not (new_microbatch and started[s] >= pp):
-                    options.append((m, -virtual, chunk))
-            if options:
-                m, _, chunk = min(options)
-                return Action(kind, m, chunk)
-        return weights[s].pop(0) if weights[s] else None
-
-    events = [0.0]  # the moments an action ends: the only ones at which a choice changes
-    while events:
-        time = heapq.heappop(events)
-        for s in range(pp):
-            if free[s] > time or len(orders[s]) == total:
-                continue
-            action = pick(s, time)
-            if action is None:
-                continue
-            if action.kind == "W":
-                started[s] -= action.chunk == 0
-            else:
-                following[s][action.kind, action.chunk] += 1
-                started[s] += action.kind == "F" and action.chunk == 0
-                if action.kind == "B":
-                    weights[s].append(Action("W", action.microbatch, action.chunk))
-            virtual = virtual_stage_of(pp, s, action.chunk, True)
-            free[s] = ends[action.kind, action.microbatch, virtual] = time + cost[virtual]
-            heapq.heappush(events, free[s])
-            orders[s].append(action)
-    assert all(len(order) == total for order in orders), "zb-v ordering left actions out"
-    return orders
+    """ZB-V (Qi et al., 2024): each stage's order list-scheduled on the chunks' costs
+    (:mod:`.v_order`; ``costs[k]``: what each of F, B and W costs on virtual stage k, None: 1
+    everywhere, which gives the makespan 6m + p - 1 for m a multiple of p). Unequal chunks (a
+    head, half layers) get an order that fits them, admitting one micro-batch more than pp
+    where that is clearly shorter (:func:`.v_order.fitted_order`)."""
+    orders, _ = (list_schedule(pp, microbatches) if costs is None
+                 else fitted_order(pp, microbatches, costs))
+    return [[Action(*step) for step in order] for order in orders]
 
 
 def _generate(name: str, pp: int, vpp: int, microbatches: int,

@@ -20,23 +20,25 @@ Middle = dict[int, tuple[int, list[tuple[int, int]]]]
 """Front position -> (back position, the (front, back) piece counts of the stages so far)."""
 
 
-def v_balanced_split(pieces: list[float], pp: int, head_cost: float, first_cost: float = 0.0,
-                     even_turn: bool = False) -> list[int] | None:
-    """Pieces per virtual stage (2 pp of them, in model order, each at least one) minimising
-    the busiest stage of the V; ``even_turn``: the turn falls after an even number of pieces
-    (a whole layer where pieces are halves). None when no split exists."""
+def v_balanced_splits(pieces: list[float], pp: int, head_cost: float, first_cost: float = 0.0,
+                      even_turn: bool = False) -> list[list[int]]:
+    """Splits in pieces per virtual stage (2 pp of them, in model order, each at least one)
+    minimising the busiest stage of the V, one per way of filling the outer stages that the
+    search kept (they differ in how the work of a stage divides between its two chunks);
+    ``even_turn``: the turn falls after an even number of pieces (a whole layer where pieces
+    are halves). Empty when no split exists."""
     ends = [0.0]
     for cost in pieces:
         ends.append(ends[-1] + cost)
     extras = head_cost + first_cost
     low, high = (ends[-1] + extras) / pp, ends[-1] + extras
     best = _fill(ends, pp, extras, high, even_turn)
-    if best is None:
-        return None
+    if not best:
+        return []
     while high - low > 1e-9 * high:
         middle = (low + high) / 2
         found = _fill(ends, pp, extras, middle, even_turn)
-        if found is None:
+        if not found:
             low = middle
         else:
             high, best = middle, found
@@ -44,8 +46,9 @@ def v_balanced_split(pieces: list[float], pp: int, head_cost: float, first_cost:
 
 
 def _fill(ends: list[float], pp: int, extras: float, bound: float,
-          even_turn: bool) -> list[int] | None:
-    """Counts per virtual stage with every stage within ``bound``, or None."""
+          even_turn: bool) -> list[list[int]]:
+    """The splits (counts per virtual stage) with every stage within ``bound``, one per middle
+    left open for the last stage; empty when there is none."""
     n = len(ends) - 1
     slack = 1e-12 * max(1.0, bound)
     middles: Middle = {0: (n, [])}
@@ -65,6 +68,7 @@ def _fill(ends: list[float], pp: int, extras: float, bound: float,
                     grown[new_front] = (new_back, [*taken, (new_front - front,
                                                             back - new_back)])
         middles = _innermost(grown)
+    splits = []
     for front, (back, taken) in sorted(middles.items()):
         if ends[back] - ends[front] + (extras if pp == 1 else 0.0) > bound + slack:
             continue
@@ -74,8 +78,8 @@ def _fill(ends: list[float], pp: int, extras: float, bound: float,
         turn = min(turns, key=lambda t: max(ends[t] - ends[front], ends[back] - ends[t]))
         fronts = [f for f, _ in taken] + [turn - front]
         backs = [b for _, b in taken] + [back - turn]
-        return fronts + backs[::-1]
-    return None
+        splits.append(fronts + backs[::-1])
+    return splits
 
 
 def _innermost(middles: Middle) -> Middle:

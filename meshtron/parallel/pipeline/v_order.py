@@ -1,0 +1,147 @@
+"""zb-v's order: list scheduling of each stage's ``F``, ``B`` and ``W`` on the chunks' costs.
+
+In the V, stage ``s`` runs virtual stages ``s`` (chunk 0) and ``2 pp - 1 - s`` (chunk 1). This
+module decides only the order of each stage's compute steps and how long that order takes when
+every ``F``, ``B`` and ``W`` of virtual stage ``k`` costs ``costs[k]``; the schedules module
+turns the steps into actions and adds the communication. It depends on nothing else in the
+package, so the partition can time a split with it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+Step = tuple[str, int, int]
+"""(kind, micro-batch, chunk) of one compute step."""
+
+WORTH_ONE_MORE = 0.01
+"""Admitting one more micro-batch than pp must shorten the step by this fraction: it keeps one
+more first-chunk activation alive on every stage, so it is bought only for a real gain."""
+
+
+def v_virtual(pp: int, stage: int, chunk: int) -> int:
+    """The virtual stage chunk ``chunk`` of ``stage`` runs in the V."""
+    return stage if chunk == 0 else 2 * pp - 1 - stage
+
+
+def _input(kind: str, m: int, virtual: int, last: int) -> tuple[str, int, int] | None:
+    """The step whose end a step waits for (kind, micro-batch, virtual stage), if any."""
+    if kind == "F":
+        return ("F", m, virtual - 1) if virtual else None
+    if kind == "B":
+        return ("F", m, virtual) if virtual == last else ("B", m, virtual + 1)
+    return "B", m, virtual
+
+
+def list_schedule(pp: int, microbatches: int, costs: Sequence[float] | None = None,
+                  admitted: int | None = None) -> tuple[list[list[Step]], float]:
+    """Each stage's steps and the makespan of list scheduling them (Qi et al.'s ZB-V, built
+    for the costs at hand rather than from a fixed pattern).
+
+    Whenever a stage is free it runs, of the steps whose input is ready, a backward, else a
+    forward, else its oldest deferred ``W``; among backwards or forwards the oldest
+    micro-batch, the later virtual stage first. A stage starts a new micro-batch (its first
+    chunk's forward) only while fewer than ``admitted`` (default pp) of its micro-batches
+    await their first chunk's ``W``: with pp, at most 2 pp chunk activations, 1F1B's bound.
+    With unit costs and m a multiple of pp the makespan is then 6m + pp - 1.
+    """
+    last, total = 2 * pp - 1, 6 * microbatches
+    cost = list(costs) if costs is not None else [1.0] * (2 * pp)
+    limit = admitted or pp
+    ends: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
+    orders: list[list[Step]] = [[] for _ in range(pp)]
+    following = [{(kind, chunk): 0 for kind in "FB" for chunk in (0, 1)} for _ in range(pp)]
+    weights: list[list[Step]] = [[] for _ in range(pp)]
+    started = [0] * pp  # micro-batches whose first chunk's W has not run
+    free = [0.0] * pp
+
+    def placement(virtual: int) -> int:
+        return virtual if virtual < pp else last - virtual
+
+    def ready(kind: str, m: int, virtual: int, time: float) -> bool:
+        needed = _input(kind, m, virtual, last)
+        return needed is None or ends.get(needed, math.inf) <= time
+
+    def pick(s: int, time: float) -> Step | None:
+        for kind in "BF":
+            options = []
+            for chunk in (0, 1):
+                m, virtual = following[s][kind, chunk], v_virtual(pp, s, chunk)
+                new_microbatch = kind == "F" and chunk == 0
+                if m < microbatches and ready(kind, m, virtual, time) \
+                        and not (new_microbatch and started[s] >= limit):
+                    options.append((m, -virtual, chunk))
+            if options:
+                m, _, chunk = min(options)
+                return kind, m, chunk
+        return weights[s].pop(0) if weights[s] else None
+
+    # (time, stage): a step ended at that time, on the stage or feeding one of its inputs; only
+    # then can what the stage may run change (its W, its admissions and its inputs)
+    events = [(0.0, s) for s in range(pp)]
+    while events:
+        time, s = heapq.heappop(events)
+        if free[s] > time or len(orders[s]) == total:
+            continue
+        step = pick(s, time)
+        if step is None:
+            continue
+        kind, m, chunk = step
+        if kind == "W":
+            started[s] -= chunk == 0
+        else:
+            following[s][kind, chunk] += 1
+            started[s] += kind == "F" and chunk == 0
+            if kind == "B":
+                weights[s].append(("W", m, chunk))
+        virtual = v_virtual(pp, s, chunk)
+        free[s] = ends[kind, m, virtual] = time + cost[virtual]
+        heapq.heappush(events, (free[s], s))
+        fed = virtual + 1 if kind == "F" else virtual - 1
+        if kind != "W" and 0 <= fed <= last:
+            heapq.heappush(events, (free[s], placement(fed)))
+        orders[s].append(step)
+    assert all(len(order) == total for order in orders), "zb-v ordering left steps out"
+    return orders, max(free)
+
+
+def replay(pp: int, orders: list[list[Step]], costs: Sequence[float]) -> float:
+    """The makespan of given orders when every step of virtual stage k costs ``costs[k]``:
+    each step starts once its stage is free and its input is ready."""
+    last = 2 * pp - 1
+    ends: dict[tuple[str, int, int], float] = {}
+    clock, done = [0.0] * pp, [0] * pp
+    while any(done[s] < len(order) for s, order in enumerate(orders)):
+        progressed = False
+        for s, order in enumerate(orders):
+            while done[s] < len(order):
+                kind, m, chunk = order[done[s]]
+                virtual = v_virtual(pp, s, chunk)
+                needed = _input(kind, m, virtual, last)
+                if needed is not None and needed not in ends:
+                    break
+                start = max(clock[s], ends[needed] if needed else 0.0)
+                clock[s] = ends[kind, m, virtual] = start + costs[virtual]
+                done[s] += 1
+                progressed = True
+        assert progressed, "zb-v order deadlocks"
+    return max(clock)
+
+
+def fitted_order(pp: int, microbatches: int,
+                 costs: Sequence[float]) -> tuple[list[list[Step]], float]:
+    """The shortest, timed on ``costs``, of four list-scheduled orders: made for the costs or
+    for equal chunks (greedy choices on unequal costs can lose to the regular pattern), with pp
+    micro-batches admitted, or pp + 1 where that is :data:`WORTH_ONE_MORE` shorter. With a
+    light first chunk and a heavy last one (the head) the first chunks' forwards cannot cover
+    the trip round the V under pp, and every stage waits once a round; one more fills it."""
+    def best(admitted: int) -> tuple[list[list[Step]], float]:
+        own = list_schedule(pp, microbatches, costs, admitted)
+        regular, _ = list_schedule(pp, microbatches, None, admitted)
+        timed = replay(pp, regular, costs)
+        return (regular, timed) if timed < own[1] else own
+
+    tight, loose = best(pp), best(pp + 1)
+    return loose if loose[1] < tight[1] * (1 - WORTH_ONE_MORE) else tight
