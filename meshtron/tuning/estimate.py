@@ -235,17 +235,18 @@ class Estimator:
                 out[chunk] = ActionCosts(f, b, w, comm)
         return out
 
-    def in_flight(self, c: Candidate, microbatches: int) -> list[int]:
+    def in_flight(self, c: Candidate, microbatches: int, ordered: bool = False) -> list[int]:
         """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
-        what the schedule's warm-up holds (it stops growing after a few rounds). zb-v's order,
-        and so its peak, is the one made for the chunks' costs, as the plan makes it."""
+        what the schedule's warm-up holds (it stops growing after a few rounds). ``ordered``:
+        zb-v's order made for the chunks' costs, as the plan makes it (it may admit one
+        micro-batch more); else the order for equal chunks, which the first pass prices."""
         if c.pp == 1:
             return [1]
         if c.schedule == "gpipe":
             return [microbatches] * c.pp
         m = min(microbatches, 4 * c.pp)
         order = None
-        if c.vshape:
+        if c.vshape and ordered:
             _, shapes, _ = self.pipeline(c)
             order = tuple(zb_v_order_costs(c, shapes, self.chunk_costs(c)))
         key = (c.schedule, c.pp, c.vpp, m, order)
@@ -363,12 +364,13 @@ class Estimator:
                 self.problem.seq_len, self.problem.element_size)
         return self._activations[key]
 
-    def memory(self, c: Candidate, stage: int | None = None) -> MemoryEstimate:
+    def memory(self, c: Candidate, stage: int | None = None,
+               ordered: bool = False) -> MemoryEstimate:
         """The peak over stages, or the peak of pipeline stage ``stage`` (a trainer's memory
-        figure is rank 0's, which holds stage 0)."""
+        figure is rank 0's, which holds stage 0); ``ordered``: see :meth:`in_flight`."""
         pr = self.problem
         _, _, unique = self.pipeline(c)
-        in_flight = self.in_flight(c, c.microbatches(pr.global_batch))
+        in_flight = self.in_flight(c, c.microbatches(pr.global_batch), ordered)
         dense = self.layer_activations(self.dense_layer, c, c.recompute)
         moe = self.layer_activations(self.moe_layer, c, c.recompute)
         per_shape = []
@@ -468,7 +470,7 @@ class Estimator:
             after = max(after, self.data_parallel_seconds(c, stage, last_backward, m), key=sum)
         makespan = (self.pipeline_seconds(c, costs, m) if simulate
                     else self.closed_form_seconds(c, busy, m))
-        memory = self.memory(c)
+        memory = self.memory(c, ordered=simulate)
         dp_exposed, optimizer = after
         busy, comm = busy * m, comm * m
         overhead = pr.profile.step_overhead_s
