@@ -296,7 +296,7 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
                                                           microbatches):
     """Past 24 micro-batches the estimator simulates two counts and extends the line; with the
     real (unequal: the last stage holds the head, MTP modules) per-stage costs that equals a
-    direct simulation at the full count (zb-v: within 3%)."""
+    direct simulation at the full count (zb-v: within 1%)."""
     c = candidate(pp=pp, vpp=vpp, schedule=schedule, dp=2)
     estimator = Estimator(pipeline_problem(preset, pp, microbatches))
     _, shapes, _ = estimator.pipeline(c)
@@ -315,9 +315,9 @@ def test_extrapolated_pipeline_equals_a_direct_simulation(preset, schedule, pp, 
     rows = build_schedule(schedule, pp, vpp, microbatches, costs=order).timeline(
         action_cost=price)
     direct = max(row[-1][1] for row in rows if row)
-    # zb-v's list-scheduled order is not periodic: its idle time still grows a little past
-    # the simulated counts (2% at 200 micro-batches here), so it extends at the busiest stage's pace
-    rel = 0.03 if schedule == "zb-v" else 1e-9
+    # zb-v's list-scheduled order is not periodic: past the simulated counts it extends at
+    # the busiest stage's pace (within 0.7% of direct simulations from 30 to 400 here)
+    rel = 0.01 if schedule == "zb-v" else 1e-9
     assert estimator.pipeline_seconds(c, costs, microbatches) == pytest.approx(direct, rel=rel)
 
 
@@ -394,6 +394,24 @@ def test_gpt3_175b_search_pinned_near_the_published_layout_is_at_least_as_fast()
     best = result.ranked[0]
     assert best.fits and (best.candidate.tp, best.candidate.pp) == (8, 16)
     assert best.step_time_s <= published.step_time_s
+
+
+def test_the_search_prices_the_zb_v_twins_of_its_simulated_shortlist():
+    """zb-v is left out of the closed-form pass (its closed form is optimistic where chunks
+    differ) and priced instead as the zb-v twins of the simulated shortlist's pipelines. For
+    GPT-3 175B at tp 4, pp 16 a twin simulates faster than every other schedule and leads;
+    with the schedule pinned there are no twins."""
+    cfg, problem = gpt3_problem()
+    result = search(problem, Pins(tp=4, pp=16), cfg, simulate=4)
+    best = result.ranked[0]
+    assert best.fits and (best.candidate.schedule, best.candidate.vpp) == ("zb-v", 2)
+    others = [e for e in result.ranked if e.fits and e.candidate.schedule != "zb-v"]
+    assert others and best.step_time_s < min(e.step_time_s for e in others)
+    assert any(best.candidate == dataclasses.replace(e.candidate, schedule="zb-v", vpp=2,
+                                                     recompute=best.candidate.recompute)
+               for e in others)  # the twin of a simulated layout
+    pinned = search(problem, Pins(tp=4, pp=16, schedule="zb-h1"), cfg, simulate=4)
+    assert {e.candidate.schedule for e in pinned.ranked} == {"zb-h1"}
 
 
 @pytest.mark.slow

@@ -92,13 +92,15 @@ class ActionCosts:
 
 
 def zb_v_order_costs(c: Candidate, shapes: list[StageShape],
-                     costs: dict[ChunkShape, ActionCosts]) -> list[float]:
-    """Each virtual stage's mean action cost, which zb-v's order is made for (as the plan
-    orders it by FLOPs)."""
-    order = [0.0] * (c.pp * c.vpp)
+                     costs: dict[ChunkShape, ActionCosts]) -> list[tuple[float, float, float]]:
+    """Each virtual stage's (F, B, W) seconds, which zb-v's order is made for (the plan,
+    which has only FLOPs, prices the three alike)."""
+    order = [(0.0, 0.0, 0.0)] * (c.pp * c.vpp)
     for stage, shape in enumerate(shapes):
         for chunk, piece in enumerate(shape.chunks):
-            order[virtual_stage_of(c.pp, stage, chunk, True)] = costs[piece].total / 3
+            a = costs[piece]
+            order[virtual_stage_of(c.pp, stage, chunk, True)] = (a.forward, a.backward,
+                                                                 a.weight)
     return order
 
 
@@ -336,10 +338,9 @@ class Estimator:
         m1 = max(c.pp, SIMULATED_MICROBATCHES // step * step)
         t1, t2 = makespan(m1), makespan(m1 + step)
         slope = (t2 - t1) / step
-        if c.vshape:  # zb-v's list-scheduled order is not periodic: its busiest stage, still
-            # idle at times early on, sets the pace from there (a slower start, not a drift)
-            slope = max(slope, max(sum(costs[k].total for k in shape.chunks)
-                                   for shape in shapes))
+        if c.vshape:  # zb-v's list-scheduled order is not periodic (its choices differ from
+            # one count to the next): past the start its busiest stage sets the pace
+            slope = max(sum(costs[k].total for k in shape.chunks) for shape in shapes)
         return t2 + (microbatches - m1 - step) * slope
 
     # ------------------------------------------------------------------ memory

@@ -11,8 +11,9 @@ is tried only when pinned (1F1B runs the same pipeline in less memory).
 
 Ranking is two-pass: a closed-form pipeline (the busiest stage over one minus the schedule's
 theoretical bubble) orders every fitting candidate, then the best few are priced with the
-schedule simulator and re-sorted; the final plan and table use the simulated figures only, and
-each of them passes the trainer's own plan checks (:func:`meshtron.plan.check_run`).
+schedule simulator and re-sorted, with the most promising zb-v twins of their pipelines
+(:func:`v_twins`); the final plan and table use the simulated figures only, and each of them
+passes the trainer's own plan checks (:func:`meshtron.plan.check_run`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from meshtron.tuning.memory_model import state_bytes
 RECOMPUTE_ORDER = ("none", "selective", "full")
 SIMULATED = 48
 """Candidates re-ranked with the schedule simulator after the closed-form pass."""
+TWINS_SIMULATED = 4
+"""zb-v twins of those (:func:`v_twins`) simulated at most."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,7 @@ def _pipelines(pins: Pins, pp: int, layers: int) -> list[tuple[int, str]]:
     if pp == 1:
         return [(1, "1f1b")] if pins.schedule in (None, "1f1b", "gpipe") and \
             pins.vpp in (None, 1) else []
-    # zb-v is priced when pinned: searched by default, its closed form (one unit-cost V) fills
-    # the shortlist with layouts that its simulation then finds slower
+    # zb-v is priced by simulation only: pinned here, else as the shortlist's twins (v_twins)
     schedules = [pins.schedule] if pins.schedule else ["1f1b", "zb-h1", "interleaved"]
     out = []
     for schedule in schedules:
@@ -189,12 +191,64 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
         if runnable(cfg, c, problem.gpus):
             ranked.append(estimator.estimate(c))
     fitting = len(first_pass)
+    twins = v_twins(estimator, pins, cfg, ranked, limit)
+    considered, fitting = considered + twins.tried, fitting + twins.fitting
+    ranked += twins.simulated
     if not ranked:
         ranked = least_memory(estimator, spill)
     # equal times (cp re-splitting what dp would) go to the simpler layout
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s, e.candidate.cp, e.candidate.pp,
                                e.candidate.zero, e.candidate.tp))
     return SearchResult(ranked, considered, fitting)
+
+
+@dataclass
+class Twins:
+    tried: int
+    """zb-v layouts priced (memory, then the closed form)."""
+    fitting: int
+    simulated: list[Estimate]
+    """The most promising of those whose closed form beats the shortlist's best, simulated."""
+
+
+def v_twins(estimator: Estimator, pins: Pins, cfg: Config, shortlist: list[Estimate],
+            limit: float) -> Twins:
+    """The zb-v layouts of the shortlist's pipelines: the same split with its two chunks per
+    stage in a V, each with the least recompute that fits.
+
+    zb-v is not ranked beside the other schedules in the closed-form pass: its closed form
+    (one unit-cost V) is optimistic where the chunks differ (a head, chunks of 2 and 1 layers),
+    and there it crowded better layouts out of the shortlist. Here it orders the twins instead:
+    of those whose closed form beats the shortlist's best, the :data:`TWINS_SIMULATED` lowest
+    are simulated and plan-checked."""
+    layers = estimator.problem.model.num_layers
+    fitting_times = [e.step_time_s for e in shortlist if e.fits]
+    if pins.schedule is not None or pins.vpp not in (None, 2) or not fitting_times:
+        return Twins(0, 0, [])
+    best = min(fitting_times)
+    seen: set[Candidate] = set()
+    tried, fitting, promising = 0, 0, []
+    for c in (e.candidate for e in shortlist):
+        if c.pp == 1 or layers < 2 * c.pp or (c.zero == 3 and c.dp * c.cp > 1):
+            continue
+        base = dataclasses.replace(c, vpp=2, schedule="zb-v", recompute="none")
+        if base in seen:
+            continue
+        seen.add(base)
+        for recompute in pins.allow("recompute", list(RECOMPUTE_ORDER)):
+            twin = dataclasses.replace(base, recompute=recompute)
+            tried += 1
+            if estimator.memory(twin).peak > limit:
+                continue
+            fitting += 1
+            closed = estimator.estimate(twin, simulate=False).step_time_s
+            if closed < best:
+                promising.append((closed, len(promising), twin))
+            break
+    promising.sort()
+    simulated = [estimator.estimate(twin) for _, _, twin in promising[:TWINS_SIMULATED]
+                 if runnable(cfg, twin, estimator.problem.gpus)]
+    return Twins(tried, fitting, simulated)
 
 
 def least_memory(estimator: Estimator, spill: list[Candidate], keep: int = 5) -> list[Estimate]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from meshtron.config import SCHEDULES
 from meshtron.errors import MeshtronError
 from meshtron.parallel.pipeline.partition import placement_of, virtual_stage_of
-from meshtron.parallel.pipeline.v_order import fitted_order, list_schedule
+from meshtron.parallel.pipeline.v_order import Cost, fitted_order, list_schedule, per_kind
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -60,7 +60,7 @@ class Schedule:
     receives_ahead: int = 0
     """How many messages past the consumed one each receive post reaches
     (:func:`add_communication`)."""
-    costs: tuple[float, ...] | None = None
+    costs: tuple[Cost, ...] | None = None
     """The virtual stages' relative costs the order was made for (zb-v; None: equal)."""
 
     @property
@@ -284,19 +284,20 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int,
 
 
 def _zero_bubble_v(pp: int, microbatches: int,
-                   costs: Sequence[float] | None = None) -> list[list[Action]]:
+                   costs: Sequence[Cost] | None = None) -> list[list[Action]]:
     """ZB-V (Qi et al., 2024): each stage's order list-scheduled on the chunks' costs
-    (:mod:`.v_order`; ``costs[k]``: what each of F, B and W costs on virtual stage k, None: 1
-    everywhere, which gives the makespan 6m + p - 1 for m a multiple of p). Unequal chunks (a
-    head, half layers) get an order that fits them, admitting one micro-batch more than pp
-    where that is clearly shorter (:func:`.v_order.fitted_order`)."""
+    (:mod:`.v_order`; ``costs[k]``: what each of F, B and W costs on virtual stage k, alike
+    or as an (F, B, W) triple; None: 1 everywhere, which gives the makespan 6m + p - 1 for m
+    a multiple of p). Unequal chunks (a head, half layers) get an order that fits them,
+    admitting one micro-batch more than pp where that is clearly shorter
+    (:func:`.v_order.fitted_order`)."""
     orders, _ = (list_schedule(pp, microbatches) if costs is None
                  else fitted_order(pp, microbatches, costs))
     return [[Action(*step) for step in order] for order in orders]
 
 
 def _generate(name: str, pp: int, vpp: int, microbatches: int,
-              costs: Sequence[float] | None = None) -> list[list[Action]]:
+              costs: Sequence[Cost] | None = None) -> list[list[Action]]:
     forwards = [Action("F", m, 0) for m in range(microbatches)]
     backwards = [Action("B", m, 0) for m in range(microbatches)]
     if name == "gpipe":
@@ -399,16 +400,18 @@ def receives_ahead_needed(schedule: Schedule) -> int:
 
 def build_schedule(name: str, pp: int, vpp: int, microbatches: int,
                    receives_ahead: int | None = None,
-                   costs: Sequence[float] | None = None) -> Schedule:
+                   costs: Sequence[Cost] | None = None) -> Schedule:
     """The named schedule for pp stages with vpp chunks each, communication included (each
     stream's receives posted ``receives_ahead`` messages early: :func:`add_communication`;
     None: :func:`receives_ahead_needed`, what the unit-cost timeline asks for). ``costs``:
-    each virtual stage's relative cost of an F, B or W, which zb-v orders its actions by
-    (None: equal); the other schedules' orders are fixed."""
+    each virtual stage's relative cost of an F, B and W (one figure, or an (F, B, W) triple),
+    which zb-v orders its actions by (None: equal); the other schedules' orders are fixed."""
     _validate(name, pp, vpp, microbatches)
-    if costs is not None and (len(costs) != pp * vpp or min(costs) <= 0):
-        raise MeshtronError(f"pipeline costs need one positive value per virtual stage "
-                            f"({pp * vpp}), got {list(costs)}")
+    if costs is not None and (len(costs) != pp * vpp
+                              or any(isinstance(c, tuple) and len(c) != 3 for c in costs)
+                              or min(v for c in per_kind(costs, pp) for v in c.values()) <= 0):
+        raise MeshtronError(f"pipeline costs need one positive value (or F, B, W triple) per "
+                            f"virtual stage ({pp * vpp}), got {list(costs)}")
     compute, vshape = _generate(name, pp, vpp, microbatches, costs), name == "zb-v"
     if receives_ahead is None:  # past 4 * pp micro-batches the need no longer grows
         receives_ahead = (receives_ahead_needed(build_schedule(name, pp, vpp, 4 * pp, 0, costs))

@@ -2,7 +2,8 @@
 
 In the V, stage ``s`` runs virtual stages ``s`` (chunk 0) and ``2 pp - 1 - s`` (chunk 1). This
 module decides only the order of each stage's compute steps and how long that order takes when
-every ``F``, ``B`` and ``W`` of virtual stage ``k`` costs ``costs[k]``; the schedules module
+the steps of virtual stage ``k`` cost ``costs[k]``: one figure for each of ``F``, ``B`` and
+``W`` alike (the plan's FLOPs), or an ``(F, B, W)`` triple (the cost model's); the schedules module
 turns the steps into actions and adds the communication. It depends on nothing else in the
 package, so the partition can time a split with it.
 """
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 
 Step = tuple[str, int, int]
 """(kind, micro-batch, chunk) of one compute step."""
+Cost = float | tuple[float, float, float]
+"""What a virtual stage's steps cost: F, B and W alike, or (F, B, W)."""
 
 WORTH_ONE_MORE = 0.01
 """Admitting one more micro-batch than pp must shorten the step by this fraction: it keeps one
@@ -35,7 +38,15 @@ def _input(kind: str, m: int, virtual: int, last: int) -> tuple[str, int, int] |
     return "B", m, virtual
 
 
-def list_schedule(pp: int, microbatches: int, costs: Sequence[float] | None = None,
+def per_kind(costs: Sequence[Cost] | None, pp: int) -> list[dict[str, float]]:
+    """Each virtual stage's cost of an ``F``, a ``B`` and a ``W`` (None: 1 each)."""
+    if costs is None:
+        return [dict.fromkeys("FBW", 1.0) for _ in range(2 * pp)]
+    return [dict(zip("FBW", c)) if isinstance(c, tuple) else dict.fromkeys("FBW", c)
+            for c in costs]
+
+
+def list_schedule(pp: int, microbatches: int, costs: Sequence[Cost] | None = None,
                   admitted: int | None = None) -> tuple[list[list[Step]], float]:
     """Each stage's steps and the makespan of list scheduling them (Qi et al.'s ZB-V, built
     for the costs at hand rather than from a fixed pattern).
@@ -48,7 +59,7 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[float] | None = No
     With unit costs and m a multiple of pp the makespan is then 6m + pp - 1.
     """
     last, total = 2 * pp - 1, 6 * microbatches
-    cost = list(costs) if costs is not None else [1.0] * (2 * pp)
+    cost = per_kind(costs, pp)
     limit = admitted or pp
     ends: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
     orders: list[list[Step]] = [[] for _ in range(pp)]
@@ -97,7 +108,7 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[float] | None = No
             if kind == "B":
                 weights[s].append(("W", m, chunk))
         virtual = v_virtual(pp, s, chunk)
-        free[s] = ends[kind, m, virtual] = time + cost[virtual]
+        free[s] = ends[kind, m, virtual] = time + cost[virtual][kind]
         heapq.heappush(events, (free[s], s))
         fed = virtual + 1 if kind == "F" else virtual - 1
         if kind != "W" and 0 <= fed <= last:
@@ -107,10 +118,10 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[float] | None = No
     return orders, max(free)
 
 
-def replay(pp: int, orders: list[list[Step]], costs: Sequence[float]) -> float:
-    """The makespan of given orders when every step of virtual stage k costs ``costs[k]``:
-    each step starts once its stage is free and its input is ready."""
-    last = 2 * pp - 1
+def replay(pp: int, orders: list[list[Step]], costs: Sequence[Cost]) -> float:
+    """The makespan of given orders on ``costs``: each step starts once its stage is free and
+    its input is ready."""
+    last, cost = 2 * pp - 1, per_kind(costs, pp)
     ends: dict[tuple[str, int, int], float] = {}
     clock, done = [0.0] * pp, [0] * pp
     while any(done[s] < len(order) for s, order in enumerate(orders)):
@@ -123,7 +134,7 @@ def replay(pp: int, orders: list[list[Step]], costs: Sequence[float]) -> float:
                 if needed is not None and needed not in ends:
                     break
                 start = max(clock[s], ends[needed] if needed else 0.0)
-                clock[s] = ends[kind, m, virtual] = start + costs[virtual]
+                clock[s] = ends[kind, m, virtual] = start + cost[virtual][kind]
                 done[s] += 1
                 progressed = True
         assert progressed, "zb-v order deadlocks"
@@ -131,7 +142,7 @@ def replay(pp: int, orders: list[list[Step]], costs: Sequence[float]) -> float:
 
 
 def fitted_order(pp: int, microbatches: int,
-                 costs: Sequence[float]) -> tuple[list[list[Step]], float]:
+                 costs: Sequence[Cost]) -> tuple[list[list[Step]], float]:
     """The shortest, timed on ``costs``, of four list-scheduled orders: made for the costs or
     for equal chunks (greedy choices on unequal costs can lose to the regular pattern), with pp
     micro-batches admitted, or pp + 1 where that is :data:`WORTH_ONE_MORE` shorter. With a
