@@ -336,12 +336,12 @@ class Estimator:
             return makespan(microbatches)
         step = c.pp  # keeps interleaved's multiple of pp
         m1 = max(c.pp, SIMULATED_MICROBATCHES // step * step)
-        t1, t2 = makespan(m1), makespan(m1 + step)
-        slope = (t2 - t1) / step
         if c.vshape:  # zb-v's list-scheduled order is not periodic (its choices differ from
             # one count to the next): past the start its busiest stage sets the pace
-            slope = max(sum(costs[k].total for k in shape.chunks) for shape in shapes)
-        return t2 + (microbatches - m1 - step) * slope
+            busiest = max(sum(costs[k].total for k in shape.chunks) for shape in shapes)
+            return makespan(m1 + step) + (microbatches - m1 - step) * busiest
+        t1, t2 = makespan(m1), makespan(m1 + step)
+        return t2 + (microbatches - m1 - step) * (t2 - t1) / step
 
     # ------------------------------------------------------------------ memory
 

@@ -243,10 +243,10 @@ def v_twins(estimator: Estimator, pins: Pins, cfg: Config, shortlist: list[Estim
             fitting += 1
             closed = estimator.estimate(twin, simulate=False).step_time_s
             if closed < best:
-                promising.append((closed, len(promising), twin))
+                promising.append((closed, twin))
             break
-    promising.sort()
-    simulated = [estimator.estimate(twin) for _, _, twin in promising[:TWINS_SIMULATED]
+    promising.sort(key=lambda item: item[0])
+    simulated = [estimator.estimate(twin) for _, twin in promising[:TWINS_SIMULATED]
                  if runnable(cfg, twin, estimator.problem.gpus)]
     return Twins(tried, fitting, simulated)
 

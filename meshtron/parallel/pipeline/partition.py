@@ -26,7 +26,7 @@ from functools import cache, lru_cache
 
 from meshtron.config import ModelConfig
 from meshtron.errors import MeshtronError
-from meshtron.parallel.pipeline.v_order import fitted_order, v_virtual
+from meshtron.parallel.pipeline.v_order import fitted_order, v_place, v_virtual
 from meshtron.parallel.pipeline.v_split import v_balanced_splits
 
 
@@ -66,10 +66,16 @@ def balanced_counts(num_layers: int, stages: int, layer_cost: float,
     ``first_cost``: what the first stage runs besides its layers (a vision model's image
     encoder). ``attention_cost`` (of ``layer_cost``): given, a stage may also end after a
     layer's attention half, and counts come in halves."""
+    counts = balanced_split(_pieces(num_layers, layer_cost, attention_cost), stages, head_cost,
+                            first_cost)
+    return counts if attention_cost is None else [in_layers(n) for n in counts]
+
+
+def _pieces(num_layers: int, layer_cost: float, attention_cost: float | None) -> list[float]:
+    """The costs of the units a split moves: layers, or their halves with ``attention_cost``."""
     if attention_cost is None:
-        return list(balanced_split([layer_cost] * num_layers, stages, head_cost, first_cost))
-    halves = [attention_cost, layer_cost - attention_cost] * num_layers
-    return [in_layers(n) for n in balanced_split(halves, stages, head_cost, first_cost)]
+        return [layer_cost] * num_layers
+    return [attention_cost, layer_cost - attention_cost] * num_layers
 
 
 def v_counts(num_layers: int, pp: int, layer_cost: float, head_cost: float,
@@ -90,8 +96,7 @@ def _timed_v_split(num_layers: int, pp: int, layer_cost: float, head_cost: float
                    first_cost: float, attention_cost: float | None) -> tuple[int, ...]:
     """:func:`v_counts` in pieces (layers, or halves with ``attention_cost``)."""
     halves = attention_cost is not None
-    pieces = ([attention_cost, layer_cost - attention_cost] * num_layers if halves
-              else [layer_cost] * num_layers)
+    pieces = _pieces(num_layers, layer_cost, attention_cost)
 
     def makespan(counts: list[int]) -> float:
         bounds = [sum(counts[:k]) for k in range(2 * pp + 1)]
@@ -130,7 +135,7 @@ def virtual_stage_of(pp: int, stage: int, chunk: int, vshape: bool = False) -> i
 def placement_of(pp: int, virtual_stage: int, vshape: bool = False) -> tuple[int, int]:
     """The (stage, chunk) that runs ``virtual_stage`` (inverse of :func:`virtual_stage_of`)."""
     if vshape:
-        return (virtual_stage, 0) if virtual_stage < pp else (2 * pp - 1 - virtual_stage, 1)
+        return v_place(pp, virtual_stage)
     return virtual_stage % pp, virtual_stage // pp
 
 

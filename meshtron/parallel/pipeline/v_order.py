@@ -29,6 +29,11 @@ def v_virtual(pp: int, stage: int, chunk: int) -> int:
     return stage if chunk == 0 else 2 * pp - 1 - stage
 
 
+def v_place(pp: int, virtual: int) -> tuple[int, int]:
+    """The (stage, chunk) that runs ``virtual`` in the V (inverse of :func:`v_virtual`)."""
+    return (virtual, 0) if virtual < pp else (2 * pp - 1 - virtual, 1)
+
+
 def _input(kind: str, m: int, virtual: int, last: int) -> tuple[str, int, int] | None:
     """The step whose end a step waits for (kind, micro-batch, virtual stage), if any."""
     if kind == "F":
@@ -67,9 +72,6 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[Cost] | None = Non
     weights: list[list[Step]] = [[] for _ in range(pp)]
     started = [0] * pp  # micro-batches whose first chunk's W has not run
     free = [0.0] * pp
-
-    def placement(virtual: int) -> int:
-        return virtual if virtual < pp else last - virtual
 
     def ready(kind: str, m: int, virtual: int, time: float) -> bool:
         needed = _input(kind, m, virtual, last)
@@ -112,7 +114,7 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[Cost] | None = Non
         heapq.heappush(events, (free[s], s))
         fed = virtual + 1 if kind == "F" else virtual - 1
         if kind != "W" and 0 <= fed <= last:
-            heapq.heappush(events, (free[s], placement(fed)))
+            heapq.heappush(events, (free[s], v_place(pp, fed)[0]))
         orders[s].append(step)
     assert all(len(order) == total for order in orders), "zb-v ordering left steps out"
     return orders, max(free)
