@@ -10,8 +10,10 @@ package, so the partition can time a split with it.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
 
 Step = tuple[str, int, int]
@@ -66,30 +68,32 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[Cost] | None = Non
     last, total = 2 * pp - 1, 6 * microbatches
     cost = per_kind(costs, pp)
     limit = admitted or pp
-    ends: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
+    # the end of each (virtual stage, micro-batch)'s F and B; inf until it is scheduled
+    f_end = [[math.inf] * microbatches for _ in range(2 * pp)]
+    b_end = [[math.inf] * microbatches for _ in range(2 * pp)]
     orders: list[list[Step]] = [[] for _ in range(pp)]
-    following = [{(kind, chunk): 0 for kind in "FB" for chunk in (0, 1)} for _ in range(pp)]
-    weights: list[list[Step]] = [[] for _ in range(pp)]
+    next_f, next_b = [[0, 0] for _ in range(pp)], [[0, 0] for _ in range(pp)]
+    weights: list[deque[Step]] = [deque() for _ in range(pp)]
     started = [0] * pp  # micro-batches whose first chunk's W has not run
     free = [0.0] * pp
 
-    def ready(kind: str, m: int, virtual: int, time: float) -> bool:
-        needed = _input(kind, m, virtual, last)
-        return needed is None or ends.get(needed, math.inf) <= time
-
     def pick(s: int, time: float) -> Step | None:
-        for kind in "BF":
-            options = []
-            for chunk in (0, 1):
-                m, virtual = following[s][kind, chunk], v_virtual(pp, s, chunk)
-                new_microbatch = kind == "F" and chunk == 0
-                if m < microbatches and ready(kind, m, virtual, time) \
-                        and not (new_microbatch and started[s] >= limit):
-                    options.append((m, -virtual, chunk))
-            if options:
-                m, _, chunk = min(options)
-                return kind, m, chunk
-        return weights[s].pop(0) if weights[s] else None
+        # of two ready options the older micro-batch, on a tie chunk 1 (the later virtual stage)
+        first, second = s, last - s
+        m0, m1 = next_b[s]
+        ready0 = m0 < microbatches and b_end[first + 1][m0] <= time
+        # at the V's tip (stage 0's chunk 1) a backward follows its own forward
+        after = f_end[second] if second == last else b_end[second + 1]
+        ready1 = m1 < microbatches and after[m1] <= time
+        if ready0 or ready1:
+            return ("B", m1, 1) if ready1 and not (ready0 and m0 < m1) else ("B", m0, 0)
+        m0, m1 = next_f[s]
+        ready0 = m0 < microbatches and started[s] < limit and (
+            first == 0 or f_end[first - 1][m0] <= time)
+        ready1 = m1 < microbatches and f_end[second - 1][m1] <= time
+        if ready0 or ready1:
+            return ("F", m1, 1) if ready1 and not (ready0 and m0 < m1) else ("F", m0, 0)
+        return weights[s].popleft() if weights[s] else None
 
     # (time, stage): a step ended at that time, on the stage or feeding one of its inputs; only
     # then can what the stage may run change (its W, its admissions and its inputs)
@@ -102,25 +106,28 @@ def list_schedule(pp: int, microbatches: int, costs: Sequence[Cost] | None = Non
         if step is None:
             continue
         kind, m, chunk = step
+        virtual = v_virtual(pp, s, chunk)
+        free[s] = end = time + cost[virtual][kind]
+        heapq.heappush(events, (end, s))
         if kind == "W":
             started[s] -= chunk == 0
         else:
-            following[s][kind, chunk] += 1
-            started[s] += kind == "F" and chunk == 0
-            if kind == "B":
+            if kind == "F":
+                next_f[s][chunk] += 1
+                started[s] += chunk == 0
+                f_end[virtual][m], fed = end, virtual + 1
+            else:
+                next_b[s][chunk] += 1
                 weights[s].append(("W", m, chunk))
-        virtual = v_virtual(pp, s, chunk)
-        free[s] = ends[kind, m, virtual] = time + cost[virtual][kind]
-        heapq.heappush(events, (free[s], s))
-        fed = virtual + 1 if kind == "F" else virtual - 1
-        if kind != "W" and 0 <= fed <= last:
-            heapq.heappush(events, (free[s], v_place(pp, fed)[0]))
+                b_end[virtual][m], fed = end, virtual - 1
+            if 0 <= fed <= last:
+                heapq.heappush(events, (end, v_place(pp, fed)[0]))
         orders[s].append(step)
     assert all(len(order) == total for order in orders), "zb-v ordering left steps out"
     return orders, max(free)
 
 
-def replay(pp: int, orders: list[list[Step]], costs: Sequence[Cost]) -> float:
+def replay(pp: int, orders: Sequence[Sequence[Step]], costs: Sequence[Cost]) -> float:
     """The makespan of given orders on ``costs``: each step starts once its stage is free and
     its input is ready."""
     last, cost = 2 * pp - 1, per_kind(costs, pp)
@@ -143,6 +150,14 @@ def replay(pp: int, orders: list[list[Step]], costs: Sequence[Cost]) -> float:
     return max(clock)
 
 
+@functools.lru_cache(maxsize=64)
+def _equal_chunks_order(pp: int, microbatches: int, admitted: int) -> tuple[tuple[Step, ...], ...]:
+    """The list schedule for equal chunks, kept: every split and layout of one pipeline shape
+    that the partition and the tuner time compares its own order with this one."""
+    orders, _ = list_schedule(pp, microbatches, None, admitted)
+    return tuple(tuple(order) for order in orders)
+
+
 def fitted_order(pp: int, microbatches: int,
                  costs: Sequence[Cost]) -> tuple[list[list[Step]], float]:
     """The shortest, timed on ``costs``, of four list-scheduled orders: made for the costs or
@@ -152,9 +167,9 @@ def fitted_order(pp: int, microbatches: int,
     the trip round the V under pp, and every stage waits once a round; one more fills it."""
     def best(admitted: int) -> tuple[list[list[Step]], float]:
         own = list_schedule(pp, microbatches, costs, admitted)
-        regular, _ = list_schedule(pp, microbatches, None, admitted)
+        regular = _equal_chunks_order(pp, microbatches, admitted)
         timed = replay(pp, regular, costs)
-        return (regular, timed) if timed < own[1] else own
+        return ([list(order) for order in regular], timed) if timed < own[1] else own
 
     tight, loose = best(pp), best(pp + 1)
     return loose if loose[1] < tight[1] * (1 - WORTH_ONE_MORE) else tight
