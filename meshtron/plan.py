@@ -116,6 +116,11 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
             f"parallel.vpp >= 2 chunks per stage, got {p.vpp}")
     require(p.pp_layers is None or p.pp > 1 or p.vpp > 1, f"parallel.pp_layers={p.pp_layers} is "
             "set but there is no pipeline (parallel.pp=1, parallel.vpp=1)")
+    measured = p.zb_v_measured_order
+    require(measured == 0 or measured >= 2, f"parallel.zb_v_measured_order={measured} must be 0 "
+            "(off) or at least 2 steps (the first step is not timed)")
+    require(measured == 0 or p.schedule == "zb-v", f"parallel.zb_v_measured_order={measured} "
+            f"re-orders zb-v only, and parallel.schedule is {p.schedule}")
     if p.pp > 1 or p.vpp > 1:
         check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers, p.schedule == "zb-v")
         if cfg.train.micro_batch is None:

@@ -3,10 +3,20 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from meshtron.config import load_config
+from meshtron.errors import MeshtronError
+from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.pipeline.measured_order import MeasuredOrder
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.v_order import WORTH_ONE_MORE, list_schedule, replay
+from meshtron.plan import check_run
+from meshtron.training.trainer import Trainer
+from tests.distributed import run_distributed
+from tests.parity import test_overrides
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
@@ -82,3 +92,77 @@ def test_zero_bubble_v_orders_for_each_kinds_cost():
 
     assert makespan(by_kind) == pytest.approx(73.6)
     assert makespan(build_schedule("zb-v", 3, 2, 12, costs=alike)) == pytest.approx(90.5)
+
+
+# ------------------------------------------------------------------ the order from measured costs
+
+
+def _measured_order_runs(rank: int, world_size: int, cache_dir: str, root: str) -> dict:
+    """One zb-v run (pp=2, tied embeddings on stage 0's two chunks) three ways: in the plan's
+    order; with ``parallel.zb_v_measured_order=2`` (whichever order its timings give); and
+    re-ordered before step 1 for fixed costs whose W is a fifth of F and B."""
+    layout = ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v",
+              "--model.num_layers=4", "--train.micro_batch=1", "--model.tie_embeddings=true"]
+    out: dict = {}
+    for name, after in (("plan", 0), ("measured", 2), ("fixed", 0)):
+        lines: list[str] = []
+        overrides = test_overrides(cache_dir, f"{root}/{name}", steps=4) + layout + [
+            f"--parallel.zb_v_measured_order={after}"]
+        trainer = Trainer(load_config(overrides=overrides),
+                          ParallelMesh(MeshLayout(world_size, pp=2), rank), log=lines.append)
+        planned = trainer.pipeline.schedule
+        if name == "fixed":
+            costs = [(1.0, 1.0, 0.2), (1.0, 1.0, 0.2), (2.0, 2.0, 0.4), (1.5, 1.5, 0.3)]
+            lines.append(MeasuredOrder(2, None).reorder(trainer.pipeline, costs, "fixed costs"))
+        result = trainer.run()
+        ran = trainer.pipeline.schedule
+        out[name] = {"loss": result.losses, "grad_norm": result.grad_norms,
+                     "lines": [line for line in lines
+                               if "zb-v re-ordered" in line or "zb-v keeps" in line],
+                     "costs": ran.costs, "changed": ran.stages != planned.stages,
+                     "chunk_orders": [[[(a.kind, a.microbatch) for a in
+                                        ran.compute_actions(s) if a.chunk == c]
+                                       for c in (0, 1)] for s in range(2)]}
+    return out
+
+
+@pytest.mark.slow
+def test_zb_v_reordered_for_measured_costs_keeps_the_losses(data_cache, tmp_path):
+    """``parallel.zb_v_measured_order=2``: after step 2 every rank runs one order, made for
+    the same measured (F, B, W) seconds, or keeps the plan's where that is as short. Re-ordered
+    (here for fixed costs, so surely), the losses and grad norms stay those of the plan's order:
+    each chunk's B and W still go in micro-batch order, and only the tied weight's two chunks
+    may add in another order (1e-6)."""
+    ranks = run_distributed(_measured_order_runs, 2, data_cache, str(tmp_path), timeout=300)
+    plan, measured, fixed = (ranks[0][name] for name in ("plan", "measured", "fixed"))
+    assert plan["lines"] == [] and not plan["changed"]
+    assert not isinstance(plan["costs"][0], tuple)  # the plan's: one FLOP figure per chunk
+    assert len(measured["lines"]) == 1 and "measured over 1 step" in measured["lines"][0]
+    assert ranks[1]["measured"]["lines"] == []  # only rank 0 logs
+    assert measured["costs"] == ranks[1]["measured"]["costs"]  # one order on every rank
+    if "re-ordered" in measured["lines"][0]:
+        assert measured["changed"]
+        assert all(len(c) == 3 and min(c) > 0 for c in measured["costs"])
+    else:
+        assert "keeps its order" in measured["lines"][0] and not measured["changed"]
+    assert fixed["changed"] and "re-ordered for fixed costs" in fixed["lines"][0]
+    for run in (measured, fixed):
+        for stage in run["chunk_orders"]:
+            for chunk in stage:
+                for kind in "FBW":
+                    assert [m for k, m in chunk if k == kind] == list(range(8))
+        for key in ("loss", "grad_norm"):
+            assert run[key] == pytest.approx(plan[key], rel=1e-6)
+
+
+def test_zb_v_measured_order_needs_zb_v_and_two_steps(tmp_path):
+    base = test_overrides(str(tmp_path), str(tmp_path)) + ["--parallel.pp=2",
+                                                           "--model.num_layers=4"]
+    for extra, expected in (
+            (["--parallel.zb_v_measured_order=4"], "re-orders zb-v only, and parallel.schedule "
+             "is 1f1b"),
+            (["--parallel.vpp=2", "--parallel.schedule=zb-v", "--parallel.zb_v_measured_order=1"],
+             "must be 0 (off) or at least 2 steps")):
+        with pytest.raises(MeshtronError, match=re.escape(expected)) as err:
+            check_run(load_config(overrides=base + extra), 2)
+        assert "\n" not in str(err.value)

@@ -30,6 +30,7 @@ from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.pipeline.measured_order import MeasuredOrder
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
@@ -165,6 +166,8 @@ class Trainer:
         if plan.schedule is not None:
             self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
                                              plan.schedule, cfg.model.hidden_size)
+        self.reorder = MeasuredOrder(p.zb_v_measured_order, p.receives_ahead) \
+            if p.zb_v_measured_order else None
         self.step = 0
         self.skipped_steps = 0
         self.faults = FaultPlan(self.mesh.global_rank)
@@ -362,6 +365,9 @@ class Trainer:
                     self.log(f"train.compile: the first step took {elapsed:.1f} s, compile "
                              "included")
                 self.step += 1
+                if self.reorder and self.pipeline and (
+                        line := self.reorder.after_step(self.pipeline, self.mesh)):
+                    self.log(line)
                 result.losses.append(out.loss)
                 result.grad_norms.append(out.grad_norm)
                 consecutive_skips = consecutive_skips + 1 if out.skipped else 0

@@ -61,20 +61,27 @@ class PipelineExecutor:
         self.model = model
         self.mesh = mesh
         self.plan = plan
-        self.schedule = schedule
         self.stage = mesh.pp.rank
-        self.actions = schedule.stages[self.stage]
-        self.completions = send_completions(schedule)[self.stage]
         self.hidden_size = hidden_size
         self.store: WeightGradStore | None = model.grad_store
-        assert (self.store is not None) == schedule.split_backward, (
-            "a zero-bubble schedule needs a model built with split_weight_grads, and only it")
-        assert plan.vshape == schedule.vshape, "the partition and the schedule place chunks alike"
-        grad_actions = [i for i, a in enumerate(self.actions) if a.kind in ("B", "W")]
-        self.last_grad_action = grad_actions[-1] if grad_actions else -1
+        self.use(schedule)
         self.trace: list[tuple[Action, float, float]] | None = None
         """When a list: (action, start, end) of each compute action, ``perf_counter`` seconds
-        (waiting for its input included in neither: a receive is waited for before start)."""
+        (waiting for its input included in neither: a receive is waited for before start; on a
+        GPU the device's queue is drained at both ends, so an action's kernels are timed)."""
+
+    def use(self, schedule: Schedule) -> None:
+        """Run ``schedule`` from the next step on (the same placement of chunks; zb-v's order
+        rebuilt for measured costs, :mod:`.measured_order`)."""
+        assert (self.store is not None) == schedule.split_backward, (
+            "a zero-bubble schedule needs a model built with split_weight_grads, and only it")
+        assert self.plan.vshape == schedule.vshape, (
+            "the partition and the schedule place chunks alike")
+        self.schedule = schedule
+        self.actions = schedule.stages[self.stage]
+        self.completions = send_completions(schedule)[self.stage]
+        grad_actions = [i for i, a in enumerate(self.actions) if a.kind in ("B", "W")]
+        self.last_grad_action = grad_actions[-1] if grad_actions else -1
 
     # ------------------------------------------------------------------ messages
 
@@ -105,6 +112,13 @@ class PipelineExecutor:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def _now(self) -> float:
+        """``perf_counter``; while tracing on a GPU, after the device's queued work (else an
+        action's kernel launches would be timed, not the kernels)."""
+        if self.trace is not None and (device := self._device()).type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     def _hidden_shape(self, micro_batch: MicroBatch) -> torch.Size:
         batch, seq = micro_batch.tokens.shape
@@ -153,7 +167,7 @@ class PipelineExecutor:
                     work, x = receives.pop(("F", m, c))
                     work.wait()
                     x.requires_grad_(True)
-                started = time.perf_counter()
+                started = self._now()
                 out = model(x, chunk=c, sequence=micro_batches[m].sequence,
                             ahead=micro_batches[m].ahead, images=micro_batches[m].images)
                 if vstage == last_virtual:
@@ -175,7 +189,7 @@ class PipelineExecutor:
                     else:
                         work, grad = receives.pop(("B", m, c))
                         work.wait()
-                started = time.perf_counter()
+                started = self._now()
                 optimizer.begin_micro_batch(last=index == self.last_grad_action)
                 if self.store is not None:
                     self.store.deferring = True
@@ -191,14 +205,14 @@ class PipelineExecutor:
                 sends[index] = self._send(input_grads.pop((m, c)), action.peer,
                                           self._tag("B", m, vstage - 1))
             elif kind == "W":
-                started = time.perf_counter()
+                started = self._now()
                 optimizer.begin_micro_batch(last=index == self.last_grad_action)
                 WeightGradStore.run(deferred.pop((m, c)))
                 optimizer.end_micro_batch()
             else:
                 raise ValueError(f"unknown pipeline action {action}")
             if started is not None and self.trace is not None:
-                self.trace.append((action, started, time.perf_counter()))
+                self.trace.append((action, started, self._now()))
             for send in self.completions.get(index, ()):
                 sends.pop(send).wait()  # complete by now: lets its tensor go
         for work in sends.values():
