@@ -41,8 +41,10 @@ balances each part's cost as ``pipeline_bound.py`` measures it in the main proce
 its MLP). ``meshtron zb-v`` runs zb-v (two chunks per stage in a V: stage 0 holds virtual
 stages 0 and 3, so the embedding and the head) on the even split, ``meshtron zb-v halves`` on
 the half-layer V split ``pipeline_bound.py`` balances (such as ``2.5,2.5,2,1``); both order
-their actions by the chunks' FLOPs, as the plan does. The halves configurations are unpaired,
-and the split of every meshtron configuration is printed.
+their actions by the chunks' FLOPs, as the plan does; ``meshtron zb-v halves measured``
+re-orders after the warm-up for the F, B and W seconds measured in it, from step 2 on, in
+every round (``parallel.zb_v_measured_order`` = ``--warmup``: ``MeasuredOrder``). The halves
+configurations are unpaired, and the split of every meshtron configuration is printed.
 Every ``meshtron <schedule>`` posts receives ahead by the schedule's default
 (``receives_ahead_needed``: 1 for gpipe, 1f1b and zb-h1, 3 for interleaved at pp=2), so a
 hand-over can happen while the stage computes; ``meshtron <schedule> late`` posts each receive
@@ -117,6 +119,7 @@ from meshtron.optim.adamw import build_adamw
 from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.pipeline.measured_order import MeasuredOrder
 from meshtron.parallel.pipeline.schedules import Schedule, build_schedule
 from meshtron.plan import RunPlan, plan_run
 from meshtron.precision.policy import Precision
@@ -166,6 +169,8 @@ class Setup:
     ahead: int | None = None
     """meshtron: receives posted this many messages early (``build_schedule``; None: its
     default, ``receives_ahead_needed``)."""
+    measured: bool = False
+    """meshtron zb-v: re-ordered for the costs measured in the warm-up steps."""
 
 
 SETUPS = {s.name: s for s in (
@@ -184,6 +189,7 @@ SETUPS = {s.name: s for s in (
     Setup("meshtron zb-v", "meshtron", "zb-v", 2),
     Setup("torch ZBV", "torch", "ScheduleZBVZeroBubble", 2, optional=True),
     Setup("meshtron zb-v halves", "meshtron", "zb-v", 2, split="halves"),
+    Setup("meshtron zb-v halves measured", "meshtron", "zb-v", 2, split="halves", measured=True),
     Setup("meshtron 1f1b late", "meshtron", "1f1b", 1, ahead=0),
     Setup("meshtron interleaved late", "meshtron", "interleaved", 2, ahead=0),
     Setup("meshtron zb-h1 late", "meshtron", "zb-h1", 1, ahead=0),
@@ -249,20 +255,24 @@ def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, split: str = 
 Step = Callable[[torch.Tensor], float]
 
 
-def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: Halves | None
-                   ) -> tuple[Step, PipelineExecutor]:
+def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: Halves | None,
+                   warmup: int) -> tuple[Step, PipelineExecutor]:
     plan, model = _stages(s, mesh, setup.vpp, setup.schedule, setup.split, halves)
     cfg = plan.config
     schedule = _schedule(setup, s, mesh.pp.size, halves)
     executor = PipelineExecutor(model, mesh, plan.partition, schedule, cfg.model.hidden_size)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
     precision = Precision("fp32", torch.device("cpu"))
+    reorder = MeasuredOrder(warmup, setup.ahead) if setup.measured else None
 
     def step(batch: torch.Tensor) -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
+        loss = train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
                           micro_batch=plan.micro_batch, lr=cfg.train.lr,
                           grad_clip=cfg.train.grad_clip, precision=precision,
                           pipeline=executor).loss
+        if reorder is not None:
+            reorder.after_step(executor, mesh)
+        return loss
 
     return step, executor
 
@@ -307,8 +317,8 @@ def build_torch(setup: Setup, s: Shape, mesh: ParallelMesh) -> Step:
     return step
 
 
-def build_all(names: list[str], s: Shape, rank: int, pp: int, halves: Halves | None
-              ) -> tuple[dict[str, Step], dict[str, PipelineExecutor]]:
+def build_all(names: list[str], s: Shape, rank: int, pp: int, halves: Halves | None,
+              warmup: int) -> tuple[dict[str, Step], dict[str, PipelineExecutor]]:
     """Every configuration of ``names`` on this rank (``MeshLayout(pp, tp=1, cp=1, pp=pp)``):
     its step, and for meshtron its executor, whose ``trace`` records the compute actions."""
     mesh = ParallelMesh(MeshLayout(pp, tp=1, cp=1, pp=pp), rank)
@@ -317,7 +327,7 @@ def build_all(names: list[str], s: Shape, rank: int, pp: int, halves: Halves | N
     for name in names:
         setup = SETUPS[name]
         if setup.family == "meshtron":
-            steps[name], executors[name] = build_meshtron(setup, s, mesh, halves)
+            steps[name], executors[name] = build_meshtron(setup, s, mesh, halves, warmup)
         else:
             steps[name] = build_torch(setup, s, mesh)
     return steps, executors
@@ -331,7 +341,8 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     rotating order; for meshtron, the trace summary of every timed step."""
     s = Shape(**args["shape"])
     names: list[str] = args["configs"]
-    steps, executors = build_all(names, s, rank, dist.get_world_size(), args["halves"])
+    steps, executors = build_all(names, s, rank, dist.get_world_size(), args["halves"],
+                                 args["warmup"])
     gen = torch.Generator().manual_seed(1000)
     batches = [torch.randint(0, s.vocab, (s.global_batch, s.seq + 1), generator=gen)
                for _ in range(args["warmup"] + args["steps"])]
@@ -351,6 +362,7 @@ def steps_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 traces[name].append(pipeline_idle.trace_summary(executors[name].trace or []))
                 executors[name].trace = None
     return {"times": times, "traces": traces,
+            "costs": {n: executor.schedule.costs for n, executor in executors.items()},
             "first_loss": {n: x[0] for n, x in losses.items()},
             "last_warmup_loss": {n: x[-1] for n, x in losses.items()}}
 
@@ -412,7 +424,7 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
                  "pair_ratio": harness.pair_ratio(itertools.chain(*times[ours]),
                                                   itertools.chain(*times[theirs]))}
     bubbles = {n: pipeline_idle.idle_figures(
-        _schedule(SETUPS[n], s, pp, halves),
+        [_run_schedule(SETUPS[n], s, pp, run[0]["costs"][n]) for run in runs],
         [[rank["traces"][n] for rank in run] for run in runs])
         for n in names if SETUPS[n].family == "meshtron"}
     partitions = {n: _partition(SETUPS[n], s, pp, halves) for n in names
@@ -430,6 +442,13 @@ def _schedule(setup: Setup, s: Shape, pp: int, halves: Halves | None) -> Schedul
     assert planned is not None
     return build_schedule(setup.schedule, pp, setup.vpp, s.microbatches,
                           receives_ahead=setup.ahead, costs=planned.costs)
+
+
+def _run_schedule(setup: Setup, s: Shape, pp: int, costs: Any) -> Schedule:
+    """The schedule a meshtron configuration ran in one round: its plan's, or for ``measured``
+    the order made for that round's measured costs (the same on every rank)."""
+    return build_schedule(setup.schedule, pp, setup.vpp, s.microbatches,
+                          receives_ahead=setup.ahead, costs=costs)
 
 
 def _partition(setup: Setup, s: Shape, pp: int, halves: Halves | None) -> list[float]:
@@ -451,11 +470,14 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
     parser.add_argument("--layers", type=int, default=Shape.layers,
                         help="transformer layers (divisible by 2 * pp for interleaved)")
+    parser.add_argument("--seq", type=int, default=Shape.seq,
+                        help="sequence length (the attention core, in F and B but not in W, "
+                        "grows with it)")
     args = parser.parse_args()
     if args.warmup < 2:
         parser.error("--warmup must be at least 2 (the loss check compares two warm-up steps)")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    shape = Shape(layers=args.layers)
+    shape = Shape(layers=args.layers, seq=args.seq)
     info = harness.host_info()
     print(harness.host_line(info, "gloo, 1 thread per process"), flush=True)
     print(f"llama {shape.layers} x {shape.hidden} (ffn {shape.ffn}, vocab {shape.vocab}), seq "

@@ -66,14 +66,17 @@ def simulated_idle(schedule: Schedule, cost: dict[tuple[int, int, str], float]) 
             for s, order in enumerate(orders)]
 
 
-def idle_figures(schedule: Schedule, runs: list[list[list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Measured idle fractions (per stage and mean) against ``schedule``'s theory, from the
-    :func:`trace_summary` of every timed step of every rank of every run."""
+def idle_figures(schedules: list[Schedule], runs: list[list[list[dict[str, Any]]]]
+                 ) -> dict[str, Any]:
+    """Measured idle fractions (per stage and mean) against the schedule's theory, from the
+    :func:`trace_summary` of every timed step of every rank of every run; ``schedules``: the
+    one each run ran (they differ only where a run re-ordered zb-v for its measured costs)."""
+    schedule = schedules[0]
     pp = schedule.pp
     per_stage: list[list[float]] = [[] for _ in range(pp)]
     means, spans, replays = [], [], []
     durations: dict[tuple[int, int, str], list[float]] = {}
-    for run in runs:
+    for ran, run in zip(schedules, runs):
         for step in zip(*run):
             span = max(t["end"] for t in step) - min(t["start"] for t in step)
             spans.append(span)
@@ -81,13 +84,14 @@ def idle_figures(schedule: Schedule, runs: list[list[list[dict[str, Any]]]]) -> 
             for stage, value in enumerate(idle):
                 per_stage[stage].append(value)
             means.append(statistics.mean(idle))
-            replays.append(replayed_idle(schedule, list(step)))
+            replays.append(replayed_idle(ran, list(step)))
             for stage, t in enumerate(step):
                 for key, (seconds, count) in t["kinds"].items():
                     durations.setdefault((stage, int(key[1:]), key[0]), []).append(
                         seconds / count)
     cost = {key: statistics.median(v) for key, v in durations.items()}
-    simulated = simulated_idle(schedule, cost)
+    simulated = [statistics.mean(stage) for stage in zip(*(simulated_idle(ran, cost)
+                                                          for ran in schedules))]
     measured = statistics.median(means)
     theory = schedule.theoretical_bubble()
     per_kind = {kind: statistics.mean(v for (_, _, k), v in cost.items() if k == kind)
