@@ -119,8 +119,6 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     measured = p.zb_v_measured_order
     require(measured == 0 or measured >= 2, f"parallel.zb_v_measured_order={measured} must be 0 "
             "(off) or at least 2 steps (the first step is not timed)")
-    require(measured == 0 or p.schedule == "zb-v", f"parallel.zb_v_measured_order={measured} "
-            f"re-orders zb-v only, and parallel.schedule is {p.schedule}")
     if p.pp > 1 or p.vpp > 1:
         check_layer_split(cfg.model, p.pp, p.vpp, p.pp_layers, p.schedule == "zb-v")
         if cfg.train.micro_batch is None:

@@ -244,7 +244,8 @@ def test_a_model_that_cannot_fit_says_by_how_much_and_what_would(capsys):
     (["--parallel.tp=3"], ("world size 8 is not divisible by tp*cp*pp", "3")),
     (["--parallel.tp=4", "--parallel.pp=4"], ("not divisible by tp*cp*pp",)),
     (["--parallel.vpp=2", "--parallel.schedule=1f1b"], ("parallel.vpp=2",
-                                                        "schedule=interleaved", "1f1b")),
+                                                        "schedule=interleaved or zb-v", "1f1b")),
+    (["--parallel.vpp=3", "--parallel.schedule=zb-v"], ("parallel.vpp must be 2, not 3",)),
 ])
 def test_pins_that_contradict_the_world_size_or_each_other(capsys, args, fragments):
     assert_one_line_error(capsys, [*TINY, "--cluster.gpu=a100-80gb", "--cluster.gpus=8", *args],
@@ -274,3 +275,16 @@ def test_other_contradicting_pins_are_named(capsys, args, fragments):
 ])
 def test_missing_or_bad_cluster_size(capsys, args, fragments):
     assert_one_line_error(capsys, [*TINY, *args], *fragments)
+
+
+def test_a_written_zb_v_config_orders_for_the_measured_costs(capsys, tmp_path):
+    """The cost model prices zb-v's order made for each kind's seconds, so the written config
+    has the run measure them (unless the tune's config already says after how many steps)."""
+    zb_v = ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v"]
+    for extra, steps in (([], 3), (["--parallel.zb_v_measured_order=5"], 5)):
+        plan = tmp_path / f"plan{steps}.yaml"
+        code, _, stderr = tune(capsys, *TINY_8, *zb_v, *extra, "--output-config", str(plan))
+        assert code == 0, stderr
+        cfg = load_config(plan)
+        assert (cfg.parallel.schedule, cfg.parallel.zb_v_measured_order) == ("zb-v", steps)
+        check_run(cfg, 8)

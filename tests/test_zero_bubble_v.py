@@ -155,14 +155,15 @@ def test_zb_v_reordered_for_measured_costs_keeps_the_losses(data_cache, tmp_path
             assert run[key] == pytest.approx(plan[key], rel=1e-6)
 
 
-def test_zb_v_measured_order_needs_zb_v_and_two_steps(tmp_path):
+def test_zb_v_measured_order_needs_two_steps_and_other_schedules_ignore_it(tmp_path):
     base = test_overrides(str(tmp_path), str(tmp_path)) + ["--parallel.pp=2",
                                                            "--model.num_layers=4"]
-    for extra, expected in (
-            (["--parallel.zb_v_measured_order=4"], "re-orders zb-v only, and parallel.schedule "
-             "is 1f1b"),
-            (["--parallel.vpp=2", "--parallel.schedule=zb-v", "--parallel.zb_v_measured_order=1"],
-             "must be 0 (off) or at least 2 steps")):
-        with pytest.raises(MeshtronError, match=re.escape(expected)) as err:
-            check_run(load_config(overrides=base + extra), 2)
+    check_run(load_config(overrides=base + ["--parallel.zb_v_measured_order=4"]), 2)  # 1f1b
+    for steps in (1, -1):
+        with pytest.raises(MeshtronError, match=re.escape(
+                f"parallel.zb_v_measured_order={steps} must be 0 (off) or at least 2 steps "
+                "(the first step is not timed)")) as err:
+            check_run(load_config(overrides=base + [
+                "--parallel.vpp=2", "--parallel.schedule=zb-v",
+                f"--parallel.zb_v_measured_order={steps}"]), 2)
         assert "\n" not in str(err.value)

@@ -270,7 +270,8 @@ class ParallelConfig:
     balanced to half a layer, for few layers per stage beside a large output layer)."""
     zb_v_measured_order: int = 0
     """zb-v: after this many steps (>= 2), re-order for each chunk's measured F, B and W
-    seconds (steps 2 on, shared by all ranks); 0: the order made for the split's FLOPs."""
+    seconds (steps 2 on, shared by all ranks); 0: the order made for the split's FLOPs. Other
+    schedules ignore it."""
     receives_ahead: int | None = None
     """Pipeline receives posted this many messages before their consumer, so hand-overs happen
     while the stage computes (each one more message buffer per stream); unset: what the

@@ -109,9 +109,12 @@ def check_pins(cfg: Config, pins: Pins, cluster: Cluster) -> None:
     if cluster.gpus % (fixed[0] * fixed[1] * fixed[2]):
         MeshLayout.of(dataclasses.replace(cfg.parallel, tp=fixed[0], cp=fixed[1], pp=fixed[2]),
                       cluster.gpus)  # its own message
-    if pins.vpp and pins.vpp > 1 and pins.schedule not in (None, "interleaved"):
-        raise MeshtronError(f"parallel.vpp={pins.vpp} needs parallel.schedule=interleaved, "
-                            f"not {pins.schedule}")
+    if pins.vpp and pins.vpp > 1 and pins.schedule not in (None, "interleaved", "zb-v"):
+        raise MeshtronError(f"parallel.vpp={pins.vpp} needs parallel.schedule=interleaved or "
+                            f"zb-v, not {pins.schedule}")
+    if pins.schedule == "zb-v" and pins.vpp not in (None, 2):
+        raise MeshtronError(f"parallel.schedule=zb-v places two chunks per stage in a V: "
+                            f"parallel.vpp must be 2, not {pins.vpp}")
     if pins.vpp and pins.vpp > 1 and pins.pp == 1:
         raise MeshtronError(f"parallel.vpp={pins.vpp} needs a pipeline: parallel.pp=1 has no "
                             "stages to interleave")
@@ -148,14 +151,24 @@ def table(ranked: list[Estimate], top: int, tokens: float | None) -> list[str]:
     return lines
 
 
+MEASURED_ORDER_STEPS = 3
+"""``parallel.zb_v_measured_order`` in a written zb-v config: the cost model prices the order
+made for each kind's seconds, which the run measures over steps 2 and 3 and then runs."""
+
+
 def write_config(cfg: Config, best: Estimate, path: Path, gpus: int) -> Path:
-    """The winner as a config ``meshtron train --config`` runs (on ``gpus`` ranks)."""
-    chosen = apply(cfg, best.candidate).to_dict()
+    """The winner as a config ``meshtron train --config`` runs (on ``gpus`` ranks); zb-v
+    re-ordered for the measured costs (the order the cost model priced) unless ``cfg`` says
+    when."""
+    chosen = apply(cfg, best.candidate)
+    if best.candidate.schedule == "zb-v" and not chosen.parallel.zb_v_measured_order:
+        chosen = dataclasses.replace(chosen, parallel=dataclasses.replace(
+            chosen.parallel, zb_v_measured_order=MEASURED_ORDER_STEPS))
     header = (f"# meshtron tune: {best.candidate.describe()}, predicted "
               f"{best.step_time_s:.4g} s/step, {best.memory.peak / 2**30:.1f} GiB/GPU\n"
               f"# run it on {gpus} ranks: meshtron train --config {path.name} --nproc {gpus}"
               f" (or torchrun / srun with {gpus} processes)\n")
-    path.write_text(header + yaml.safe_dump(chosen, sort_keys=False))
+    path.write_text(header + yaml.safe_dump(chosen.to_dict(), sort_keys=False))
     return path
 
 
