@@ -440,8 +440,7 @@ def _schedule(setup: Setup, s: Shape, pp: int, halves: Halves | None) -> Schedul
     FLOPs), receives posted ``setup.ahead`` ahead."""
     planned = _plan(s, pp, setup.vpp, setup.schedule, setup.split, halves).schedule
     assert planned is not None
-    return build_schedule(setup.schedule, pp, setup.vpp, s.microbatches,
-                          receives_ahead=setup.ahead, costs=planned.costs)
+    return _run_schedule(setup, s, pp, planned.costs)
 
 
 def _run_schedule(setup: Setup, s: Shape, pp: int, costs: Any) -> Schedule:
