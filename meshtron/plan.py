@@ -106,6 +106,13 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
     """The plan of ``cfg`` on ``world_size`` ranks; the model's vocabulary defaults to the
     tokenizer's ``tokenizer_vocab`` and may not be smaller. Raises :class:`MeshtronError`
     with one sentence for anything that cannot work."""
+    return _plan(cfg, world_size, tokenizer_vocab, vocab_known=True)
+
+
+def _plan(cfg: Config, world_size: int, tokenizer_vocab: int | None,
+          vocab_known: bool) -> RunPlan:
+    """:func:`plan_run`; ``vocab_known`` False skips the one check that needs the real
+    vocabulary (its padded size splitting over tp)."""
     check_model(cfg)
     layout = MeshLayout.of(cfg.parallel, world_size)
     _check_layout(cfg, layout)
@@ -137,6 +144,8 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
             f"model.dropout=0 (got {cfg.model.dropout}): compiled dropout draws other masks "
             "than eager")
     model = _resolve_vocab(cfg.model, tokenizer_vocab)
+    if vocab_known:
+        _check_vocab_split(model, layout.tp)
     partition = None
     if schedule is not None:
         costs = layer_and_head_cost(model, cfg.train.seq_len)
@@ -155,10 +164,12 @@ def plan_run(cfg: Config, world_size: int, tokenizer_vocab: int | None = None) -
 
 
 def check_run(cfg: Config, world_size: int) -> None:
-    """Every check of :func:`plan_run` that can be made before the tokenizer exists (all but
-    the model's vocabulary covering the tokenizer's): before any process starts. No check
-    depends on the vocabulary's size, only on ``model.vocab_multiple``."""
-    plan_run(cfg, world_size, tokenizer_vocab=cfg.model.vocab_size or cfg.model.vocab_multiple)
+    """Every check of :func:`plan_run` that can be made before the tokenizer exists: before any
+    process starts. The padded vocabulary's split over tp is checked only where
+    ``model.vocab_size`` gives it (else the tokenizer decides it, and the trainer's plan
+    checks it); the model's vocabulary covering the tokenizer's is the trainer's to check."""
+    known = cfg.model.vocab_size is not None
+    _plan(cfg, world_size, cfg.model.vocab_size or cfg.model.vocab_multiple, vocab_known=known)
 
 
 def plan_generation(cfg: Config, world_size: int) -> RunPlan:
@@ -200,6 +211,23 @@ def _resolve_vocab(m: ModelConfig, tokenizer_vocab: int | None) -> ModelConfig:
     return m
 
 
+def _check_vocab_split(m: ModelConfig, tp: int) -> None:
+    """The padded vocabulary (one size under every layout: ``model.vocab_size`` rounded up to
+    ``model.vocab_multiple``) splits into equal rows over tp; tp itself need not divide
+    ``vocab_multiple`` (49,152 = 384 x 128 splits over 3 ranks)."""
+    padded = padded_vocab_size(m)
+    if padded % tp == 0:
+        return
+    fits = ", ".join(str(t) for t in range(1, m.num_heads + 1)
+                     if m.num_heads % t == 0 and padded % t == 0)
+    raise MeshtronError(
+        f"parallel.tp={tp} does not divide the padded vocabulary of {padded} "
+        f"(model.vocab_size={m.vocab_size} rounded up to a multiple of "
+        f"model.vocab_multiple={m.vocab_multiple}); tp sizes dividing both it and "
+        f"model.num_heads={m.num_heads}: {fits}; or set model.vocab_multiple to a multiple "
+        f"of {tp}")
+
+
 def _check_layout(cfg: Config, layout: MeshLayout) -> None:
     """The model and the sequence must split the way the layout cuts them."""
     m, p, t, tp = cfg.model, cfg.parallel, cfg.train, layout.tp
@@ -209,8 +237,6 @@ def _check_layout(cfg: Config, layout: MeshLayout) -> None:
             f"parallel.tp={tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other")
     require(m.ffn_hidden_size % tp == 0,
             f"parallel.tp={tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
-    require(m.vocab_multiple % tp == 0, f"parallel.tp={tp} does not divide model.vocab_multiple="
-            f"{m.vocab_multiple} (the padded vocabulary must split evenly over tp)")
     if m.is_moe:
         e = m.moe.num_experts
         require(e % p.ep == 0, f"parallel.ep={p.ep} does not divide model.moe.num_experts={e}")

@@ -88,7 +88,7 @@ def hf_model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConf
 def _vocab(saved: dict[str, Any], vocab: int) -> tuple[int, int]:
     """(vocab_size, vocab_multiple) whose padded size is exactly ``vocab``: the values meshtron
     exported when they fit, else the largest power of two up to 128 that divides ``vocab``
-    (tensor parallelism needs tp to divide vocab_multiple)."""
+    (tensor parallelism needs tp to divide the padded size, here ``vocab`` itself)."""
     size, multiple = saved.get("vocab_size"), saved.get("vocab_multiple")
     if (isinstance(size, int) and isinstance(multiple, int) and 0 < size <= vocab
             and multiple > 0 and math.ceil(size / multiple) * multiple == vocab):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from meshtron.config import Config
 from meshtron.errors import MeshtronError
+from meshtron.models.flops import padded_vocab_size
 from meshtron.plan import check_run
 from meshtron.tuning.candidate import Candidate
 from meshtron.tuning.estimate import Estimate, Estimator, Problem
@@ -81,7 +82,7 @@ def _structures(problem: Problem, pins: Pins) -> Iterator[tuple[int, int, int, i
     gpn = problem.profile.gpus_per_node
     for tp in pins.allow("tp", powers_of_two(min(gpn, m.num_heads))):
         if (m.num_heads % tp or (m.num_kv_heads % tp and tp % m.num_kv_heads)
-                or m.ffn_hidden_size % tp or m.vocab_multiple % tp or gpus % tp):
+                or m.ffn_hidden_size % tp or padded_vocab_size(m) % tp or gpus % tp):
             continue
         for cp in pins.allow("cp", powers_of_two(problem.seq_len // 2)):
             if problem.seq_len % (2 * cp) or gpus % (tp * cp):
