@@ -1,7 +1,8 @@
 """What describes an architecture: its block spec and its Hugging Face form.
 
 An :class:`Architecture` says which parts a transformer block is made of (the norm, the
-attention module, rotary or learned positions, a gated or plain MLP, biases); the shared block
+attention module, rotary or learned positions, a gated or plain MLP and its gate, biases,
+norms after attention and MLP, scaled embeddings); the shared block
 code in
 :mod:`meshtron.models.blocks` and the size and FLOP formulas in :mod:`meshtron.models.flops`
 read these fields and nothing else. Its :class:`HFFormat` maps the model to and from a Hugging
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
@@ -131,7 +134,8 @@ class Architecture:
 
     name: str
     norm: Callable[[int, float], nn.Module]
-    """Builds a block's norm from (width, eps)."""
+    """Builds a block's norm from (width, eps), and the per-head q/k norms
+    (``model.qk_norm``)."""
     norm_vectors: int
     """Parameter vectors of one norm: 1 (RMSNorm's weight) or 2 (LayerNorm's weight, bias)."""
     rotary: bool
@@ -147,6 +151,15 @@ class Architecture:
     parameter counts and FLOPs), ``rotary(cfg)`` builds its positions and ``new_cache`` its KV
     cache. Grouped-query attention (:class:`meshtron.models.blocks.Attention`) or multi-head
     latent attention (:class:`meshtron.models.latent.LatentAttention`)."""
+    gate: Callable[[torch.Tensor], torch.Tensor] = F.silu
+    """The gated MLP's activation of its gate: silu (SwiGLU) or tanh-approximated GELU
+    (Gemma's GeGLU)."""
+    embed_scale: bool = False
+    """Token embeddings multiplied by sqrt(hidden_size) (Gemma), rounded to the model's dtype
+    as transformers does."""
+    post_norms: bool = False
+    """A norm on the attention's and on the MLP's output before each joins the residual
+    stream (Gemma's norms on both sides of each part)."""
     hf: HFFormat | None = None
     hf_variants: tuple[HFFormat, ...] = ()
     """Further Hugging Face families built from the same blocks (Qwen2, Qwen3 for llama),

@@ -78,7 +78,7 @@ def initial_value(
     ``width_mult``: muP's m, dividing the std of hidden matrices by sqrt(m)."""
     if global_name.endswith("norm.weight"):
         return torch.ones(global_shape)
-    if global_name.endswith((".bias", "expert_bias")):
+    if global_name.endswith((".bias", "expert_bias", "norm.offset")):  # offset: of 1 + it
         return torch.zeros(global_shape)
     if global_name == "vision.pos_embed.weight":
         return grid_positions(*global_shape)

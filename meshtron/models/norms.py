@@ -1,4 +1,5 @@
-"""Normalisation layers a block spec can name (LayerNorm is torch's own)."""
+"""Normalisation layers a block spec can name (LayerNorm is torch's own): RMSNorm and
+Gemma's RMSNorm around 1 + offset."""
 
 from __future__ import annotations
 
@@ -40,3 +41,22 @@ class RMSNorm(nn.Module):
             return _RMSNorm.apply(x, self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) scaled by 1 + ``offset``. The parameter is the offset from
+    1, as Gemma's checkpoints store it (their ``weight``), so it imports as is and starts at 0
+    (see :mod:`meshtron.models.init`). In low precision the scale multiplies before the cast
+    back, as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.offset = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.offset
+        if x.dtype == scale.dtype and x.dtype in (torch.float32, torch.float64):
+            return _RMSNorm.apply(x, scale, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * scale.float()).to(x.dtype)

@@ -76,17 +76,27 @@ class Rotary(nn.Module):
     """Rotary position embedding: the half-split convention of HF Llama, or DeepSeek's
     ``interleaved`` pairs (x0, x1), (x2, x3), ... each turned by one frequency, returned as
     transformers returns them: the even results, then the odd ones (queries and keys are
-    permuted alike, so their products are those of the interleaved rotation)."""
+    permuted alike, so their products are those of the interleaved rotation).
+
+    ``local_theta``: the layers with a sliding window rotate by their own plain table of that
+    base (Gemma 3's local layers), reached through :meth:`for_layer`; one module holds both
+    tables, so the model passes one rotary to every block."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float, rope: RopeConfig = PLAIN,
-                 interleaved: bool = False):
+                 interleaved: bool = False, local_theta: float | None = None):
         super().__init__()
         self.interleaved = interleaved
+        self.local = (Rotary(head_dim, max_len, local_theta, interleaved=interleaved)
+                      if local_theta is not None else None)
         inv_freq, attention_factor = inverse_frequencies(head_dim, theta, rope, max_len)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
+
+    def for_layer(self, windowed: bool) -> Rotary:
+        """The table of a layer with a sliding window (``windowed``) or without."""
+        return self.local if windowed and self.local is not None else self
 
     def forward(self, x: torch.Tensor, start: int = 0,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
