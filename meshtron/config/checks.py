@@ -202,6 +202,7 @@ def check_model_shape(m: ModelConfig) -> None:
     if m.sliding_window is not None:
         require(m.sliding_window > 0,
                 f"model.sliding_window must be a positive integer, got {m.sliding_window}")
+    _check_gemma_settings(m)
     if m.arch == "gpt2":
         extras = [name for name, on in (
             ("qkv_bias", m.qkv_bias), ("proj_bias", m.proj_bias), ("mlp_bias", m.mlp_bias),
@@ -216,6 +217,21 @@ def check_model_shape(m: ModelConfig) -> None:
         require(not m.mlp_bias, "model.mlp_bias is not supported with routed experts (experts "
                 "have no biases)")
         _check_moe(m)
+
+
+def _check_gemma_settings(m: ModelConfig) -> None:
+    """Interleaved windows, local rotary base, score scalar and logit cap: positive, and a
+    window pattern only with a window."""
+    pattern = m.sliding_window_pattern
+    if pattern is not None:
+        require(pattern > 0, f"model.sliding_window_pattern must be a positive integer, got "
+                f"{pattern}")
+        require(m.sliding_window is not None, f"model.sliding_window_pattern={pattern} needs "
+                "model.sliding_window (the width of the local layers' window)")
+    for name in ("rope_local_theta", "query_pre_attn_scalar", "logit_softcap"):
+        value = getattr(m, name)
+        require(value is None or (math.isfinite(value) and value > 0),
+                f"model.{name} must be a positive number, got {value}")
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

@@ -123,7 +123,9 @@ class ModelConfig:
     preset: str = "tiny"
     """A named model shape (see meshtron/config/presets.py); explicit fields override it."""
     arch: str | None = None
-    """Architecture: llama (RMSNorm, rotary, SwiGLU) or gpt2 (LayerNorm, learned positions)."""
+    """Architecture: llama (RMSNorm, rotary, SwiGLU), gpt2 (LayerNorm, learned positions) or
+    gemma3 (Gemma's (1 + weight) RMSNorms before and after attention and MLP, GELU-gated MLP,
+    embeddings scaled by sqrt(hidden_size))."""
     num_layers: int | None = None
     """Transformer blocks."""
     hidden_size: int | None = None
@@ -162,6 +164,19 @@ class ModelConfig:
     sliding_window: int | None = None
     """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral);
     None: to every earlier token."""
+    sliding_window_pattern: int | None = None
+    """With sliding_window: every sliding_window_pattern-th layer (layers pattern - 1,
+    2 * pattern - 1, ...) attends to every earlier token and the others through the window
+    (Gemma 3: 6, five local layers to one global); None: the window on every layer."""
+    rope_local_theta: float | None = None
+    """Rotary base of the layers with a sliding window, unscaled (Gemma 3: 10,000), while the
+    global layers take rope_theta and model.rope's scaling; None: every layer alike."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scaled by 1 / sqrt(this) instead of 1 / sqrt(head width) (Gemma's
+    query_pre_attn_scalar); None: the head width."""
+    logit_softcap: float | None = None
+    """The final logits soft-capped to cap * tanh(logits / cap) (Gemma's
+    final_logit_softcapping); None: not capped."""
     ffn_hidden_size: int | None = None
     """Hidden units of the dense MLP."""
     vocab_size: int | None = None
@@ -218,6 +233,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe.num_experts)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (global index); None: it attends globally."""
+        pattern = self.sliding_window_pattern
+        if pattern is not None and (layer + 1) % pattern == 0:
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (global index) has experts in place of its MLP."""
