@@ -25,7 +25,6 @@ from meshtron.config import ModelConfig
 from meshtron.models.architecture import Architecture
 from meshtron.models.init import width_multiplier
 from meshtron.models.moe import MoE
-from meshtron.models.norms import RMSNorm
 from meshtron.models.rotary import Rotary
 from meshtron.parallel.context.attention import attend
 from meshtron.parallel.context.sequence import Sequence, attention_mask
@@ -82,12 +81,14 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-def head_norm(cfg: ModelConfig, region: TPRegion) -> RMSNorm:
-    """RMSNorm over one head's width (Qwen3's q/k norm): every tp rank holds it whole but
-    normalises only its own heads, so its gradient is summed over tp."""
-    norm = RMSNorm(cfg.head_size, cfg.norm_eps)
-    sharded(norm.weight, tuple(norm.weight.shape), None, region.size,
-            region.group if region.size > 1 else None)
+def head_norm(cfg: ModelConfig, arch: Architecture, region: TPRegion) -> nn.Module:
+    """The architecture's norm over one head's width (Qwen3's and Gemma's q/k norms): every tp
+    rank holds it whole but normalises only its own heads, so its gradient is summed over
+    tp."""
+    norm = arch.norm(cfg.head_size, cfg.norm_eps)
+    for param in norm.parameters():
+        sharded(param, tuple(param.shape), None, region.size,
+                region.group if region.size > 1 else None)
     return norm
 
 
@@ -185,12 +186,15 @@ class Attention(AttentionCore):
                                        pieces=kv_pieces, share_group=share, mode=mode)
         self.proj = RowParallelLinear(cfg.num_heads * d, h, proj_bias, region, mode=mode)
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = head_norm(cfg, region), head_norm(cfg, region)
+            self.q_norm, self.k_norm = head_norm(cfg, arch, region), head_norm(cfg, arch, region)
         self.qk_norm = cfg.qk_norm
         # muP: scores by sqrt(d_base) / d, d_base = d / m the head width at the base width (heads
-        # fixed as width grows), so SDPA's 1/sqrt(d) times 1/sqrt(m); exactly 1 at m = 1
-        self.query_scale = 1.0 / math.sqrt(width_multiplier(cfg))
-        self.window = cfg.sliding_window  # with cp > 1 refused by the plan
+        # fixed as width grows), so SDPA's 1/sqrt(d) times 1/sqrt(m); exactly 1 at m = 1.
+        # Gemma's query_pre_attn_scalar s: scores by 1/sqrt(s), SDPA's 1/sqrt(d) times sqrt(d/s)
+        scalar = cfg.query_pre_attn_scalar
+        self.query_scale = (1.0 / math.sqrt(width_multiplier(cfg))
+                            * (math.sqrt(d / scalar) if scalar is not None else 1.0))
+        self.window = cfg.layer_window(layer)  # with cp > 1 refused by the plan
         self.dropout = cfg.dropout
         self.selective_recompute = selective_recompute
         self.cp, self.cp_comm = mesh.cp, mesh.layout.cp_comm
@@ -219,7 +223,8 @@ class Attention(AttentionCore):
 
     @staticmethod
     def rotary(cfg: ModelConfig) -> Rotary:
-        return Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope)
+        return Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope,
+                      local_theta=cfg.rope_local_theta)
 
     def new_cache(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype,
                   device: torch.device) -> KVCache:
@@ -232,6 +237,8 @@ class Attention(AttentionCore):
         b, s, _ = q.shape
         start = cache.length if cache is not None else 0
         positions = sequence.positions if sequence is not None else None
+        if rotary is not None:  # windowed layers may have their own table (Gemma 3)
+            rotary = rotary.for_layer(self.window is not None)
         q, k, v = self.heads(q, kv, rotary, start, positions)
         keep = None
         if cache is not None:
@@ -266,6 +273,7 @@ class MLP(nn.Module):
         super().__init__()
         self.region = region
         self.gated = arch.gated_mlp
+        self.gate = arch.gate
         ffn = ffn or cfg.ffn_hidden_size
         h, bias = cfg.hidden_size, arch.bias or cfg.mlp_bias
         if self.gated:
@@ -291,10 +299,10 @@ class MLP(nn.Module):
             h = self.activation(up)
         return F.dropout(self.down(h), self.dropout, self.training)
 
-    @staticmethod
-    def activation(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        """SwiGLU's silu(gate) * up, or GELU of the up projection."""
-        return F.gelu(x, approximate="tanh") if up is None else F.silu(x) * up
+    def activation(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """The architecture's gate of x times up (SwiGLU: silu; GeGLU: GELU), or GELU of the
+        up projection."""
+        return F.gelu(x, approximate="tanh") if up is None else self.gate(x) * up
 
 
 class Block(nn.Module):
@@ -308,12 +316,17 @@ class Block(nn.Module):
                  parts: tuple[str, ...] = (ATTENTION_HALF, MLP_HALF)):
         super().__init__()
         self.has_attention, self.has_mlp = ATTENTION_HALF in parts, MLP_HALF in parts
+        self.post_norms = arch.post_norms
         if self.has_attention:
             self.attn_norm = make_norm(cfg, arch, region)
             self.attn = arch.attention(cfg, layer, arch, region, mesh, mode, selective_recompute)
+            if self.post_norms:
+                self.attn_post_norm = make_norm(cfg, arch, region)
         if not self.has_mlp:
             return
         self.mlp_norm = make_norm(cfg, arch, region)
+        if self.post_norms:
+            self.mlp_post_norm = make_norm(cfg, arch, region)
         if cfg.is_moe_layer(layer):
             moe = cfg.moe
             shared = (MLP(cfg, arch, region, mode, moe.shared_experts * moe.expert_ffn_size)
@@ -331,17 +344,20 @@ class Block(nn.Module):
         if whole:
             self.forward = torch.compile(self.forward)  # type: ignore[method-assign]
             return
-        if self.has_attention:
-            self.attn_norm.compile()
-            if isinstance(self.attn, Attention):
-                self.attn.heads = torch.compile(self.attn.heads)  # type: ignore[method-assign]
-        if self.has_mlp:
-            self.mlp_norm.compile()
-            if isinstance(self.mlp, MLP):
-                self.mlp.activation = torch.compile(self.mlp.activation)  # type: ignore
+        for norm in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"):
+            if hasattr(self, norm):
+                getattr(self, norm).compile()
+        if self.has_attention and isinstance(self.attn, Attention):
+            self.attn.heads = torch.compile(self.attn.heads)  # type: ignore[method-assign]
+        if self.has_mlp and isinstance(self.mlp, MLP):
+            self.mlp.activation = torch.compile(self.mlp.activation)  # type: ignore
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, cache: KVCache | None = None,
                 sequence: Sequence | None = None) -> torch.Tensor:
         if self.has_attention:
-            x = x + self.attn(self.attn_norm(x), rotary, cache, sequence)
-        return x + self.mlp(self.mlp_norm(x)) if self.has_mlp else x
+            y = self.attn(self.attn_norm(x), rotary, cache, sequence)
+            x = x + (self.attn_post_norm(y) if self.post_norms else y)
+        if not self.has_mlp:
+            return x
+        y = self.mlp(self.mlp_norm(x))
+        return x + (self.mlp_post_norm(y) if self.post_norms else y)

@@ -116,6 +116,10 @@ class Transformer(nn.Module):
         # muP's readout multiplier 1/m; with tied embeddings the only muP change at the output
         # (the shared weight keeps the embedding's init and learning rate)
         self.logit_scale = 1.0 / width_multiplier(cfg)
+        self.logit_softcap = cfg.logit_softcap
+        # Gemma: sqrt(hidden) in fp32, as transformers keeps it (then in the model's dtype)
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5)) if arch.embed_scale \
+            else None
         if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         if self.has_embedding and cfg.vision.enabled:  # a vision-language-action policy
@@ -234,18 +238,25 @@ class Transformer(nn.Module):
 
     def readout(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """The output layer on normed hidden states (``entered``: already in the tp region),
-        times muP's 1/m where ``model.mup`` sets it."""
+        times muP's 1/m where ``model.mup`` sets it, soft-capped where ``model.logit_softcap``
+        sets it (elementwise: each tp rank caps its own share of the vocabulary)."""
         if entered:
             logits = linear(x, self.output_weight, None, self.grad_store)
         elif self.region.overlapped:
             logits = entered_products(self.region, x, (self.output_weight,), (None,))[0]
         else:
             logits = linear(self.region.enter(x), self.output_weight, None, self.grad_store)
-        return logits * self.logit_scale if self.logit_scale != 1.0 else logits
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def embed_tokens(self, tokens: torch.Tensor, start: int,
                      sequence: Sequence | None = None) -> torch.Tensor:
         x = self.embed(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if self.rotary is None:
             if sequence is None:
                 index = torch.arange(start, start + tokens.shape[1], device=tokens.device)
