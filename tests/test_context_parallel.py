@@ -12,12 +12,14 @@ import torch
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.parallel.context.sequence import (
+    SequenceSplit,
     document_ids,
     join_sequence,
     positions_in_documents,
     rank_chunks,
     split_sequence,
 )
+from meshtron.parallel.mesh.groups import CommStats, Group
 from meshtron.plan import check_run
 from tests.distributed import run_distributed
 from tests.parity import (
@@ -43,6 +45,24 @@ def test_split_pairs_chunks_for_equal_causal_work_and_joins_back(cp):
         assert part[0, 0] == a * chunk and part[0, chunk] == b * chunk
         work.append(sum(int(t) + 1 for t in part[0]))  # keys each query attends to
     assert len(set(work)) == 1  # causal attention work is equal on every rank
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_rank_i_holds_chunks_i_and_2cp_minus_1_minus_i(cp):
+    """The split's definition written out, not asked of the code: a sequence of 2·cp chunks
+    of 3 tokens, rank i holds chunk i then chunk 2·cp − 1 − i; its tokens, targets and
+    positions (the global offsets rotary reads) are those, in that order."""
+    chunk, seq = 3, 2 * cp * 3
+    window = torch.arange(100, 100 + seq + 1).view(1, -1)
+    for rank in range(cp):
+        offsets = ([rank * chunk + j for j in range(chunk)]
+                   + [(2 * cp - 1 - rank) * chunk + j for j in range(chunk)])
+        group = Group("cp", list(range(cp)), rank, None, CommStats())
+        mb = SequenceSplit(group)(window)
+        assert mb.sequence.positions.tolist() == [offsets]
+        assert mb.tokens.tolist() == [[100 + o for o in offsets]]
+        assert mb.targets.tolist() == [[101 + o for o in offsets]]
+        assert split_sequence(torch.arange(seq), rank, cp, dim=0).tolist() == offsets
 
 
 def test_documents_and_their_positions():
