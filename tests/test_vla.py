@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import build_policy_data, encode_instruction
-from meshtron.data.vla_tokens import ActionCodec
+from meshtron.data.vla_tokens import ActionCodec, vla_tokenizer
 from meshtron.errors import MeshtronError
 from meshtron.models.init import initialize
 from meshtron.models.policy_runner import PolicyRunner
@@ -69,6 +70,23 @@ def test_observation_windows_read_everything_and_predict_only_actions(demos, tmp
     assert words.split()[-1] in ("block", "cube") and "<a" not in words
     with pytest.raises(MeshtronError, match="outside the policy's vocabulary"):
         encode_instruction(data.tokenizer, "pick up the purple elephant", v.instruction_len)
+
+
+def test_action_tokens_decode_to_their_bin_centres_and_round_trip_within_half_a_bin(tmp_path):
+    """OpenVLA's binning over each dimension's own range: known ids give known centres, every
+    in-range action comes back within half a bin of itself, a centre encodes to its own id."""
+    bins, low, high = 4, (-1.0, 0.0, -2.0), (1.0, 1.0, 2.0)
+    codec = ActionCodec.of(vla_tokenizer(["pick", "cube"], bins, tmp_path), low, high, bins)
+    first = codec.first_id
+    assert first == 4  # <pad>, end of text, the two words, then <a000>
+    ids = np.array([[first, first + 1, first + 3], [first + 3, first + 2, first]])
+    assert codec.decode(ids).tolist() == [[-0.75, 0.375, 1.5], [0.75, 0.625, -1.5]]
+    assert (codec.encode(codec.decode(ids)) == ids).all()
+    actions = np.random.default_rng(0).uniform(low, high, size=(1000, 3))
+    back = codec.decode(codec.encode(actions))
+    half_bin = (np.array(high) - np.array(low)) / bins / 2
+    assert (np.abs(back - actions) <= half_bin * (1 + 1e-6)).all()
+    assert (codec.encode(np.array([low, high])) == [[first] * 3, [first + bins - 1] * 3]).all()
 
 
 def test_cached_action_decoding_equals_the_full_forward():
