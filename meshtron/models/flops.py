@@ -55,7 +55,7 @@ def layer_size(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(parameters, matmul weights per token) of transformer layer ``layer`` (global index)."""
     arch = architecture_of(cfg)
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
-    norms = 2 * arch.norm_vectors * h
+    norms = (4 if arch.post_norms else 2) * arch.norm_vectors * h  # post norms: Gemma
     attention = arch.attention.matmul_params(cfg)
     attention_other = arch.attention.other_params(cfg, arch.bias)  # biases, norms inside it
     if not cfg.is_moe_layer(layer):

@@ -118,8 +118,8 @@ class Transformer(nn.Module):
         self.logit_scale = 1.0 / width_multiplier(cfg)
         self.logit_softcap = cfg.logit_softcap
         # Gemma: sqrt(hidden) in fp32, as transformers keeps it (then in the model's dtype)
-        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5)) if arch.embed_scale \
-            else None
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, device="cpu")) \
+            if arch.embed_scale else None
         if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
         if self.has_embedding and cfg.vision.enabled:  # a vision-language-action policy

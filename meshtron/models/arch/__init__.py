@@ -1,7 +1,7 @@
 """The registry of architectures: each is described once, in its own module, and adding one is
 a new module plus an entry here.
 
-``model.arch`` names the block spec (llama, gpt2); a model with latent attention
+``model.arch`` names the block spec (llama, gpt2, gemma3); a model with latent attention
 (``model.attention=mla``) takes its architecture's ``latent`` entry (a llama with it is
 DeepSeek, with or without experts), else a model with routed experts its ``experts`` entry
 (a llama with experts is Mixtral-style).
@@ -17,6 +17,7 @@ from types import MappingProxyType
 from meshtron.config import ModelConfig
 from meshtron.config.checks import choice
 from meshtron.models.arch.deepseek import DEEPSEEK
+from meshtron.models.arch.gemma3 import GEMMA3
 from meshtron.models.arch.gpt2 import GPT2
 from meshtron.models.arch.llama import LLAMA
 from meshtron.models.arch.mixtral import MIXTRAL
@@ -30,11 +31,14 @@ ARCHITECTURES = MappingProxyType({a.name: a for a in (
     dataclasses.replace(MIXTRAL, hf_variants=(QWEN3_MOE_FORMAT,)),
     DEEPSEEK,
     GPT2,
+    GEMMA3,
 )})
-CONFIG_ARCHS = ("llama", "gpt2")
+CONFIG_ARCHS = ("llama", "gpt2", "gemma3")
 """The values ``model.arch`` takes (an entry reached through ``experts`` is not one)."""
 REFUSED_HF_TYPES = MappingProxyType({
     "qwen2_moe": "its shared expert has a sigmoid gate, which meshtron does not compute",
+    "gemma3": "the multimodal Gemma3ForConditionalGeneration; its text-only "
+              "Gemma3ForCausalLM, model_type gemma3_text, converts",
 })
 """Hugging Face model types refused with a reason (every other unknown type is refused too)."""
 
