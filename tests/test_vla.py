@@ -14,7 +14,10 @@ from meshtron.config import load_config
 from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import build_policy_data, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec, vla_tokenizer
+from meshtron.envs import TabletopEnv
+from meshtron.envs.tabletop import MAX_STEP, block_under
 from meshtron.errors import MeshtronError
+from meshtron.inference.policy_eval import EVAL_SEED_BASE, Evaluation, rollouts
 from meshtron.models.init import initialize
 from meshtron.models.policy_runner import PolicyRunner
 from meshtron.models.transformer import Transformer
@@ -173,6 +176,70 @@ def test_evaluate_rolls_the_policy_out_and_reports(demos, tmp_path, capsys):
     gifs = sorted((tmp_path / "videos").glob("*.gif"))
     assert len(gifs) == 2
     assert "success rate" in capsys.readouterr().out
+
+
+def go_and_close(where):
+    """A script: move at full speed to ``where(state)``, closing on the step that lands there."""
+    def act(state):
+        delta = np.array(where(state)) - np.array(state.gripper)
+        grip = 1.0 if np.abs(delta).max() <= MAX_STEP else -1.0
+        return np.array([*np.clip(delta / MAX_STEP, -1, 1), grip], dtype=np.float32)
+    return act
+
+
+def bare_table(state):
+    return next((x / 20, y / 20) for x in range(21) for y in range(21)
+                if block_under(state, x / 20, y / 20) is None)
+
+
+EPISODE_SCRIPTS = {
+    "success": go_and_close(lambda s: (s.target_block.x, s.target_block.y)),
+    "other_block": go_and_close(lambda s: (s.blocks[(s.target + 1) % len(s.blocks)].x,
+                                           s.blocks[(s.target + 1) % len(s.blocks)].y)),
+    "table": go_and_close(bare_table),
+    "timeout": lambda state: np.array([0.0, 0.0, -1.0], dtype=np.float32),  # never closes
+}
+
+
+class ScriptedActor:
+    """Plays a script per evaluation episode in twins of its environments (the same seeds and
+    actions, so the same states): hand-made episodes of each ending, no trained policy."""
+
+    def __init__(self, scripts, image_size: int):
+        self.scripts, self.twins = scripts, []
+        for i in range(len(scripts)):
+            env = TabletopEnv(image_size=image_size)
+            self.twins.append([env, env.reset(seed=EVAL_SEED_BASE + i)[0]["image"]])
+        self.running = list(range(len(scripts)))
+
+    def __call__(self, images, instructions):
+        assert len(images) == len(self.running)
+        actions, still = [], []
+        for i, image in zip(self.running, images, strict=True):
+            env, seen = self.twins[i]
+            assert np.array_equal(seen, image)  # the twin is where the episode is
+            actions.append(self.scripts[i](env.state))
+            obs, _, closed, truncated, _ = env.step(actions[-1])
+            self.twins[i][1] = obs["image"]
+            if not (closed or truncated):
+                still.append(i)
+        self.running = still
+        return np.stack(actions)[:, None, :]  # chunks of one action
+
+
+def test_evaluation_counts_only_closing_on_the_named_block_as_success():
+    """Four hand-made episodes, one of each ending: only the one that closed over the named
+    block is a success (closing over another block or bare table ends the episode as well,
+    and is a failure); the summary counts each ending once."""
+    kinds = list(EPISODE_SCRIPTS)
+    episodes = rollouts(ScriptedActor([EPISODE_SCRIPTS[k] for k in kinds], 32), len(kinds), 32)
+    assert [e.outcome for e in episodes] == kinds
+    assert [e.success for e in episodes] == [True, False, False, False]
+    assert [e.episode_return for e in episodes] == [1.0, 0.0, 0.0, 0.0]
+    assert episodes[-1].steps == TabletopEnv().max_steps
+    summary = Evaluation(episodes, action_token_accuracy=0.5, latency_s=0.01).summary()
+    assert summary["success_rate"] == 0.25 and summary["episodes"] == 4
+    assert summary["outcomes"] == {"success": 1, "other_block": 1, "table": 1, "timeout": 1}
 
 
 def test_bad_vla_input_is_one_line(demos, tmp_path, capsys, tiny_overrides):
