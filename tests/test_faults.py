@@ -22,12 +22,15 @@ from torch.distributed import HashStore
 from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.parallel.mesh.process import round_key
+from meshtron.training import trainer as trainer_module
 from meshtron.training.faults import Fault, FaultPlan, parse_faults
-from meshtron.training.trainer import train
+from meshtron.training.step import StepResult, train_step
+from meshtron.training.trainer import Trainer, train
 from meshtron.training.watchdog import Watchdog
 from tests.parity import test_overrides
 from tests.test_bad_input import one_error_line
 from tests.test_cli import _JOB_VARIABLES
+from tests.training_state import assert_same_state, snapshot
 
 
 def _env(faults: str = "") -> dict[str, str]:
@@ -87,6 +90,38 @@ def test_each_rendezvous_round_meets_under_keys_of_its_own():
     assert len({key("0", 2), key("0", 4), key("1", 2), key("1", 4)}) == 4
     assert key("1", 4, agent_store=False) == key("0", 4, agent_store=False) == "world_4"
     assert round_key(2, {}) == "world_2"  # SLURM or a plain MASTER_ADDR: one store per job
+
+
+def test_a_nan_step_leaves_the_state_of_a_run_without_that_step(monkeypatch, tiny_overrides,
+                                                                tmp_path):
+    """Step 2's loss is NaN (fp16, loss-scaled): after 3 steps every parameter, fp32 master and
+    Adam moment, the optimizer's step count and the loss scale equal those of a run in which
+    step 2 was never computed (only told to the loss scaler as an overflow, which a NaN is to
+    it); the step after the bad one sees the same state, so it gives the same loss."""
+    monkeypatch.setenv("MESHTRON_FAULTS", "nan:step=2")
+    small = ["--precision.dtype=fp16", "--train.steps=3", "--train.global_batch=2"]
+    cfg = load_config(overrides=tiny_overrides + small)
+    with_nan = Trainer(cfg, log=lambda m: None)
+    nan_result = with_nan.run()
+
+    def never_computed(*args, poison: bool = False, precision, **kwargs):
+        if not poison:
+            return train_step(*args, poison=poison, precision=precision, **kwargs)
+        precision.scaler.update(overflow=True)
+        return StepResult(math.nan, math.nan, skipped=True)
+
+    monkeypatch.setattr(trainer_module, "train_step", never_computed)
+    without = Trainer(load_config(overrides=[*tiny_overrides, f"--run.dir={tmp_path}/without",
+                                             *small]),
+                      log=lambda m: None)
+    clean_result = without.run()
+    assert with_nan.step == without.step == 3
+    assert with_nan.skipped_steps == without.skipped_steps == 1
+    assert math.isnan(nan_result.losses[1]) and not math.isfinite(nan_result.grad_norms[1])
+    assert nan_result.losses[2] == clean_result.losses[2]
+    state = snapshot(without)
+    assert state["optimizer_steps"] == 2
+    assert_same_state(state, snapshot(with_nan), "after a NaN step")
 
 
 @pytest.mark.slow
