@@ -147,7 +147,7 @@ def read_gemma3_config(hf: HFConfig, values: dict[str, Any]) -> None:
     read_gemma3_rope(hf, values)
     values.update(arch="gemma3", qk_norm=True,
                   head_dim=None if head_dim * heads == hidden else head_dim,
-                  query_pre_attn_scalar=float(scalar),
+                  query_pre_attn_scalar=None if scalar == head_dim else float(scalar),
                   logit_softcap=None if cap is None else float(cap),
                   tie_embeddings=bool(values["tie_embeddings"]))
 
