@@ -179,6 +179,7 @@ def cmd_tune(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     overrides = _split_overrides(extra)
+    _check_sampling(args)
     from meshtron.inference.serve_command import run_serve
 
     return run_serve(args, overrides)
@@ -188,16 +189,17 @@ def _check_sampling(args: argparse.Namespace) -> None:
     """Sampling settings that make sense, refused with one line before anything loads."""
     import math
 
-    if args.max_new_tokens < 0:
+    if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 0:
         raise MeshtronError(f"--max-new-tokens must not be negative, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    if args.temperature is not None and not (math.isfinite(args.temperature)
+                                             and args.temperature >= 0):
         raise MeshtronError(f"--temperature must be a finite number >= 0 (0 is greedy), got "
                             f"{args.temperature}")
-    if args.top_k < 0:
+    if args.top_k is not None and args.top_k < 0:
         raise MeshtronError(f"--top-k must not be negative (0 disables it), got {args.top_k}")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         raise MeshtronError(f"--top-p must lie in (0, 1] (1 disables it), got {args.top_p}")
-    if not -(2**63) <= args.seed < 2**64:
+    if getattr(args, "seed", None) is not None and not -(2**63) <= args.seed < 2**64:
         raise MeshtronError(f"--seed must fit in 64 bits, got {args.seed}")
 
 
@@ -284,12 +286,27 @@ config fields (as --section.field=value; the model comes from the checkpoint):
   --parallel.pp (default 1): pipeline stages, each keeping the KV cache of its layers
   --parallel.pp_layers (default None): layers per stage, as in training
   --precision.dtype (default: as the checkpoint was saved): fp32, bf16, fp16 or fp64
-tokens/s and the time to the first token are printed on stderr."""
+Unset, --temperature, --top-k, --top-p and --max-new-tokens are the model's (its generation
+settings: an imported model's generation_config.json, greedy when it has none). On stderr: the
+sampling used and where it came from, then tokens/s and the time to the first token."""
 
 SERVE_EPILOG = """\
 POST /v1/completions (OpenAI's API: prompt, max_tokens, temperature, top_p, top_k, stop, stream,
-seed), GET /v1/models, GET /health: see docs/inference.md. Config fields as for generate:
---parallel.tp, --parallel.pp, --parallel.pp_layers, --precision.dtype."""
+seed), GET /v1/models, GET /health: see docs/inference.md. A request without temperature,
+top_k or top_p gets the flag's value, else the model's (as for generate; said at start-up).
+Config fields as for generate: --parallel.tp, --parallel.pp, --parallel.pp_layers,
+--precision.dtype."""
+
+
+def _sampling_arguments(p: argparse.ArgumentParser, scope: str = "") -> None:
+    """--temperature, --top-k, --top-p: unset, the model's generation settings decide."""
+    p.add_argument("--temperature", type=float, help=f"0 is greedy{scope} (default: the model's "
+                   "generation config: its temperature when it samples, 0 when it does not or "
+                   "states nothing, as transformers; a model meshtron trained: 0.8)")
+    p.add_argument("--top-k", type=int, help=f"0 disables top-k filtering{scope} (default: the "
+                   "model's, else 50 as transformers; a model meshtron trained: 50)")
+    p.add_argument("--top-p", type=float, help=f"1 disables nucleus filtering{scope} (default: "
+                   "the model's, else 1.0 as transformers; a model meshtron trained: 0.95)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -348,11 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object per prompt (prompt, text, tokens, finish_reason)")
     p.add_argument("--nproc", type=int, default=1,
                    help="local processes, tp x pp of them (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="per prompt (default 100)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 disables top-k filtering")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 disables nucleus filtering")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int,
+                   help="per prompt (default: the model's generation max_new_tokens, else 100)")
+    _sampling_arguments(p)
+    p.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -373,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name",
                    help="the model's name in responses (default: the --checkpoint folder's)")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's)")
+    _sampling_arguments(p, " for requests that do not set it")
     p.set_defaults(func=cmd_serve)
 
     add_tune_parser(sub).set_defaults(func=cmd_tune)

@@ -4,6 +4,7 @@ documentation (:mod:`.docs`). Nothing here imports torch or any layer above it.
 """
 
 from meshtron.config.checks import validate
+from meshtron.config.generation_section import GenerationConfig
 from meshtron.config.parse import (
     config_from_dict,
     load_config,
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "GenerationConfig",
     "ModelConfig",
     "MoEConfig",
     "ParallelConfig",

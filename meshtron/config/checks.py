@@ -13,6 +13,7 @@ import difflib
 import math
 from collections.abc import Iterable
 
+from meshtron.config.generation_section import check_generation
 from meshtron.config.sections import (
     ATTENTIONS,
     AUTOTUNE_MODES,
@@ -74,6 +75,7 @@ def validate(cfg: Config) -> None:
     choice(t.recompute, RECOMPUTE, "train.recompute")
     choice(cfg.checkpoint.on_corrupt, ("error", "previous"), "checkpoint.on_corrupt")
     choice(cfg.run.wandb, ("off", "offline", "online"), "run.wandb")
+    check_generation(cfg.generation)
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,

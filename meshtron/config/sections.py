@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from meshtron.config.generation_section import GenerationConfig
 from meshtron.config.vision_section import VisionConfig
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
@@ -481,6 +482,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {section: {config_key(k): v for k, v in values.items()}

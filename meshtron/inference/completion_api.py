@@ -45,8 +45,13 @@ class CompletionRequest:
     """``stream_options.include_usage``: a last chunk with the token counts."""
 
 
-def parse_request(body: bytes) -> CompletionRequest:
-    """The request in ``body`` (JSON), every field checked."""
+OPENAI_SAMPLING = Sampling(1.0, 0, 1.0)
+"""The OpenAI API's own defaults (temperature 1, no top-k, top_p 1)."""
+
+
+def parse_request(body: bytes, defaults: Sampling = OPENAI_SAMPLING) -> CompletionRequest:
+    """The request in ``body`` (JSON), every field checked; ``defaults`` (the server's: the
+    model's generation settings under its flags) for temperature, top_k and top_p left out."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -72,8 +77,8 @@ def parse_request(body: bytes) -> CompletionRequest:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError('stream_options takes only {"include_usage": true|false}',
                            "stream_options")
-    temperature = _number(data, "temperature", 1.0)
-    top_p = _number(data, "top_p", 1.0)
+    temperature = _number(data, "temperature", defaults.temperature)
+    top_p = _number(data, "top_p", defaults.top_p)
     if temperature < 0:
         raise RequestError(f"temperature must be >= 0 (0 is greedy), got {temperature}",
                            "temperature")
@@ -82,7 +87,7 @@ def parse_request(body: bytes) -> CompletionRequest:
     seed = _integer(data, "seed", None, minimum=-(2**63))
     if seed is not None and seed >= 2**64:
         raise RequestError(f"seed must fit in 64 bits, got {seed}", "seed")
-    sampling = Sampling(temperature, _integer(data, "top_k", 0), top_p)
+    sampling = Sampling(temperature, _integer(data, "top_k", defaults.top_k), top_p)
     return CompletionRequest(
         prompts, _integer(data, "max_tokens", DEFAULT_MAX_TOKENS), sampling, seed,
         _stops(data.get("stop")), _flag(data, "stream"), _flag(options, "include_usage"))

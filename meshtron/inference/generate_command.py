@@ -6,7 +6,9 @@ vocabulary; the ranks being tp x pp), the dtype, every prompt fitting the model'
 With ``--nproc N`` the command then starts N ranks of itself through torch's elastic agent
 (the same path as ``meshtron train --nproc``); under torchrun each rank is started already.
 Every rank builds its pipeline stage for its tp rank, reads only its boxes of the weights
-(whatever layout saved them), and generates; rank 0 prints.
+(whatever layout saved them), and generates; rank 0 prints. Sampling follows the model's
+generation settings unless a flag says otherwise (:mod:`.sampling_defaults`); rank 0 says which
+on stderr before generating.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import sys
 from pathlib import Path
 
 from meshtron.checkpoint.loading import InferenceCheckpoint, load_model, open_for_inference
-from meshtron.config import Config, config_from_dict, parse_override
+from meshtron.config import Config, GenerationConfig, config_from_dict, parse_override
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
-from meshtron.models.generation import Completion, GenerationStats, Generator, Sampling, StopRule
+from meshtron.inference.sampling_defaults import DEFAULT_MAX_NEW_TOKENS, choose_sampling
+from meshtron.models.generation import Completion, GenerationStats, Generator, StopRule
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.mesh.process import ProcessInfo, process_info
 from meshtron.plan import RunPlan, plan_generation
@@ -106,9 +109,10 @@ def check_prompts(encoded: list[list[int]], max_len: int) -> None:
 def forwarded(args: argparse.Namespace, checkpoint: Path, overrides: list[str]) -> list[str]:
     """The arguments every launched rank gets: this command's, pinned to the checkpoint the
     launcher checked (a newer one may appear meanwhile)."""
-    out = ["--checkpoint", str(checkpoint), f"--max-new-tokens={args.max_new_tokens}",
-           f"--temperature={args.temperature!r}", f"--top-k={args.top_k}",
-           f"--top-p={args.top_p!r}", f"--seed={args.seed}"]
+    out = ["--checkpoint", str(checkpoint), f"--seed={args.seed}"]
+    given = {"max-new-tokens": args.max_new_tokens, "temperature": args.temperature,
+             "top-k": args.top_k, "top-p": args.top_p}  # unset ones stay the model's
+    out += [f"--{name}={value!r}" for name, value in given.items() if value is not None]
     out += [f"--prompt={p}" for p in args.prompt or []]
     out += [f"--prompt-file={args.prompt_file}"] if args.prompt_file is not None else []
     out += [f"--stop={s}" for s in args.stop or []]
@@ -147,16 +151,27 @@ def _generate_on_rank(args: argparse.Namespace, info: ProcessInfo, ckpt: Inferen
         slow = cpu_low_precision_note(cfg.precision.dtype, device)
         if slow:
             print(f"warning: {slow}", file=sys.stderr)
-        _note_room(cfg, encoded, args.max_new_tokens)
+    gen = ckpt.config.generation
+    choice = choose_sampling(gen, args.temperature, args.top_k, args.top_p, args.seed)
+    max_new_tokens = max_new_tokens_of(args, gen)
+    if rank0:
+        print(choice.line, file=sys.stderr)
+        _note_room(cfg, encoded, max_new_tokens)
     stops = list(args.stop or [])
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     completions, stats = Generator(model, mesh).generate(
-        encoded, args.max_new_tokens, sampling, ckpt.tokenizer.eos_id,
+        encoded, max_new_tokens, choice.sampling, ckpt.tokenizer.eos_id,
         stop_rule(ckpt.tokenizer, stops))
     if rank0:
         _print(args, ckpt.tokenizer, prompts, completions, stops)
         print(_stats_line(stats, mesh), file=sys.stderr)
     return 0
+
+
+def max_new_tokens_of(args: argparse.Namespace, gen: GenerationConfig) -> int:
+    """``--max-new-tokens``, else the model's ``max_new_tokens``, else 100."""
+    if args.max_new_tokens is not None:
+        return int(args.max_new_tokens)
+    return gen.max_new_tokens if gen.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
 
 
 def _note_room(cfg: Config, encoded: list[list[int]], max_new_tokens: int) -> None:

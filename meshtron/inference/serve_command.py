@@ -23,7 +23,8 @@ from meshtron.checkpoint.loading import InferenceCheckpoint, load_model, open_fo
 from meshtron.errors import MeshtronError
 from meshtron.inference.engine import Engine, follow
 from meshtron.inference.generate_command import generation_config
-from meshtron.models.generation import Generator
+from meshtron.inference.sampling_defaults import choose_sampling
+from meshtron.models.generation import Generator, Sampling
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.mesh.process import ProcessInfo, process_info
 from meshtron.plan import RunPlan, plan_generation
@@ -100,6 +101,8 @@ def forwarded(args: argparse.Namespace, checkpoint: Path, name: str,
     launcher checked and to the model name it chose."""
     out = ["--checkpoint", str(checkpoint), f"--host={args.host}", f"--port={args.port}",
            f"--max-batch={args.max_batch}", f"--model-name={name}"]
+    given = {"temperature": args.temperature, "top-k": args.top_k, "top-p": args.top_p}
+    out += [f"--{flag}={value!r}" for flag, value in given.items() if value is not None]
     return out + (["--access-log"] if args.access_log else []) + overrides
 
 
@@ -128,13 +131,15 @@ def _serve_on_rank(args: argparse.Namespace, info: ProcessInfo, ckpt: InferenceC
     slow = cpu_low_precision_note(cfg.precision.dtype, device)
     if slow:
         print(f"warning: {slow}", file=sys.stderr)
+    choice = choose_sampling(ckpt.config.generation, args.temperature, args.top_k, args.top_p)
+    print(f"{choice.line}; a request's temperature, top_k and top_p win", file=sys.stderr)
     engine = Engine(generator, ckpt.tokenizer, args.max_batch, broadcast,
                     keepalive_s=min(60.0, cfg.run.timeout_s / 4))
-    return _run_server(args, engine, ckpt, name, listener, mesh)
+    return _run_server(args, engine, ckpt, name, listener, mesh, choice.sampling)
 
 
 def _run_server(args: argparse.Namespace, engine: Engine, ckpt: InferenceCheckpoint, name: str,
-                listener: socket.socket, mesh: ParallelMesh) -> int:
+                listener: socket.socket, mesh: ParallelMesh, defaults: Sampling) -> int:
     import uvicorn
 
     from meshtron.inference.server import build_app
@@ -146,7 +151,7 @@ def _run_server(args: argparse.Namespace, engine: Engine, ckpt: InferenceCheckpo
         print(f"meshtron: serving {name}{where} at {url(listener)} (POST /v1/completions, "
               f"GET /health; batches of up to {args.max_batch}; Ctrl-C stops)", flush=True)
 
-    app = build_app(engine, ckpt.tokenizer, name, on_ready=ready)
+    app = build_app(engine, ckpt.tokenizer, name, on_ready=ready, defaults=defaults)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from meshtron.data import Tokenizer
 from meshtron.inference.completion_api import (
+    OPENAI_SAMPLING,
     CompletionRequest,
     Reply,
     RequestError,
@@ -32,15 +33,17 @@ from meshtron.inference.completion_api import (
     usage,
 )
 from meshtron.inference.engine import Engine, EngineClosed, Job, Progress
+from meshtron.models.generation import Sampling
 
 Event = tuple[int, Progress | BaseException]
 """A report for prompt ``index`` of a request."""
 
 
 def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
-              on_ready: Callable[[], None] = lambda: None) -> FastAPI:
+              on_ready: Callable[[], None] = lambda: None,
+              defaults: Sampling = OPENAI_SAMPLING) -> FastAPI:
     """The app serving ``engine``'s model under ``model_name``; ``on_ready`` is called once
-    uvicorn has started it."""
+    uvicorn has started it; ``defaults`` is the sampling of a request that sets none."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,7 +68,7 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            req = parse_request(await request.body())
+            req = parse_request(await request.body(), defaults)
             encoded = [tokenizer.encode(p) for p in req.prompts]
             check_fits(encoded, req.max_tokens, engine.max_len)
         except RequestError as err:

@@ -45,10 +45,9 @@ from meshtron.training.autotune import (
 )
 from meshtron.training.eval_samples import eval_samples
 from meshtron.training.faults import FaultPlan
+from meshtron.training.finetune_start import finetune_report
 from meshtron.training.hardware import peak_source
-from meshtron.training.memory import (
-    check_state_fits,
-)
+from meshtron.training.memory import check_state_fits
 from meshtron.training.metrics import MetricsWriter, format_row
 from meshtron.training.plot import plot_runs
 from meshtron.training.progress import ProgressBar
@@ -251,6 +250,7 @@ class Trainer:
         check_resumable(self.cfg, manifest, path)
         train_state.restore(path, manifest, reader, self.model, self.optimizer, self.mesh,
                             self.precision.scaler, self.log)
+        finetune_report(manifest, self.cfg.train, self.log, self.warn)
         self.step = int(manifest["step"])
         saved_layout = manifest.get("layout")
         moved = (f"; saved under {_layout_text(saved_layout)}, resharded to "
