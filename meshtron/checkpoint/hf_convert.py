@@ -5,10 +5,13 @@ and safetensors weights, or a meshtron run directory / checkpoint root / checkpo
 the other format to ``dst``:
 
 * meshtron -> hf: ``config.json`` (``LlamaForCausalLM``, ``MixtralForCausalLM`` or
-  ``GPT2LMHeadModel``), ``model.safetensors`` and, when the checkpoint has one,
-  ``tokenizer.json`` with a minimal ``tokenizer_config.json``;
-* hf -> meshtron: a weights-only checkpoint (``write_model_checkpoint``) plus ``train.yaml``,
-  the settings that resume training from it.
+  ``GPT2LMHeadModel``), ``model.safetensors``, ``generation_config.json`` (the config's
+  ``generation`` section) and, when the checkpoint has one, ``tokenizer.json`` with a minimal
+  ``tokenizer_config.json``;
+* hf -> meshtron: a weights-only checkpoint (``write_model_checkpoint``; its config's
+  ``generation`` section from the folder's generation config, :mod:`.hf_generation`) plus
+  ``train.yaml``, the settings that continue training from it, with the fine-tuning learning
+  rate, warm-up and weight decay of :mod:`meshtron.config.finetune`.
 
 Which Hugging Face family a model belongs to, and how its tensors and config fields map, is
 each architecture's own description (:mod:`meshtron.models.arch`): Llama and Mistral (without a
@@ -38,6 +41,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from meshtron.checkpoint.hf_config import hf_config_dict, hf_model_config
+from meshtron.checkpoint.hf_generation import hf_generation_dict, read_hf_generation
 from meshtron.checkpoint.hf_mapping import (
     expected_state,
     from_hf,
@@ -50,6 +54,7 @@ from meshtron.checkpoint.manifest import read_manifest, verify_file
 from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from meshtron.checkpoint.shards import save_safetensors
 from meshtron.config import Config, ModelConfig, config_from_dict
+from meshtron.config.finetune import FINETUNE_TRAIN
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import padded_vocab_size
@@ -60,6 +65,11 @@ FORMATS = ("meshtron", "hf")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 """Buffers some HF checkpoints carry that are recomputed, not learned."""
+TRAIN_YAML_HEAD = ("# Written by `meshtron convert`: continue training (fine-tuning) this model "
+                   "with\n#   meshtron train --config train.yaml --data.path=YOUR_TEXT\n"
+                   "# train.lr, min_lr, warmup_steps and weight_decay are fine-tuning defaults "
+                   "(meshtron/config/finetune.py);\n# change them here or override them on the "
+                   "command line.\n")
 
 
 @dataclass(frozen=True)
@@ -147,7 +157,9 @@ def import_hf(src: Path, dst: Path) -> Conversion:
                      f"{src} holds none (as transformers saves them): imported without them "
                      "(model.mtp_depth=0)")
         model_cfg.mtp_depth = 0
-    cfg = Config(model=model_cfg)
+    generation, generation_notes = read_hf_generation(src, hf)  # checked as it is read
+    notes += generation_notes
+    cfg = Config(model=model_cfg, generation=generation)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     try:
         cfg = config_from_dict(cfg.to_dict())
@@ -163,13 +175,14 @@ def import_hf(src: Path, dst: Path) -> Conversion:
                      "input jitter (a training-time noise; the logits are unaffected)")
     checkpoint = write_model_checkpoint(dst, cfg, tensors, tokenizer=tokenizer)
     settings: dict[str, Any] = {"model": cfg.to_dict()["model"],
-                                "train": {"seq_len": cfg.train.seq_len},
+                                "train": {"seq_len": cfg.train.seq_len, **FINETUNE_TRAIN},
+                                "generation": cfg.to_dict()["generation"],
                                 "checkpoint": {"dir": str(dst.resolve())},
                                 "run": {"dir": str(dst.resolve())}}  # its own run, not runs/default
     if tokenizer is not None:  # outside step_* (which training may prune): a stable path
         shutil.copyfile(tokenizer, dst / "tokenizer.json")
         settings["data"] = {"tokenizer": str((dst / "tokenizer.json").resolve())}
-    (dst / "train.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+    (dst / "train.yaml").write_text(TRAIN_YAML_HEAD + yaml.safe_dump(settings, sort_keys=False))
     notes.append(f"continue training with: meshtron train --config {dst / 'train.yaml'}")
     return Conversion(checkpoint, tuple(notes))
 
@@ -316,6 +329,8 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
     tmp.mkdir(parents=True)
     save_safetensors(hf, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = hf_generation_dict(cfg.generation, tokenizer.eos_id if tokenizer else None)
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     notes = []
     if tokenizer_path is not None and tokenizer is not None:
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
