@@ -20,7 +20,6 @@ from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.tuning.hp_proxy import Proxy
 from meshtron.tuning.hp_space import Dimension, default_space, parse_dimension, parse_space
-from meshtron.tuning.hp_trials import Reporter, run_watched
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,34 +172,39 @@ def test_search_writes_table_json_yaml_and_plot(data_cache, tmp_path, capsys):
     assert "best: train.lr=" in captured.out
 
 
-def test_pruning_kills_the_trial_that_falls_behind(data_cache, tmp_path):
-    """A trial far behind an earlier one at the first rung is stopped there: its process is
-    killed (fewer steps, no final evaluation, no checkpoint) and it is told PRUNED."""
-    study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(
-        min_resource=2, reduction_factor=3))
-    dist = {"train.lr": optuna.distributions.FloatDistribution(1e-7, 1.0, log=True)}
-    leader = study.ask(dist)
-    for unit in range(1, 11):  # an earlier trial that was far ahead at every rung
-        leader.report(1.0, unit)
-        assert not leader.should_prune()
-    study.tell(leader, 1.0)
-    study.enqueue_trial({"train.lr": 1e-6})
-    trial = study.ask(dist)
-    overrides = proxy_args(data_cache, steps=300)  # long: the kill, not the end, stops it
-    base = load_config(overrides=overrides)
-    proxy = Proxy(None, tuple(overrides), base)
-    run_dir = tmp_path / "run"
-    cfg = proxy.trial_config(trial.params, run_dir)
-    cfg.save(tmp_path / "trial.yaml")
-    outcome = run_watched(tmp_path / "trial.yaml", run_dir, tmp_path / "trial.log", 1,
-                          Reporter(trial, lambda step: proxy.units(step, 4)), timeout_s=300)
-    assert outcome.status == "pruned", outcome
-    assert 2 <= outcome.steps < 300 and outcome.loss > 1.0
+@pytest.mark.slow
+def test_a_trial_that_falls_behind_is_pruned_through_the_command(data_cache, tmp_path,
+                                                                 monkeypatch, capsys):
+    """`meshtron hpsearch --pruner sha` itself: a first trial (lr 0.003) completes; resumed
+    from its study file, the second (lr 1e-6, far behind at the first rung, step 4) is pruned
+    there: its process killed (no final evaluation), told PRUNED in the journal and reported
+    so in the JSON. No race decides it: the second trial stops itself (SIGSTOP) as step 7
+    begins, so only the pruner can end it before --trial-timeout."""
+    study, out = tmp_path / "hp.journal", tmp_path / "hp.json"
+    # the grid sampler with seed 1 runs lr 0.003 first (the first assertion checks it)
+    args = ["hpsearch", *proxy_args(data_cache), "--sampler", "grid", "--seed", "1",
+            "--space", "train.lr=0.003,0.000001", "--pruner", "sha", "--min-steps", "4",
+            "--study", str(study), "--json", str(out), "--trial-timeout", "240"]
+    assert main([*args, "--trials", "1"]) == 0, capsys.readouterr().err
+    first = json.loads(out.read_text())["trials"]
+    assert [(t["params"]["train.lr"], t["status"]) for t in first] == [(0.003, "complete")]
+    monkeypatch.setenv("MESHTRON_FAULTS", "stall:step=7")
+    assert main([*args, "--trials", "2"]) == 0, capsys.readouterr().err
+    assert "-> pruned" in capsys.readouterr().err
+    trials = json.loads(out.read_text())["trials"]
+    pruned = trials[1]
+    assert [t["status"] for t in trials] == ["complete", "pruned"]
+    assert pruned["params"]["train.lr"] == 1e-6 and pruned["steps"] == 4
+    assert pruned["loss"] > first[0]["loss"]
+    journal = optuna.load_study(study_name="hpsearch", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(study))))
+    states = [t.state for t in journal.trials]
+    assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
+    assert max(journal.trials[1].intermediate_values) == 4
+    run_dir = tmp_path / "hp.runs" / "hpsearch" / "1"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] < 300 and not any("val_loss" in r for r in rows)
+    assert rows[-1]["step"] < 7 and not any("val_loss" in r for r in rows)
     assert not list(run_dir.glob("checkpoints/step_*"))
-    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-    assert study.trials[-1].state == optuna.trial.TrialState.PRUNED
 
 
 @pytest.mark.slow
