@@ -4,7 +4,8 @@ Workers are spawned (one thread each, as the 2-core machines need), join a proce
 a file:// rendezvous in a fresh temp dir (so tests can run side by side), and leave through
 ``os._exit`` after destroying the group, avoiding gloo's occasional abort at interpreter exit.
 A rank that raises makes the whole call fail with that rank's traceback; a hang fails it after
-``timeout`` seconds.
+``timeout`` seconds. Every rank's outcome is reported, the tracebacks first: a rank that timed
+out waiting for one that raised must not hide why.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -50,20 +52,25 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout  # for the whole group, not for each rank
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
-        results = []
+        results, problems = [], []
         for r in range(world_size):
             path = Path(tmp) / f"rank{r}.pkl"
             if not path.exists():
                 reason = "timed out" if r in alive else f"exit code {procs[r].exitcode}"
-                raise AssertionError(f"rank {r} of {world_size} returned nothing ({reason})")
+                problems.append((1, f"rank {r} of {world_size} returned nothing ({reason})"))
+                continue
             status, value = pickle.loads(path.read_bytes())
             if status == "error":
-                raise AssertionError(f"rank {r} of {world_size} failed:\n{value}")
+                problems.append((0, f"rank {r} of {world_size} failed:\n{value}"))
             results.append(value)
+        if problems:
+            raise AssertionError("\n".join(text for _, text in sorted(problems,
+                                                                     key=lambda p: p[0])))
         return results

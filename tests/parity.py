@@ -16,9 +16,21 @@ nor tensor by tensor: Adam divides by sqrt(v), so a weight whose gradient is zer
 math (GPT-2's key bias: softmax ignores it) takes steps of about lr on pure rounding noise,
 3.4e-4 relative to that tensor after 20 steps, and rare tokens' embedding rows 2.5e-5, where
 the fp64 twin, whose noise stays below Adam's eps, agrees to 1e-12.
+
+One red layout never hides another: a layout whose run raises is recorded (its traceback as
+its result) and the next one still runs, the ranks kept in step by a barrier after each
+layout; the comparisons collect every failing layout, rank and check (fp64 and fp32 alike)
+and raise them together (:class:`Failures`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from meshtron.checkpoint.model_io import read_model_tensors
 from meshtron.config import load_config
@@ -41,6 +53,40 @@ STEPS = 20
 FP64_STEPS = 8
 """The fp64 twin's steps: it tells the same math from the same rounding, and a difference in
 the math shows from the first steps; the fp32 run keeps the contract's 20."""
+
+
+LAYOUT_BARRIER_S = 120
+"""How long a rank waits at the barrier after a layout for the others (a rank stuck in a
+collective of a layout that raised elsewhere never comes: the rest of the layouts are skipped)."""
+
+
+class Failures:
+    """Assertion failures collected and raised together at the end, each under its name::
+
+        failures = Failures()
+        for ...:
+            with failures.check(what):
+                assert_parity(...)
+        failures.raise_any()
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self, what: str = "") -> Iterator[None]:
+        try:
+            yield
+        except AssertionError as err:
+            text = str(err) or "assertion failed"
+            self.messages.append(text if not what or text.startswith(what) else
+                                 f"{what}: {text}")
+
+    def raise_any(self) -> None:
+        if self.messages:
+            count = len(self.messages)
+            raise AssertionError(f"{count} failure{'s' if count > 1 else ''}:\n"
+                                 + "\n".join(f"- {m}" for m in self.messages))
 
 
 def test_overrides(cache_dir: str, run_dir: str, steps: int = STEPS) -> list[str]:
@@ -97,11 +143,39 @@ def run_layout(overrides: list[str], rank: int = 0, world_size: int = 1) -> dict
 
 def run_layouts(rank: int, world_size: int, cache_dir: str, root: str,
                 layouts: list[list[str]]) -> list[dict]:
-    """Worker body: train every layout in turn; returns one result per layout."""
-    return [
-        run_layout(test_overrides(cache_dir, f"{root}/layout{i}") + layout, rank, world_size)
-        for i, layout in enumerate(layouts)
-    ]
+    """Worker body: train every layout in turn; returns one result per layout (see
+    :func:`run_each`)."""
+    return run_each([test_overrides(cache_dir, f"{root}/layout{i}") + layout
+                     for i, layout in enumerate(layouts)], rank, world_size)
+
+
+def run_each(runs: list[list[str]], rank: int, world_size: int) -> list[dict]:
+    """:func:`run_layout` of each run's overrides in turn, ``{"error": traceback}`` for one
+    that raised here (the next still runs), and ``{"error": ...}`` for the runs skipped once
+    the ranks fell out of step."""
+    results: list[dict] = []
+    for i, overrides in enumerate(runs):
+        try:
+            results.append(run_layout(overrides, rank, world_size))
+        except Exception:  # noqa: BLE001 - reported by the parent with the other layouts
+            results.append({"error": traceback.format_exc()})
+        if not ranks_in_step():
+            skipped = {"error": f"not run: the ranks fell out of step after layout {i}"}
+            return results + [skipped] * (len(runs) - i - 1)
+    return results
+
+
+def ranks_in_step() -> bool:
+    """Whether every rank got past the same layout (a barrier that gives up after
+    :data:`LAYOUT_BARRIER_S`; True outside a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=LAYOUT_BARRIER_S),
+                               wait_all_ranks=True)
+    except RuntimeError:
+        return False
+    return True
 
 
 def model_overrides(layout: list[str]) -> list[str]:
@@ -112,10 +186,25 @@ def model_overrides(layout: list[str]) -> list[str]:
 
 def assert_parity(reference: dict, candidate: dict, what: str, rtol: float = PARITY_RTOL) -> None:
     """Per-step loss and grad norm within ``rtol`` of the reference, and the fp64 runs (where
-    the candidate has one, the reference must too) within :data:`FP64_RTOL`."""
+    the candidate has one, the reference must too) within :data:`FP64_RTOL`. Both are checked
+    before either fails (one says whether the other is rounding); a run that raised fails
+    with its traceback."""
+    for run, name in ((reference, "the reference"), (candidate, "this layout")):
+        assert "error" not in run, f"{what}: {name} raised:\n{run.get('error')}"
+    failures = Failures()
     if "fp64" in candidate:
-        assert "fp64" in reference, f"{what}: the reference has no fp64 run"
-        assert_parity(reference["fp64"], candidate["fp64"], f"{what} [fp64]", FP64_RTOL)
+        with failures.check():
+            assert "fp64" in reference, f"{what}: the reference has no fp64 run"
+            assert_parity(reference["fp64"], candidate["fp64"], f"{what} [fp64]", FP64_RTOL)
+    with failures.check():
+        assert_same_numbers(reference, candidate, what, rtol)
+    if len(failures.messages) == 1:
+        raise AssertionError(failures.messages[0])
+    failures.raise_any()
+
+
+def assert_same_numbers(reference: dict, candidate: dict, what: str, rtol: float) -> None:
+    """One precision's per-step loss and grad norm, validation loss and final weights."""
     steps = FP64_STEPS if rtol == FP64_RTOL else STEPS
     for key in ("loss", "grad_norm"):
         ref, got = reference[key], candidate[key]
@@ -152,12 +241,20 @@ def assert_weights_equal(reference: dict, candidate: dict, what: str, rtol: floa
 def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], cache_dir: str,
                          root, rtol_of=lambda layout: PARITY_RTOL) -> None:
     """Every rank's run of every layout against one one-process reference per model
-    (``rtol_of``: the fp32 bound of a layout)."""
+    (``rtol_of``: the fp32 bound of a layout); every layout is checked, then every failure
+    is reported together."""
     references: dict[tuple[str, ...], dict] = {}
+    failures = Failures()
     for i, layout in enumerate(layouts):
         key = tuple(model_overrides(layout))
         if key not in references:
-            references[key] = run_layout(test_overrides(cache_dir, f"{root}/ref{i}") + list(key))
+            try:
+                references[key] = run_layout(test_overrides(cache_dir, f"{root}/ref{i}")
+                                             + list(key))
+            except Exception:  # noqa: BLE001 - each layout of this model reports it
+                references[key] = {"error": traceback.format_exc()}
         for rank, per_rank in enumerate(results):
-            assert_parity(references[key], per_rank[i], f"{' '.join(layout)} (rank {rank})",
-                          rtol_of(layout))
+            what = f"{' '.join(layout)} (rank {rank})"
+            with failures.check(what):
+                assert_parity(references[key], per_rank[i], what, rtol_of(layout))
+    failures.raise_any()

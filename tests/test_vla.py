@@ -23,7 +23,7 @@ from meshtron.models.policy_runner import PolicyRunner
 from meshtron.models.transformer import Transformer
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
-from tests.parity import FP64_STEPS, STEPS, assert_parity, run_layout
+from tests.parity import FP64_STEPS, STEPS, Failures, assert_parity, run_each, run_layout
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +135,8 @@ def test_image_tokens_go_to_the_patches_and_the_readout_position():
 
 def _vla_layouts(rank: int, world_size: int, demos: str, cache_dir: str, root: str,
                  layouts: list[list[str]]) -> list[dict]:
-    return [run_layout(vla_overrides(demos, cache_dir, f"{root}/layout{i}") + layout,
-                       rank, world_size) for i, layout in enumerate(layouts)]
+    return run_each([vla_overrides(demos, cache_dir, f"{root}/layout{i}") + layout
+                     for i, layout in enumerate(layouts)], rank, world_size)
 
 
 @pytest.mark.slow
@@ -154,9 +154,13 @@ def test_policy_training_keeps_parity_under_tp_sp_pp_and_zero1(demos, tmp_path):
     reference = run_layout(vla_overrides(demos, cache, str(tmp_path / "ref")))
     assert len(reference["loss"]) == STEPS and len(reference["fp64"]["loss"]) == FP64_STEPS
     assert reference["loss"][-1] < reference["loss"][0]  # it learns
+    failures = Failures()  # every layout checked before one fails the test
     for i, layout in enumerate(layouts):
         for rank, per_rank in enumerate(results):
-            assert_parity(reference, per_rank[i], f"{' '.join(layout)} (rank {rank})")
+            what = f"{' '.join(layout)} (rank {rank})"
+            with failures.check(what):
+                assert_parity(reference, per_rank[i], what)
+    failures.raise_any()
 
 
 @pytest.mark.slow
