@@ -57,7 +57,7 @@ def test_resolved_config_round_trips(tmp_path):
          "precision.dtype=fp64 is for verification runs and does not combine with precision.fp8"),
         (["--precision.dtype=fp64", "--precision.reduce_dtype=bf16"],
          "leave precision.reduce_dtype at fp32"),
-        (["--model.arch=gtp2"], "model.arch='gtp2' is not one of llama, gpt2 (did you mean"),
+        (["--model.arch=gtp2"], "model.arch='gtp2' is not one of llama, gpt2, gemma3 (did you"),
         (["train.steps=3"], None),
         (["--train"], "must look like --section.field=value"),
     ],

@@ -182,7 +182,7 @@ HF_BREAKAGES = {
                                           architectures=["Qwen2MoeForCausalLM"]),
                     "unsupported architecture 'qwen2_moe' (its shared expert has a sigmoid gate, "
                     "which meshtron does not compute); meshtron converts DeepSeek-V3, GPT-2, "
-                    "Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE"),
+                    "Gemma 3, Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE"),
     "partial rotary": (lambda f: edit_config(f, partial_rotary_factor=0.5),
                        "partial_rotary_factor=0.5 is not supported"),
     "rope scaling": (lambda f: edit_config(f, rope_scaling={"rope_type": "dynamic",
