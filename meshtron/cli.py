@@ -271,9 +271,9 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     dst = Path(args.dst)
     place = next(p for p in (dst, *dst.parents) if p.exists())  # a failed convert leaves no --to
     check_writable(place, "--to" if place == dst else f"--to {dst}: the folder")
-    from meshtron.checkpoint.hf_convert import convert
+    from meshtron.checkpoint.gguf_convert import convert
 
-    result = convert(Path(args.src), dst, args.format)
+    result = convert(Path(args.src), dst, args.format, args.gguf_type)
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.output}")
@@ -413,16 +413,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser(
-        "convert", help="convert between meshtron checkpoints and Hugging Face models",
+        "convert", help="convert between meshtron checkpoints, Hugging Face models and GGUF",
         description="Convert a Hugging Face model folder (config.json + safetensors; Llama, "
-        "Mistral, Mixtral, GPT-2) to a meshtron checkpoint, or a meshtron run or checkpoint to "
-        "a Hugging Face folder. The kind of --from is detected.",
+        "Mistral, Mixtral, GPT-2) or a GGUF file (llama.cpp; llama, qwen2, qwen3) to a meshtron "
+        "checkpoint, or a meshtron run or checkpoint to a Hugging Face folder or a GGUF file. "
+        "The kind of --from is detected.",
     )
-    p.add_argument("--from", dest="src", required=True,
-                   help="a Hugging Face model folder, or a meshtron run / checkpoint directory")
-    p.add_argument("--to", dest="dst", required=True, help="output folder (new or empty)")
+    p.add_argument("--from", dest="src", required=True, help="a Hugging Face model folder, a "
+                   ".gguf file, or a meshtron run / checkpoint directory")
+    p.add_argument("--to", dest="dst", required=True,
+                   help="output folder (new or empty), or the new .gguf file for --format gguf")
     p.add_argument("--format", default="meshtron",
-                   help="output format: meshtron (default) or hf")
+                   help="output format: meshtron (default), hf or gguf")
+    p.add_argument("--gguf-type", help="with --format gguf, how matrices are stored: f32 "
+                   "(default), f16, bf16 or q8_0 (vectors stay f32)")
     p.set_defaults(func=cmd_convert)
     return parser
 

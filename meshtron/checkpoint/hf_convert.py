@@ -41,7 +41,11 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from meshtron.checkpoint.hf_config import hf_config_dict, hf_model_config
-from meshtron.checkpoint.hf_generation import hf_generation_dict, read_hf_generation
+from meshtron.checkpoint.hf_generation import (
+    hf_generation_dict,
+    read_hf_generation,
+    silent_generation,
+)
 from meshtron.checkpoint.hf_mapping import (
     expected_state,
     from_hf,
@@ -127,7 +131,7 @@ def _refuse_pickle(where: Path, names: list[str]) -> None:
             "re-save the model with save_pretrained(safe_serialization=True)")
 
 
-def _expected_hf(cfg: ModelConfig) -> dict[str, torch.Size]:
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """The tensors (and shapes) an HF folder of ``cfg``'s family holds."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in expected_state(cfg).items()}
     hf = to_hf(meta, cfg)
@@ -157,15 +161,9 @@ def import_hf(src: Path, dst: Path) -> Conversion:
                      f"{src} holds none (as transformers saves them): imported without them "
                      "(model.mtp_depth=0)")
         model_cfg.mtp_depth = 0
-    generation, generation_notes = read_hf_generation(src, hf)  # checked as it is read
+    cfg = import_config(model_cfg, str(config_path))
+    cfg.generation, generation_notes = read_hf_generation(src, hf)  # checked as it is read
     notes += generation_notes
-    cfg = Config(model=model_cfg, generation=generation)
-    cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-    try:
-        cfg = config_from_dict(cfg.to_dict())
-        check_model(cfg)
-    except MeshtronError as err:
-        raise MeshtronError(f"{config_path}: {err}") from None
     tensors = from_hf(read_hf_tensors(src, cfg.model), cfg.model)
     tokenizer, tokenizer_notes = _hf_tokenizer(src, padded_vocab_size(cfg.model))
     notes += tokenizer_notes
@@ -173,6 +171,27 @@ def import_hf(src: Path, dst: Path) -> Conversion:
     if model_cfg.is_moe and jitter:
         notes.append(f"router_jitter_noise={jitter} was dropped: meshtron's router has no "
                      "input jitter (a training-time noise; the logits are unaffected)")
+    return write_import(dst, cfg, tensors, tokenizer, notes)
+
+
+def import_config(model_cfg: ModelConfig, where: str) -> Config:
+    """The run config of an imported model (its sequence length capped by the model's), checked
+    as training will check it; errors name ``where`` the model came from."""
+    cfg = Config(model=model_cfg, generation=silent_generation())  # the HF import reads its own
+    cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
+    try:
+        cfg = config_from_dict(cfg.to_dict())
+        check_model(cfg)
+    except MeshtronError as err:
+        raise MeshtronError(f"{where}: {err}") from None
+    return cfg
+
+
+def write_import(dst: Path, cfg: Config, tensors: Tensors, tokenizer: Path | None,
+                 notes: list[str], extra_files: dict[str, str] | None = None) -> Conversion:
+    """Write an imported model (meshtron names) as a weights-only checkpoint under ``dst``,
+    with its tokenizer, ``extra_files`` (name -> text) beside it and the ``train.yaml`` that
+    continues training from it. Shared by the HF and the GGUF import."""
     checkpoint = write_model_checkpoint(dst, cfg, tensors, tokenizer=tokenizer)
     settings: dict[str, Any] = {"model": cfg.to_dict()["model"],
                                 "train": {"seq_len": cfg.train.seq_len, **FINETUNE_TRAIN},
@@ -182,6 +201,8 @@ def import_hf(src: Path, dst: Path) -> Conversion:
     if tokenizer is not None:  # outside step_* (which training may prune): a stable path
         shutil.copyfile(tokenizer, dst / "tokenizer.json")
         settings["data"] = {"tokenizer": str((dst / "tokenizer.json").resolve())}
+    for name, text in (extra_files or {}).items():
+        (dst / name).write_text(text)
     (dst / "train.yaml").write_text(TRAIN_YAML_HEAD + yaml.safe_dump(settings, sort_keys=False))
     notes.append(f"continue training with: meshtron train --config {dst / 'train.yaml'}")
     return Conversion(checkpoint, tuple(notes))
@@ -260,7 +281,7 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> Tensors:
     prefix = fmt.base_prefix
     if not any(name.startswith(prefix) for name in stored):  # saved from the base model class
         stored = {(n if n == fmt.head else prefix + n): v for n, v in stored.items()}
-    expected = _expected_hf(cfg)
+    expected = expected_hf_shapes(cfg)
     for name, shape in expected.items():
         if name not in stored:
             raise MeshtronError(f"{folder} lacks tensor '{name}', which its config.json implies")
@@ -300,27 +321,11 @@ def _check_finite(folder: Path, name: str, tensor: torch.Tensor) -> None:
 
 def export_hf(checkpoint: Path, dst: Path) -> Conversion:
     """Write the meshtron checkpoint ``checkpoint`` as an HF model folder ``dst``."""
-    cfg, state = read_model_tensors(checkpoint)
+    cfg, state, tokenizer_path = read_export_state(checkpoint)
     model_cfg = cfg.model
-    for name, shape in expected_state(model_cfg).items():
-        if name not in state:
-            raise MeshtronError(f"checkpoint {checkpoint} lacks parameter {name}")
-        if state[name].shape != shape:
-            raise MeshtronError(f"checkpoint {checkpoint}: parameter {name} has shape "
-                                f"{tuple(state[name].shape)}, its config implies {tuple(shape)}")
-    manifest = read_manifest(checkpoint)
-    tokenizer_path = None
-    if "tokenizer.json" in manifest["files"] or (checkpoint / "tokenizer.json").exists():
-        tokenizer_path = verify_file(checkpoint, manifest, "tokenizer.json")
     tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path is not None else None
     config = hf_config_dict(model_cfg, state["embed.weight"].dtype,
                             tokenizer.eos_id if tokenizer else None)
-    family = hf_format(model_cfg).model_types[0].display
-    for rule in tensor_rules(model_cfg):
-        unmapped = [name for name in rule.ours if not rule.theirs and bool(state[name].any())]
-        if unmapped:  # meshtron-only state (the aux-loss-free expert bias) exports only as zero
-            raise MeshtronError(f"checkpoint {checkpoint}: {unmapped[0]} is not zero, and "
-                                f"Hugging Face {family} has no tensor to hold it")
     hf = to_hf(state, model_cfg)
     if model_cfg.tie_embeddings:  # as save_pretrained does: the head is the embedding
         del hf[hf_format(model_cfg).head]
@@ -342,3 +347,28 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
         notes.append(f"checkpoint {checkpoint} has no tokenizer.json, so none was written")
     os.replace(tmp, dst)
     return Conversion(dst, tuple(notes))
+
+
+def read_export_state(checkpoint: Path) -> tuple[Config, Tensors, Path | None]:
+    """(config, full state, verified tokenizer.json or None) of a checkpoint to export,
+    refused when a parameter is missing or misshapen or when meshtron-only state (the
+    aux-loss-free expert bias) is not zero, since the HF family has no tensor to hold it."""
+    cfg, state = read_model_tensors(checkpoint)
+    model_cfg = cfg.model
+    for name, shape in expected_state(model_cfg).items():
+        if name not in state:
+            raise MeshtronError(f"checkpoint {checkpoint} lacks parameter {name}")
+        if state[name].shape != shape:
+            raise MeshtronError(f"checkpoint {checkpoint}: parameter {name} has shape "
+                                f"{tuple(state[name].shape)}, its config implies {tuple(shape)}")
+    manifest = read_manifest(checkpoint)
+    tokenizer_path = None
+    if "tokenizer.json" in manifest["files"] or (checkpoint / "tokenizer.json").exists():
+        tokenizer_path = verify_file(checkpoint, manifest, "tokenizer.json")
+    family = hf_format(model_cfg).model_types[0].display
+    for rule in tensor_rules(model_cfg):
+        unmapped = [name for name in rule.ours if not rule.theirs and bool(state[name].any())]
+        if unmapped:
+            raise MeshtronError(f"checkpoint {checkpoint}: {unmapped[0]} is not zero, and "
+                                f"Hugging Face {family} has no tensor to hold it")
+    return cfg, state, tokenizer_path

@@ -1,0 +1,126 @@
+"""``meshtron convert --from MODEL.gguf --to DIR``: a GGUF file as a meshtron checkpoint.
+
+The file is turned into what the Hugging Face folder import works from, a ``config.json``
+dict (:mod:`.gguf_config`), tensors under Hugging Face names (dequantised to fp32 by the
+``gguf`` package, q/k rows put back in Hugging Face order) and a ``tokenizer.json``
+(:mod:`.gguf_tokenizer`), and then written by :mod:`.hf_convert`'s own import, so the model's
+config checks and tensor mapping are the HF import's. Every check (the metadata, each tensor's
+presence, shape and type, the tokenizer) runs before anything is written: a refused file
+leaves nothing at ``--to``. ``tokenizer_config.json`` (special tokens, chat template) is
+written beside the checkpoint's ``tokenizer.json``; the special token ids and any sampling
+settings the file records (``general.sampling.*``) become the checkpoint's ``generation``
+section, read as the HF import reads a ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron.checkpoint.gguf_config import PERMUTED_QK, hf_config_from_gguf
+from meshtron.checkpoint.gguf_file import GGUFModel
+from meshtron.checkpoint.gguf_tensors import from_llama_cpp_order, gguf_names, qk_heads
+from meshtron.checkpoint.gguf_tokenizer import tokenizer_config, tokenizer_from_gguf
+from meshtron.checkpoint.hf_config import hf_model_config
+from meshtron.checkpoint.hf_convert import (
+    Conversion,
+    expected_hf_shapes,
+    import_config,
+    write_import,
+)
+from meshtron.checkpoint.hf_generation import read_hf_generation
+from meshtron.checkpoint.hf_mapping import from_hf
+from meshtron.config import ModelConfig
+from meshtron.data import Tokenizer
+from meshtron.errors import MeshtronError
+from meshtron.models.flops import padded_vocab_size
+
+EXPLAINED_TENSORS = {
+    "rope_freqs.weight": "per-frequency rope factors (Llama 3.1-style rope scaling), which "
+                         "meshtron does not read from GGUF files",
+}
+SAMPLING_KEYS = (("general.sampling.temp", "temperature"), ("general.sampling.top_k", "top_k"),
+                 ("general.sampling.top_p", "top_p"))
+
+
+def import_gguf(src: Path, dst: Path) -> Conversion:
+    """Write the GGUF model ``src`` as a meshtron checkpoint under ``dst`` (a new or empty
+    folder); returns what was written and notes for the user."""
+    where = str(src)
+    model = GGUFModel(src)
+    meta = model.metadata
+    hf = hf_config_from_gguf(meta, set(model.tensors), where)
+    cfg = import_config(hf_model_config(hf, where), where)
+    tensors = from_hf(_hf_tensors(model, hf["model_type"], hf, cfg.model), cfg.model)
+    notes: list[str] = []
+    tokenizer, why = tokenizer_from_gguf(meta, where)
+    if tokenizer is None:
+        notes.append(why)
+    extra = {}
+    if tokenizer is not None:
+        config = tokenizer_config(meta, where, cfg.model.max_seq_len)
+        extra["tokenizer_config.json"] = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    with tempfile.TemporaryDirectory() as tmp:  # empty: no generation_config.json is read
+        cfg.generation, generation_notes = read_hf_generation(Path(tmp), _generation(meta))
+        notes += generation_notes
+        path = None
+        if tokenizer is not None:
+            path = Path(tmp) / "tokenizer.json"
+            tokenizer.save(str(path))
+            _check_tokenizer(path, padded_vocab_size(cfg.model), where)
+        return write_import(dst, cfg, tensors, path, notes, extra)
+
+
+def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfig
+                ) -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names, each checked (present, shape from the
+    metadata, a type gguf can dequantise, no tensor left over) before any is dequantised."""
+    where = model.path
+    expected = expected_hf_shapes(cfg)
+    names = gguf_names(arch, cfg.num_layers, list(expected))
+    for hf_name, name in names.items():
+        if name not in model.tensors:
+            raise MeshtronError(f"{where} lacks tensor '{name}', which its metadata implies")
+        shape = model.tensors[name].shape
+        if shape != tuple(expected[hf_name]):
+            raise MeshtronError(f"tensor '{name}' in {where} has shape {shape}, its metadata "
+                                f"implies {tuple(expected[hf_name])}")
+    for name in sorted(set(model.tensors) - set(names.values())):
+        why = EXPLAINED_TENSORS.get(name, f"which a {arch} model of its metadata does not have")
+        raise MeshtronError(f"{where} has tensor '{name}', {why}")
+    model.check_types(list(names.values()))
+    out = {}
+    for hf_name, name in names.items():
+        tensor = model.tensor(name)
+        heads = qk_heads(hf_name, hf["num_attention_heads"], hf["num_key_value_heads"])
+        if heads is not None and arch in PERMUTED_QK:
+            tensor = from_llama_cpp_order(tensor, heads)
+        out[hf_name] = tensor.contiguous()
+    return out
+
+
+def _check_tokenizer(path: Path, vocab: int, where: str) -> None:
+    """The built tokenizer loads as meshtron's and fits the embedding."""
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > vocab:
+        raise MeshtronError(f"{where}: its tokenizer has {tokenizer.vocab_size} tokens, more "
+                            f"than the {vocab} rows of token_embd.weight")
+
+
+def _generation(meta: dict[str, Any]) -> dict[str, Any]:
+    """The generation fields of the model's ``config.json``: the special token ids, and the
+    sampling settings the file records (``general.sampling.*``); without those, generation is
+    greedy, as transformers decodes a model that states nothing."""
+    config: dict[str, Any] = {}
+    for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        if isinstance(meta.get(f"tokenizer.ggml.{key}"), int):
+            config[ours] = meta[f"tokenizer.ggml.{key}"]
+    sampling = {ours: meta[key] for key, ours in SAMPLING_KEYS if key in meta}
+    if sampling:
+        config.update(do_sample=True, **sampling)
+    return config

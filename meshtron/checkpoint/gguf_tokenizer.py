@@ -1,0 +1,193 @@
+"""A GGUF file's tokenizer metadata to and from a Hugging Face ``tokenizer.json``.
+
+A GGUF has no ``tokenizer.json``: llama.cpp stores a byte-level BPE (``tokenizer.ggml.model``
+``gpt2``) as its tokens in GPT-2's byte spelling, its merges, a type per token (normal,
+control, user-defined, unused) and the *name* of the rule that splits text before the merges
+(``tokenizer.ggml.pre``). :data:`PRE_TOKENIZERS` is that name's meaning as a ``tokenizers``
+pre-tokenizer, used both ways: an import builds it, an export finds the name whose
+pre-tokenizer equals the one in ``tokenizer.json``. Control tokens become special added tokens
+and user-defined ones plain added tokens, so text naming them (``<|im_start|>``) encodes to
+their ids, as llama.cpp encodes it. Other tokenizer models (sentencepiece's ``llama``, ...)
+are not converted: the import says so and writes the model without one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from meshtron.errors import MeshtronError
+
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+"""llama.cpp's token types (``gguf.TokenType``)."""
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    """GPT-2's split (its regex is the ByteLevel pre-tokenizer's own)."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    """Every digit alone, then GPT-2's split (StarCoder, SmolLM)."""
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+def _split(regex: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    def build() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return build
+
+
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    # the first name of each rule is the one an export writes
+    "gpt-2": _gpt2, "default": _gpt2, "mpt": _gpt2, "olmo": _gpt2,
+    "smollm": _digits_then_gpt2, "starcoder": _digits_then_gpt2, "refact": _digits_then_gpt2,
+    "command-r": _digits_then_gpt2, "codeshell": _digits_then_gpt2,
+    "llama-bpe": _split(LLAMA3_SPLIT), "llama3": _split(LLAMA3_SPLIT),
+    "llama-v3": _split(LLAMA3_SPLIT), "falcon3": _split(LLAMA3_SPLIT),
+    "dbrx": _split(LLAMA3_SPLIT), "smaug-bpe": _split(LLAMA3_SPLIT),
+    "qwen2": _split(QWEN2_SPLIT), "deepseek-r1-qwen": _split(QWEN2_SPLIT),
+}
+"""``tokenizer.ggml.pre`` -> the split llama.cpp makes for it (llama.cpp's llama-vocab.cpp)."""
+
+
+def byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> character table: printable bytes stand for themselves, the others for
+    the characters from U+0100 on, so every byte string is a printable string."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    spelling = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+def _strings(meta: dict[str, Any], key: str, where: str) -> list[str]:
+    value = meta.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise MeshtronError(f"{where}: {key} must be a list of strings")
+    return value
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> tuple[HFTokenizer | None, str]:
+    """The tokenizer a GGUF file's metadata describes, or None and why it is not converted."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        return None, (f"{where} has tokenizer.ggml.model={kind!r}; only byte-level BPE (gpt2) "
+                      "tokenizers are converted, so none was written (give one with "
+                      "--data.tokenizer)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise MeshtronError(f"{where}: tokenizer.ggml.pre={str(pre)[:80]!r} is a pre-tokenizer "
+                            f"meshtron does not know (it knows {', '.join(PRE_TOKENIZERS)})")
+    tokens = _strings(meta, "tokenizer.ggml.tokens", where)
+    types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise MeshtronError(f"{where}: tokenizer.ggml.token_type does not give one type per "
+                            "token")
+    merges = [tuple(m.split(" ")) for m in _strings(meta, "tokenizer.ggml.merges", where)]
+    if any(len(m) != 2 for m in merges):
+        raise MeshtronError(f"{where}: tokenizer.ggml.merges holds an entry that is not two "
+                            "tokens separated by one space")
+    spelling = byte_spelling()
+    alphabet = set(spelling.values())
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    try:
+        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    except Exception as err:  # the Rust side raises plain Exceptions
+        raise MeshtronError(f"{where}: the tokenizer metadata is inconsistent "
+                            f"({str(err).splitlines()[0][:120]})") from None
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    whole = [(t, kind) for t, kind in zip(tokens, types) if set(t) <= alphabet]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in whole if kind == CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in whole if kind == USER_DEFINED])
+    return tokenizer, ""
+
+
+def special_token(meta: dict[str, Any], key: str, where: str) -> str | None:
+    """The text of the token ``tokenizer.ggml.{key}`` names (None if the file names none)."""
+    token_id = meta.get(f"tokenizer.ggml.{key}")
+    if token_id is None:
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
+        raise MeshtronError(f"{where}: tokenizer.ggml.{key}={token_id} is not a token id of its "
+                            f"{len(tokens)} tokens")
+    return tokens[token_id]
+
+
+def tokenizer_config(meta: dict[str, Any], where: str, max_len: int) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` of the file's tokenizer: special tokens, BOS/EOS
+    insertion flags and the chat template."""
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "model_max_length": max_len}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        config[name] = special_token(meta, key, where)
+    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    return config
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _pre_name(pre_tokenizer: Any) -> str | None:
+    """The GGUF name of a ``tokenizer.json`` pre-tokenizer (None when llama.cpp has none)."""
+    for name, build in PRE_TOKENIZERS.items():
+        if json.loads(build().__getstate__()) == pre_tokenizer:
+            return name
+    return None
+
+
+def gguf_tokenizer_metadata(tokenizer_json: str, vocab_rows: int
+                            ) -> tuple[dict[str, Any] | None, str]:
+    """``tokenizer.ggml.*`` metadata (model, pre, tokens, types, merges) of a byte-level BPE
+    ``tokenizer.json`` with ``vocab_rows`` tokens (padding rows named ``[PADi]``, unused), or
+    None and why it cannot be written."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    decoder = data.get("decoder") or {}
+    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel" or data.get(
+            "normalizer") is not None:
+        return None, "the tokenizer is not a byte-level BPE, which is all GGUF (gpt2) holds"
+    pre = _pre_name(data.get("pre_tokenizer"))
+    if pre is None:
+        return None, ("the tokenizer's pre-tokenizer is none of llama.cpp's "
+                      f"({', '.join(PRE_TOKENIZERS)})")
+    tokens: list[str | None] = [None] * vocab_rows
+    types = [NORMAL] * vocab_rows
+    for token, index in model["vocab"].items():
+        if index < vocab_rows:
+            tokens[index] = token
+    for added in data.get("added_tokens", []):
+        if added["id"] < vocab_rows:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    for index, token in enumerate(tokens):
+        if token is None:
+            tokens[index], types[index] = f"[PAD{index}]", UNUSED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": merges}, ""

