@@ -24,7 +24,7 @@ from meshtron.errors import MeshtronError
 from meshtron.models.generation import Generator
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
-from tests.test_hf_convert import max_diff
+from tests.test_hf_convert import max_diff, write_tokenizer
 from tests.test_hf_families import assert_round_trip, meshtron_model, tokens
 
 TOLERANCE = 1e-5
@@ -68,6 +68,7 @@ def imported(transformers, tmp_path_factory) -> tuple[torch.nn.Module, Transform
     root = tmp_path_factory.mktemp("gemma3")
     hf = hf_gemma3(transformers)
     hf.save_pretrained(root / "src")
+    write_tokenizer(root / "src" / "tokenizer.json")  # generate's loader wants one
     checkpoint = convert(root / "src", root / "ckpt").output
     return hf, meshtron_model(checkpoint), root
 
@@ -109,7 +110,7 @@ def test_gemma3_generation_equals_transformers(imported):
     transformers' tokens for 32 steps, across windows; every cached step's logits equal a
     full forward over the same tokens."""
     hf, model, _ = imported
-    prompts = [tokens(256, 7)[0].tolist(), tokens(256, 3)[1].tolist()]
+    prompts = PROMPTS
     ours, _ = Generator(model).generate(prompts, 32)
     for prompt, completion in zip(prompts, ours):
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
@@ -121,6 +122,10 @@ def test_gemma3_generation_equals_transformers(imported):
     steps = [model(sequence[:, :7], cache)]
     steps += [model(sequence[:, i:i + 1], cache) for i in range(7, sequence.shape[1])]
     assert max_diff(torch.cat(steps, dim=1), full) <= TOLERANCE
+
+
+PROMPTS = [tokens(256, 7)[0].tolist(), tokens(256, 3)[1].tolist()]
+"""Two prompts of different lengths (batched with left padding), shorter than the window."""
 
 
 MESHTRON_GEMMA = ("--model.arch=gemma3", "--model.qk_norm=true", "--model.hidden_size=64",
@@ -229,15 +234,46 @@ head (fewer than tp: replicated), the window (8) shorter than train.seq_len (32)
 PARITY_LAYOUTS = [["--parallel.tp=4"], ["--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2"],
                   ["--parallel.pp=2", "--parallel.zero=2"]]
 """Four ranks each: one kv head on 4 and on 2 tp ranks, sp, pp, dp=2 with ZeRO-2."""
+GENERATION_LAYOUTS = ((4, 1), (2, 2))
+"""(tp, pp) of the imported model's greedy generation: its kv head replicated over the tp
+ranks, its six layers over two stages."""
+
+
+def train_and_generate(rank: int, world_size: int, cache: str, root: str,
+                       layouts: list[list[str]], checkpoint: str) -> tuple[list, dict]:
+    """Worker body: every training layout, then greedy generation of the imported model."""
+    from meshtron.checkpoint.loading import load_model, open_for_inference
+    from meshtron.inference.generate_command import generation_config
+    from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+    from meshtron.plan import plan_generation
+    from tests.parity import run_layouts
+
+    trained = run_layouts(rank, world_size, cache, root, layouts)
+    ckpt = open_for_inference(Path(checkpoint))
+    generated = {}
+    for tp, pp in GENERATION_LAYOUTS:
+        cfg = generation_config(ckpt, [f"--parallel.tp={tp}", f"--parallel.pp={pp}"])
+        mesh = ParallelMesh(MeshLayout(world_size, tp=tp, pp=pp), rank)
+        model = load_model(ckpt, plan_generation(cfg, world_size), mesh, cfg.precision.dtype)
+        completions, _ = Generator(model, mesh).generate(PROMPTS, 32)
+        generated[(tp, pp)] = [c.tokens for c in completions]
+    return trained, generated
 
 
 @pytest.mark.slow
-def test_gemma3_training_parity(data_cache, tmp_path):
+def test_gemma3_training_and_generation_parity(imported, data_cache, tmp_path):
     """tp (kv heads replicated), sp, pp, dp with ZeRO against one process: per-step loss and
-    grad norm, final weights (fp32 to 1e-4, fp64 to 1e-9)."""
+    grad norm, final weights (fp32 to 1e-4, fp64 to 1e-9); the imported model's greedy tokens
+    at tp=4 and at tp=2 x pp=2 are the one-process tokens."""
     from tests.distributed import run_distributed
-    from tests.parity import assert_layouts_match, run_layouts
+    from tests.parity import assert_layouts_match
 
+    model, root = imported[1], imported[2]
     layouts = [[*layout, *GEMMA_PARITY] for layout in PARITY_LAYOUTS]
-    results = run_distributed(run_layouts, 4, data_cache, str(tmp_path), layouts)
-    assert_layouts_match(layouts, results, data_cache, tmp_path)
+    results = run_distributed(train_and_generate, 4, data_cache, str(tmp_path), layouts,
+                              str(root / "ckpt"))
+    assert_layouts_match(layouts, [trained for trained, _ in results], data_cache, tmp_path)
+    reference = [c.tokens for c in Generator(model).generate(PROMPTS, 32)[0]]
+    for rank, (_, generated) in enumerate(results):
+        for layout, tokens_of_layout in generated.items():
+            assert tokens_of_layout == reference, f"tp, pp = {layout} (rank {rank})"
