@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.plan import check_run, plan_generation, plan_run
@@ -49,6 +50,15 @@ def test_a_padded_vocabulary_that_does_not_split_is_refused_in_one_line():
     check_run(smollm2("--parallel.tp=3"), 3)
     with pytest.raises(MeshtronError, match="padded vocabulary of 49280"):
         plan_run(smollm2("--parallel.tp=3"), 3, tokenizer_vocab=49153)
+
+
+def test_meshtron_train_refuses_it_before_any_process_starts(tmp_path, capsys):
+    args = ["train", *SMOLLM2, "--model.vocab_size=49153", "--parallel.tp=3", "--nproc", "3",
+            f"--run.dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not divide the padded vocabulary of 49280" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_tuner_considers_tp3_where_the_padded_vocabulary_splits():
