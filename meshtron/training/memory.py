@@ -35,10 +35,11 @@ from meshtron.parallel.mesh.layout import MeshLayout
 
 def formula_covers(cfg: ModelConfig) -> bool:
     """The formula counts dense blocks of RMSNorm, rotary grouped-query attention and SwiGLU
-    without biases; MoE layers keep routing-dependent amounts, so no formula covers them."""
+    without biases (nor Gemma's norms after attention and MLP); MoE layers keep
+    routing-dependent amounts, so no formula covers them."""
     arch = architecture_of(cfg)
     return (arch.norm_vectors == 1 and arch.rotary and arch.gated_mlp and not arch.bias
-            and not cfg.is_moe and not cfg.latent_attention)
+            and not arch.post_norms and not cfg.is_moe and not cfg.latent_attention)
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1,
