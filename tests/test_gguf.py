@@ -9,6 +9,7 @@ Bad files are made by rewriting a good one with `gguf.GGUFWriter`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 from pathlib import Path
@@ -31,7 +32,7 @@ from tests.test_hf_convert import SHAPE, cli_error
 
 TEXTS = ("Hello world", "x = 12345 + 3.14", "héllo wörld 日本語 🙂 — ok?",
          "def f(a):\n    return a**2  # square\n", "<|im_start|>user\nHi there<|im_end|>\n",
-         "  spaces   and\ttabs\n\n", "don't I'LL we've 1,000,000 $5.99")
+         "  spaces   and\ttabs\n\n<|endoftext|>", "don't I'LL we've 1,000,000 $5.99")
 TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
 
 
@@ -110,6 +111,11 @@ def bpe_checkpoint(root: Path, *overrides: str) -> tuple[Transformer, Path]:
     cfg = load_config(overrides=[*SHAPE, "--model.num_kv_heads=2", *overrides])
     model = Transformer(cfg.model)
     initialize(model, seed=3, std=0.02, num_layers=cfg.model.num_layers)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so a misplaced one shows
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     text = [" ".join(TEXTS) * 3, "the quick brown fox jumps over the lazy dog " * 20]
     tokenizer = train_tokenizer(text, 300, root.parent / "cache", log=lambda _: None)
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -165,6 +171,31 @@ def test_export_reads_back_in_transformers_and_meshtron(tmp_path, transformers, 
     assert hf_tokenizer.chat_template == TEMPLATE
     config = json.loads((tmp_path / "back" / "tokenizer_config.json").read_text())
     assert config["chat_template"] == TEMPLATE and config["eos_token"] == "<|endoftext|>"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,family", [
+    (("--model.qkv_bias=true", "--model.hidden_size=512"), "Qwen2ForCausalLM"),
+    (("--model.qk_norm=true", "--model.head_dim=128"), "Qwen3ForCausalLM"),
+    (("--model.tie_embeddings=true",), "LlamaForCausalLM"),
+])  # transformers' Qwen GGUF reader assumes 128-wide heads, hence the shapes
+def test_families_round_trip(tmp_path, transformers, overrides, family):
+    model, root = bpe_checkpoint(tmp_path / "ckpt", *overrides)
+    out = tmp_path / "model.gguf"
+    assert main(["convert", "--from", str(root), "--to", str(out), "--format", "gguf"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=out.name, dtype=torch.float32).eval()
+    assert type(hf).__name__ == family
+    tokens = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert relative(model(tokens), hf(tokens).logits) <= 1e-5
+    assert main(["convert", "--from", str(out), "--to", str(tmp_path / "back")]) == 0
+    back_cfg, back = read_model_tensors(next((tmp_path / "back").glob("step_*")))
+    original_cfg, original = read_model_tensors(next(root.glob("step_*")))
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    # GGUF keeps the padded vocabulary only (the HF import too, without meshtron's note)
+    assert back_cfg.model == dataclasses.replace(original_cfg.model, vocab_size=384)
 
 
 def test_llama_cpp_row_order_is_undone():

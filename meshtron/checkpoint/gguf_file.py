@@ -112,8 +112,12 @@ def _dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
 
 
 def _field_value(field: Any) -> Any:
-    """A metadata value as Python: a str, int, float or bool, or a list of them."""
+    """A metadata value as Python: a str, int, float or bool, or a list of them. A float32 is
+    read as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06): the value the
+    file was written from."""
     value = field.contents()
     if isinstance(value, np.generic):
-        return value.item()
+        value = value.item()
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
+        return float(str(np.float32(value)))
     return value
