@@ -3,7 +3,7 @@ divide the padded vocabulary (one size under every layout), not ``model.vocab_mu
 9-head model with 3 kv heads and 49,152 tokens (SmolLM2-135M) runs at tp=3; kv heads fewer than
 tp ranks are shared (replicated) by groups of ranks. Parity at tp=3 against one process, in
 fp64 to 1e-9, for 9 heads / 3 kv heads (with and without sequence parallelism) and 6 heads /
-1 kv head (multi-query attention shared by all three ranks).
+1 kv head (multi-query attention shared by all three ranks, with Qwen's q/k norms and biases).
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ LAYOUTS = [
     [*MODEL, "--model.num_heads=9", "--model.num_kv_heads=3", "--parallel.tp=3",
      "--parallel.sp=true"],
     [*MODEL, "--model.num_heads=6", "--model.num_kv_heads=1", "--parallel.tp=3",
-     "--parallel.sp=true", "--model.tie_embeddings=true"],
+     "--parallel.sp=true", "--model.tie_embeddings=true", "--model.qk_norm=true",
+     "--model.qkv_bias=true"],
 ]
 
 
