@@ -126,6 +126,7 @@ def _write(dst: Path, arch: str, meta: dict[str, Any],
     """The GGUF file, written to a temporary name beside ``dst`` and renamed onto it."""
     tmp = dst.parent / f".tmp-{dst.name}-{os.getpid()}"
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_name("meshtron export")
         for key, value in meta.items():
