@@ -191,3 +191,28 @@ def test_a_launch_leaves_this_process_on_every_thread(monkeypatch):
         torchrun.config_from_args(args)
         assert os.environ.get("OMP_NUM_THREADS") == "1"  # what the ranks get
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+def _copy_probe_on_a_heap_that_keeps_what_it_frees(rank: int, world_size: int) -> float:
+    """The reduce-scatter copy probe after 96 MiB were freed into a heap that keeps them
+    resident (glibc told to map nothing and trim nothing): the state in which the probe, which
+    watched the resident peak on glibc's default heap, read 0.0 on every try."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    assert libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**40) == 1  # M_MMAP_MAX, M_TRIM_...
+    freed = torch.ones(96 * 2**20 // 4)  # resident in the heap from now on
+    del freed
+    return calibrate.reduce_scatter_copy(world_size, torch.device("cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, /proc")
+def test_the_copy_probe_does_not_reuse_memory_the_process_freed():
+    """gloo copies a queued reduce-scatter's whole input: the probe reads it as 1.0 whatever
+    the process freed before (it hands freed pages back to the kernel first), deterministic
+    where it was once 0.0 in a clean CI run."""
+    from tests.distributed import run_distributed
+
+    for copy in run_distributed(_copy_probe_on_a_heap_that_keeps_what_it_frees, 2):
+        assert 0.5 < copy < 1.5, copy

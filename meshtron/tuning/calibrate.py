@@ -16,6 +16,7 @@ the profile. One rank measures no link: its profile's link is the memory copy's.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import functools
@@ -386,9 +387,16 @@ COPY_PROBE_BYTES = 32 * 2**20
 """The buffer whose reduce-scatter shows how much the backend copies: far above the
 allocator's page granularity, small enough for any machine."""
 COPY_PROBE_TRIES = 3
-"""The probe's growth is the largest of this many tries: memory the process frees just after
-the peak is reset (an earlier collective's buffers) can make room for the copy, and one try
-then shows no growth (seen once in a CI run)."""
+"""Tries of the probe where the C library cannot be told to return freed memory (not glibc):
+the largest growth is kept, as freed memory left in the heap can make room for one try's
+copy."""
+
+EXACT_MMAP_THRESHOLD = 65536
+"""glibc's mmap threshold for the probe (``M_MMAP_THRESHOLD``, as the calibration's exact
+heap sets it for its probe runs): every allocation of 64 KiB or more is mapped afresh."""
+
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter number of the mmap threshold (malloc.h)."""
 
 
 def resident_peak_kib() -> int:
@@ -399,19 +407,43 @@ def resident_peak_kib() -> int:
     raise OSError("/proc/self/status has no VmHWM")
 
 
+def exact_heap() -> Callable[[], object] | None:
+    """Fix glibc's mmap threshold at :data:`EXACT_MMAP_THRESHOLD` for the rest of this process
+    (glibc no longer raises it as it frees large buffers) and return ``malloc_trim(0)``, which
+    hands every freed page of the heap back to the kernel; None where the C library has
+    neither (not glibc).
+
+    Why: memory the process freed earlier (a collective's buffers, a caller's tensors) stays
+    resident in the heap, and a copy the allocator places there does not grow the resident
+    peak: the probe then reads 0.0 on every try. Trimmed, any page the copy touches is a
+    fresh one; with the threshold fixed, what is freed later is unmapped at once."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    if mallopt(M_MMAP_THRESHOLD, EXACT_MMAP_THRESHOLD) != 1:
+        return None
+    return functools.partial(trim, 0)
+
+
 def reduce_scatter_copy(world: int, device: torch.device) -> float:
     """Bytes the backend holds per byte of an in-place reduce-scatter's input while it runs,
     over the whole world (every rank calls it): the growth of this process's resident peak,
-    reset first (``/proc/self/clear_refs``). 0 on a GPU (NCCL reduces in place) and where the
-    kernel cannot reset the peak."""
+    reset first (``/proc/self/clear_refs``), on a heap that holds no freed pages
+    (:func:`exact_heap`; called last in a calibration rank, which then exits). 0 on a GPU
+    (NCCL reduces in place) and where the kernel cannot reset the peak."""
     if device.type == "cuda" or world == 1:
         return 0.0
+    trim = exact_heap()
     flat = torch.ones(COPY_PROBE_BYTES // ELEMENT_BYTES, device=device)
     chunk = flat.numel() // world
     mine = flat[dist.get_rank() * chunk:(dist.get_rank() + 1) * chunk]
     grown = 0.0
-    for _ in range(COPY_PROBE_TRIES):
+    for _ in range(1 if trim else COPY_PROBE_TRIES):
         dist.barrier()
+        if trim:
+            trim()
         try:
             Path("/proc/self/clear_refs").write_text("5")  # the peak is now the current size
             before = resident_peak_kib()
