@@ -25,6 +25,7 @@ references (the model settings alone) fail too: everything here fails in the con
 so nothing trains."""
 
 
+@pytest.mark.slow
 def test_every_layout_runs_and_every_failure_is_reported(data_cache, tmp_path):
     results = run_distributed(run_layouts, 2, data_cache, str(tmp_path), LAYOUTS)
     for per_rank in results:
