@@ -415,9 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert", help="convert between meshtron checkpoints, Hugging Face models and GGUF",
         description="Convert a Hugging Face model folder (config.json + safetensors; Llama, "
-        "Mistral, Mixtral, GPT-2) or a GGUF file (llama.cpp; llama, qwen2, qwen3) to a meshtron "
-        "checkpoint, or a meshtron run or checkpoint to a Hugging Face folder or a GGUF file. "
-        "The kind of --from is detected.",
+        "Mistral, Mixtral, GPT-2) or a GGUF file (llama.cpp; llama, qwen2, qwen3, gpt2) to a "
+        "meshtron checkpoint, or a meshtron run or checkpoint to a Hugging Face folder or a "
+        "GGUF file. The kind of --from is detected.",
     )
     p.add_argument("--from", dest="src", required=True, help="a Hugging Face model folder, a "
                    ".gguf file, or a meshtron run / checkpoint directory")

@@ -178,7 +178,9 @@ def test_export_reads_back_in_transformers_and_meshtron(tmp_path, transformers, 
     (("--model.qkv_bias=true", "--model.hidden_size=512"), "Qwen2ForCausalLM"),
     (("--model.qk_norm=true", "--model.head_dim=128"), "Qwen3ForCausalLM"),
     (("--model.tie_embeddings=true",), "LlamaForCausalLM"),
-])  # transformers' Qwen GGUF reader assumes 128-wide heads, hence the shapes
+    (("--model.arch=gpt2", "--model.num_kv_heads=4", "--model.tie_embeddings=false",
+      "--model.ffn_hidden_size=256", "--model.max_seq_len=1024"), "GPT2LMHeadModel"),
+])  # transformers' GGUF readers assume 128-wide Qwen heads and GPT-2's default ffn and length
 def test_families_round_trip(tmp_path, transformers, overrides, family):
     model, root = bpe_checkpoint(tmp_path / "ckpt", *overrides)
     out = tmp_path / "model.gguf"
@@ -308,17 +310,17 @@ def test_bad_export_is_one_line_and_leaves_nothing(tmp_path, capsys, small_gguf,
         assert fragment in line, line
     line = cli_error(capsys, "convert", "--from", small_gguf, "--to", out, "--format", "hf")
     assert "converts only to a meshtron checkpoint" in line
-    gpt2 = tmp_path / "gpt2"
-    cfg = load_config(overrides=[*SHAPE, "--model.arch=gpt2"])
+    mistral = tmp_path / "mistral"  # a sliding window: Mistral, which GGUF files do not hold
+    cfg = load_config(overrides=[*SHAPE, "--model.sliding_window=16"])
     model = Transformer(cfg.model)
     initialize(model, seed=1, std=0.02, num_layers=cfg.model.num_layers)
-    write_model_checkpoint(gpt2, cfg, {k: v.detach() for k, v in model.state_dict().items()})
-    line = cli_error(capsys, "convert", "--from", gpt2, "--to", out, "--format", "gguf")
-    assert "cannot write as GGUF" in line
+    write_model_checkpoint(mistral, cfg, {k: v.detach() for k, v in model.state_dict().items()})
+    line = cli_error(capsys, "convert", "--from", mistral, "--to", out, "--format", "gguf")
+    assert "exports as mistral, which meshtron cannot write as GGUF" in line
 
     def fail(self):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail)
     line = cli_error(capsys, "convert", "--from", root, "--to", out, "--format", "gguf")
     assert "No space left on device" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ckpt", "gpt2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ckpt", "mistral"]

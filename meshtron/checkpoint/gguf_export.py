@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from meshtron.checkpoint.gguf_config import PERMUTED_QK, gguf_metadata
+from meshtron.checkpoint.gguf_config import ARCHITECTURES, gguf_metadata
 from meshtron.checkpoint.gguf_tensors import gguf_names, qk_heads, to_llama_cpp_order
 from meshtron.checkpoint.gguf_tokenizer import gguf_tokenizer_metadata
 from meshtron.checkpoint.hf_config import hf_config_dict
@@ -59,10 +59,13 @@ def export_gguf(checkpoint: Path, dst: Path, gguf_type: str = "f32") -> Conversi
     meta["general.file_type"] = int(file_type)
     names = gguf_names(arch, model_cfg.num_layers, list(tensors))
     encoded = {}
+    spec = ARCHITECTURES[arch]
     for hf_name, tensor in tensors.items():
-        heads = qk_heads(hf_name, hf["num_attention_heads"], hf["num_key_value_heads"])
-        if heads is not None and arch in PERMUTED_QK:
-            tensor = to_llama_cpp_order(tensor, heads)
+        if hf_name.endswith(spec.transposed):  # GPT-2's Conv1D [in, out] -> [out, in]
+            tensor = tensor.t()
+        if spec.permuted_qk:
+            heads = qk_heads(hf_name, hf["num_attention_heads"], hf["num_key_value_heads"])
+            tensor = tensor if heads is None else to_llama_cpp_order(tensor, heads)
         encoded[names[hf_name]] = _encode(tensor, qtype)
     fallback = sum(t == Q.F16 for t, _ in encoded.values() if qtype == Q.Q8_0)
     if fallback:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from meshtron.checkpoint.gguf_config import PERMUTED_QK, hf_config_from_gguf
+from meshtron.checkpoint.gguf_config import ARCHITECTURES, hf_config_from_gguf
 from meshtron.checkpoint.gguf_file import GGUFModel
 from meshtron.checkpoint.gguf_tensors import from_llama_cpp_order, gguf_names, qk_heads
 from meshtron.checkpoint.gguf_tokenizer import tokenizer_config, tokenizer_from_gguf
@@ -79,16 +79,17 @@ def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfi
                 ) -> dict[str, torch.Tensor]:
     """The model's tensors under Hugging Face names, each checked (present, shape from the
     metadata, a type gguf can dequantise, no tensor left over) before any is dequantised."""
-    where = model.path
+    where, spec = model.path, ARCHITECTURES[arch]
     expected = expected_hf_shapes(cfg)
     names = gguf_names(arch, cfg.num_layers, list(expected))
     for hf_name, name in names.items():
         if name not in model.tensors:
             raise MeshtronError(f"{where} lacks tensor '{name}', which its metadata implies")
-        shape = model.tensors[name].shape
-        if shape != tuple(expected[hf_name]):
-            raise MeshtronError(f"tensor '{name}' in {where} has shape {shape}, its metadata "
-                                f"implies {tuple(expected[hf_name])}")
+        want = tuple(expected[hf_name])
+        want = want[::-1] if hf_name.endswith(spec.transposed) else want
+        if model.tensors[name].shape != want:
+            raise MeshtronError(f"tensor '{name}' in {where} has shape "
+                                f"{model.tensors[name].shape}, its metadata implies {want}")
     for name in sorted(set(model.tensors) - set(names.values())):
         why = EXPLAINED_TENSORS.get(name, f"which a {arch} model of its metadata does not have")
         raise MeshtronError(f"{where} has tensor '{name}', {why}")
@@ -96,9 +97,11 @@ def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfi
     out = {}
     for hf_name, name in names.items():
         tensor = model.tensor(name)
-        heads = qk_heads(hf_name, hf["num_attention_heads"], hf["num_key_value_heads"])
-        if heads is not None and arch in PERMUTED_QK:
-            tensor = from_llama_cpp_order(tensor, heads)
+        if hf_name.endswith(spec.transposed):
+            tensor = tensor.t()
+        if spec.permuted_qk:
+            heads = qk_heads(hf_name, hf["num_attention_heads"], hf["num_key_value_heads"])
+            tensor = tensor if heads is None else from_llama_cpp_order(tensor, heads)
         out[hf_name] = tensor.contiguous()
     return out
 
