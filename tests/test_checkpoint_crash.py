@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,35 +36,26 @@ def test_async_save_writes_the_same_files_as_a_sync_save(data_cache, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_chosen(data_cache, tmp_path):
-    """Kill the trainer the moment a save's temporary directory appears; the newest complete
-    checkpoint is then an earlier step, verifies, and training resumes from it."""
+    """The trainer SIGKILLs itself inside step 4's save (``MESHTRON_FAULTS=save:step=4``: its
+    shard written, the checkpoint not complete; a kill timed by polling for the temporary
+    directory raced the save's completion); the newest complete checkpoint is then step 3,
+    verifies, and training resumes from it."""
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
-    model = test_overrides(data_cache, str(run_dir), steps=200) + [
+    model = test_overrides(data_cache, str(run_dir), steps=6) + [
         "--model.hidden_size=128", "--model.ffn_hidden_size=512"]
     overrides = model + ["--checkpoint.every=1", "--checkpoint.keep_last=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "meshtron", "train", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    killed_during: str | None = None
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            complete = list(root.glob("step_*")) if root.is_dir() else []
-            in_flight = list(root.glob(".tmp-step_*")) if root.is_dir() else []
-            if complete and in_flight:
-                proc.send_signal(signal.SIGKILL)
-                killed_during = in_flight[0].name
-                break
-            time.sleep(0.0005)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert killed_during is not None, "never caught a save in flight"
-    killed_step = int(killed_during.split("_")[1].split("-")[0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHTRON_FAULTS": "save:step=4"}
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "train", *overrides],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    in_flight = [p.name for p in root.glob(".tmp-step_*")]
+    assert len(in_flight) == 1 and "step_00000004" in in_flight[0], in_flight
+    killed_during, killed_step = in_flight[0], 4
     warnings: list[str] = []
     chosen = find_latest(root, warn=warnings.append)
-    assert chosen is not None and int(chosen.name.split("_")[1]) < killed_step
+    assert chosen is not None and int(chosen.name.split("_")[1]) == killed_step - 1
     verify_checkpoint(chosen)
     open_checkpoint(chosen)[1].read("model/embed.weight")
     chosen_step = int(chosen.name.split("_")[1])
