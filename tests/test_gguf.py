@@ -93,6 +93,10 @@ def test_real_gguf_tokenizer_and_chat_template(smollm, smollm_hf):
     for text in TEXTS:
         assert tokenizer.encode(text) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.encode("<|im_start|>")[0] == 1  # a control token stays whole
+    # tokenizer.ggml.pre=smollm: every numeric character alone, as llama.cpp (and SmolLM2's own
+    # tokenizer.json) split; transformers' GGUF tokenizer ignores the name and keeps " ½" whole
+    assert tokenizer.encode("a ½²") == tokenizer.encode("a ") + tokenizer.encode("½") + \
+        tokenizer.encode("²")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     assert config["chat_template"] == hf_tokenizer.chat_template
     assert "<|im_start|>" in config["chat_template"]
