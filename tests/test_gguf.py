@@ -202,6 +202,10 @@ def test_families_round_trip(tmp_path, transformers, overrides, family):
     assert all(torch.equal(back[k], original[k]) for k in original)
     # GGUF keeps the padded vocabulary only (the HF import too, without meshtron's note)
     assert back_cfg.model == dataclasses.replace(original_cfg.model, vocab_size=384)
+    sampling = ("do_sample", "temperature", "top_k", "top_p")  # general.sampling.*, both ways
+    assert original_cfg.generation.do_sample
+    assert [getattr(back_cfg.generation, k) for k in sampling] == \
+        [getattr(original_cfg.generation, k) for k in sampling]
 
 
 def test_llama_cpp_row_order_is_undone():

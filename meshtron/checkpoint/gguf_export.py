@@ -29,6 +29,7 @@ from meshtron.checkpoint.gguf_tokenizer import gguf_tokenizer_metadata
 from meshtron.checkpoint.hf_config import hf_config_dict
 from meshtron.checkpoint.hf_convert import Conversion, read_export_state
 from meshtron.checkpoint.hf_mapping import hf_format, to_hf
+from meshtron.config import GenerationConfig
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
 
@@ -38,6 +39,8 @@ GGUF_TYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
 """``--gguf-type`` -> (the type of the matrices, the file type recorded in the metadata)."""
+INT32_KEYS = ("general.sampling.top_k",)
+"""Integer keys llama.cpp reads as int32 (the others as uint32)."""
 
 
 def export_gguf(checkpoint: Path, dst: Path, gguf_type: str = "f32") -> Conversion:
@@ -55,6 +58,7 @@ def export_gguf(checkpoint: Path, dst: Path, gguf_type: str = "f32") -> Conversi
         del tensors[hf_format(model_cfg).head]
     notes: list[str] = []
     meta.update(_tokenizer_metadata(checkpoint, tokenizer, hf["vocab_size"], notes))
+    meta.update(_generation_metadata(cfg.generation, meta))
     qtype, file_type = GGUF_TYPES[gguf_type]
     meta["general.file_type"] = int(file_type)
     names = gguf_names(arch, model_cfg.num_layers, list(tensors))
@@ -110,6 +114,23 @@ def _tokenizer_metadata(checkpoint: Path, tokenizer: Tokenizer | None, vocab: in
     return meta
 
 
+def _generation_metadata(gen: GenerationConfig, meta: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's generation section as GGUF says it: its BOS/EOS ids (they name the
+    model's own, e.g. an instruct model's end of turn, over the tokenizer's document
+    separator) and, when it samples, ``general.sampling.*`` (llama.cpp's defaults)."""
+    out: dict[str, Any] = {}
+    if "tokenizer.ggml.tokens" in meta:
+        if gen.eos_token_id:
+            out["tokenizer.ggml.eos_token_id"] = gen.eos_token_id[0]
+        if gen.bos_token_id is not None:
+            out["tokenizer.ggml.bos_token_id"] = gen.bos_token_id
+    if gen.do_sample and not gen.greedy:
+        out.update({"general.sampling.temp": float(gen.temperature),
+                    "general.sampling.top_k": gen.top_k,
+                    "general.sampling.top_p": float(gen.top_p)})
+    return out
+
+
 def _tokenizer_config(checkpoint: Path) -> dict[str, Any]:
     """The ``tokenizer_config.json`` an import left beside the checkpoint (in it, or in the
     folder holding it), or nothing."""
@@ -151,6 +172,8 @@ def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
     """One metadata value with the type llama.cpp reads it as (counts and ids uint32)."""
     if isinstance(value, bool):
         writer.add_bool(key, value)
+    elif key in INT32_KEYS:
+        writer.add_int32(key, value)
     elif isinstance(value, int):
         writer.add_uint32(key, value)
     elif isinstance(value, float):
