@@ -306,6 +306,19 @@ def test_bad_gguf_is_one_line_and_writes_nothing(tmp_path, capsys, small_gguf, c
     assert not (tmp_path / "o").exists()
 
 
+def test_tokenizer_meshtron_cannot_use_is_left_out_with_a_note(tmp_path, capsys, small_gguf):
+    """No end-of-text token meshtron knows by name: the model imports, without a tokenizer."""
+    tokens = gguf.GGUFReader(str(small_gguf)).fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[0] == "<|endoftext|>"
+    bad = rewrite(small_gguf, tmp_path / "m.gguf",
+                  meta={"tokenizer.ggml.tokens": ["<|stop|>", *tokens[1:]]})
+    assert main(["convert", "--from", str(bad), "--to", str(tmp_path / "o")]) == 0
+    assert "meshtron cannot use it" in capsys.readouterr().out
+    assert not (tmp_path / "o" / "tokenizer.json").exists()
+    assert read_model_tensors(next((tmp_path / "o").glob("step_*")))[1]["embed.weight"].shape[0] \
+        == 384
+
+
 def test_bad_export_is_one_line_and_leaves_nothing(tmp_path, capsys, small_gguf, monkeypatch):
     _, root = bpe_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "out.gguf"

@@ -71,7 +71,9 @@ def import_gguf(src: Path, dst: Path) -> Conversion:
         if tokenizer is not None:
             path = Path(tmp) / "tokenizer.json"
             tokenizer.save(str(path))
-            _check_tokenizer(path, padded_vocab_size(cfg.model), where)
+            if not _usable_tokenizer(path, padded_vocab_size(cfg.model), where, notes):
+                path = None
+                extra.pop("tokenizer_config.json")
         return write_import(dst, cfg, tensors, path, notes, extra)
 
 
@@ -106,12 +108,19 @@ def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfi
     return out
 
 
-def _check_tokenizer(path: Path, vocab: int, where: str) -> None:
-    """The built tokenizer loads as meshtron's and fits the embedding."""
-    tokenizer = Tokenizer.load(path)
+def _usable_tokenizer(path: Path, vocab: int, where: str, notes: list[str]) -> bool:
+    """Whether the built tokenizer loads as meshtron's (which needs an end-of-text token it
+    knows by name; if not, the model is imported without it, as the HF import does); one
+    larger than the embedding is refused (the file contradicts itself)."""
+    try:
+        tokenizer = Tokenizer.load(path)
+    except MeshtronError as err:
+        notes.append(f"the tokenizer of {where} was not written, meshtron cannot use it: {err}")
+        return False
     if tokenizer.vocab_size > vocab:
         raise MeshtronError(f"{where}: its tokenizer has {tokenizer.vocab_size} tokens, more "
                             f"than the {vocab} rows of token_embd.weight")
+    return True
 
 
 def _generation(meta: dict[str, Any]) -> dict[str, Any]:
