@@ -197,14 +197,25 @@ def test_bad_train_input_is_one_clear_line(data_cache, tmp_path, case):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_layout_error_is_raised_before_any_process_starts(data_cache, tmp_path):
-    started = time.monotonic()
-    proc = meshtron("train", "--nproc", "3", "--parallel.tp=2",
-                    *test_overrides(data_cache, str(tmp_path / "run"), steps=2), cwd=tmp_path)
-    elapsed = time.monotonic() - started
+def test_layout_error_is_raised_before_any_process_starts(data_cache, tmp_path, monkeypatch,
+                                                         capsys):
+    """The command's one line and exit code 2; and, in this process with the launcher
+    replaced by one that records its calls, no launch at all (a bound on the command's
+    seconds told the same on an idle machine only)."""
+    args = ["train", "--nproc", "3", "--parallel.tp=2",
+            *test_overrides(data_cache, str(tmp_path / "run"), steps=2)]
+    proc = meshtron(*args, cwd=tmp_path)
     assert_user_error(proc, "world size 3 is not divisible by tp*cp*pp")
-    assert elapsed < 20, f"took {elapsed:.1f} s: processes were started before the check"
     assert not (tmp_path / "run").exists()
+    from meshtron import cli
+    from meshtron.parallel.mesh import launch
+
+    launched: list[tuple] = []
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: launched.append(a) or 0)
+    assert cli.main(args) == 2 and launched == []
+    assert "world size 3 is not divisible by tp*cp*pp" in capsys.readouterr().err
+    # the same command with a layout that fits reaches the launcher, which is what is watched
+    assert cli.main(["train", "--nproc", "2", *args[4:]]) == 0 and len(launched) == 1
 
 
 def test_generate_from_a_missing_checkpoint(tmp_path):
