@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{outcome.detail}", flush=True)
     print(summary(outcomes))
     if args.docs:
-        command = "benchmarks/mutation.py" + (f" --only '{args.only}'" if args.only else "")
+        command = (f".venv/bin/python benchmarks/mutation.py --timeout {args.timeout:.0f} --docs"
+                   + (f" --only '{args.only}'" if args.only else ""))
         write_docs(outcomes, commit, time.monotonic() - started, command)
     return 1 if any(o.result in ("survived", "stale") for o in outcomes) else 0
 
