@@ -1,6 +1,7 @@
 """Joining a job from torchrun or SLURM variables, and failing cleanly when a peer dies."""
 
-import time
+import os
+import select
 
 import pytest
 
@@ -31,6 +32,8 @@ def survive_a_dead_peer(rank: int, world_size: int) -> tuple[str | None, list]:
 
     from meshtron.cli import _peer_failure
 
+    pids: list = [None, None]
+    dist.all_gather_object(pids, os.getpid())
     if rank == 1:
         return None, []  # leaves at once: its process group goes away
     # Errors of our own code that merely mention a timeout keep their traceback.
@@ -40,7 +43,9 @@ def survive_a_dead_peer(rank: int, world_size: int) -> tuple[str | None, list]:
     for text in ("Socket closed [127.0.0.1]:4242", "Read error [127.0.0.1]:4242: Connection "
                  "reset by peer", "Application timeout caused pair closure"):
         assert _peer_failure(RuntimeError(f"[gloo/transport/tcp/pair.cc:1] {text}")), text
-    time.sleep(2)
+    gone = os.pidfd_open(pids[1])  # readable once rank 1 has exited, its sockets closed
+    select.select([gone], [], [])
+    os.close(gone)
     try:
         dist.all_reduce(torch.ones(4))
     except RuntimeError as err:
