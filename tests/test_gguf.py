@@ -18,6 +18,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, trainers
 
 from meshtron.checkpoint.gguf_tensors import from_llama_cpp_order, to_llama_cpp_order
 from meshtron.checkpoint.loading import load_for_inference
@@ -238,7 +240,9 @@ def rewrite(src: Path, dst: Path, meta: dict | None = None, drop: tuple[str, ...
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
     for key, value in changes.items():
         if key != "general.architecture":
-            writer.add_uint32(key, value)
+            add = {list: writer.add_array, str: writer.add_string}.get(type(value),
+                                                                      writer.add_uint32)
+            add(key, value)
     replaced = dict(tensors or {})
     for t in reader.tensors:
         qtype, data = replaced.pop(t.name, (t.tensor_type, np.array(t.data)))
@@ -304,6 +308,44 @@ def test_bad_gguf_is_one_line_and_writes_nothing(tmp_path, capsys, small_gguf, c
     line = cli_error(capsys, "convert", "--from", bad, "--to", tmp_path / "o")
     assert fragment in line, line
     assert not (tmp_path / "o").exists()
+
+
+def sentencepiece_metadata() -> dict:
+    """A sentencepiece BPE as llama.cpp stores one (Llama 2, Mistral): <unk>, <s>, </s>, 256
+    byte tokens, "▁"-spelled pieces scored by merge order, no merges, unused padding."""
+    trained = HFTokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    text = [" ".join(TEXTS) * 3, "the quick brown fox jumps over the lazy dog " * 20]
+    trained.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    pieces = sorted(trained.get_vocab(), key=trained.get_vocab().get)
+    scores = [-float(i) for i in range(len(pieces))]
+    # "ΞΨΩ": the pair whose joined token scores higher (ΨΩ) merges first, leaving Ξ + ΨΩ
+    pieces += ["Ξ", "Ψ", "Ω", "ΞΨ", "ΨΩ"]
+    scores += [-300.0, -300.0, -300.0, 5.0, 10.0]
+    pad = 384 - 259 - len(pieces)
+    return {"tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+                                      *pieces, *(f"[PAD{i}]" for i in range(pad))],
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [5] * pad,
+            "tokenizer.ggml.scores": [0.0] * 259 + scores + [-1e9] * pad,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.bos_token_id": 1}
+
+
+@pytest.mark.slow
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path, small_gguf, transformers):
+    spm = rewrite(small_gguf, tmp_path / "spm.gguf", meta=sentencepiece_metadata(),
+                  drop=("tokenizer.ggml.merges", "tokenizer.ggml.pre",
+                        "tokenizer.ggml.add_bos_token"))  # unsaid: llama.cpp adds BOS here
+    assert main(["convert", "--from", str(spm), "--to", str(tmp_path / "o")]) == 0
+    ours = Tokenizer.load(tmp_path / "o" / "tokenizer.json")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=spm.name)
+    for text in (*TEXTS, " leading space", "x  y", "ΞΨΩ", "∑ 🚀 ű"):  # ∑ 🚀 ű: byte tokens
+        assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert [ours.decode([i]) for i in ours.encode("ΞΨΩ")][-2:] == ["Ξ", "ΨΩ"]
+    assert ours.encode("🚀") == [ours.token_id("▁")] + [3 + b for b in "🚀".encode()]  # <0xNN>
+    assert ours.eos_id == 2 and ours.decode(ours.encode("héllo wörld")) == "héllo wörld"
+    config = json.loads((tmp_path / "o" / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] and config["bos_token"] == "<s>"
 
 
 def test_tokenizer_meshtron_cannot_use_is_left_out_with_a_note(tmp_path, capsys, small_gguf):

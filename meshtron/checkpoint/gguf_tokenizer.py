@@ -7,8 +7,10 @@ control, user-defined, unused) and the *name* of the rule that splits text befor
 pre-tokenizer, used both ways: an import builds it, an export finds the name whose
 pre-tokenizer equals the one in ``tokenizer.json``. Control tokens become special added tokens
 and user-defined ones plain added tokens, so text naming them (``<|im_start|>``) encodes to
-their ids, as llama.cpp encodes it. Other tokenizer models (sentencepiece's ``llama``, ...)
-are not converted: the import says so and writes the model without one.
+their ids, as llama.cpp encodes it. A sentencepiece BPE (``llama``: Llama 2, Mistral) is
+converted too, its merges ranked by the tokens' scores (llama.cpp's rule); other models
+(unigram ``t5``, ...) are not: the import says so and writes the model without one. The export
+writes byte-level BPEs only.
 """
 
 from __future__ import annotations
@@ -85,19 +87,39 @@ def _strings(meta: dict[str, Any], key: str, where: str) -> list[str]:
 def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> tuple[HFTokenizer | None, str]:
     """The tokenizer a GGUF file's metadata describes, or None and why it is not converted."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         return None, (f"{where} has tokenizer.ggml.model={kind!r}; only byte-level BPE (gpt2) "
-                      "tokenizers are converted, so none was written (give one with "
-                      "--data.tokenizer)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise MeshtronError(f"{where}: tokenizer.ggml.pre={str(pre)[:80]!r} is a pre-tokenizer "
-                            f"meshtron does not know (it knows {', '.join(PRE_TOKENIZERS)})")
+                      "and sentencepiece BPE (llama) tokenizers are converted, so none was "
+                      "written (give one with --data.tokenizer)")
     tokens = _strings(meta, "tokenizer.ggml.tokens", where)
     types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
     if not isinstance(types, list) or len(types) != len(tokens):
         raise MeshtronError(f"{where}: tokenizer.ggml.token_type does not give one type per "
                             "token")
+    build = _byte_level if kind == "gpt2" else _sentencepiece
+    try:
+        tokenizer, whole = build(meta, tokens, where)
+    except MeshtronError:
+        raise
+    except Exception as err:  # the Rust side raises plain Exceptions
+        raise MeshtronError(f"{where}: the tokenizer metadata is inconsistent "
+                            f"({str(err).splitlines()[0][:120]})") from None
+    kept = [(t, kind) for t, kind in zip(tokens, types) if whole(t)]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in kept if kind == CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in kept if kind == USER_DEFINED])
+    return tokenizer, ""
+
+
+def _byte_level(meta: dict[str, Any], tokens: list[str], where: str
+                ) -> tuple[HFTokenizer, Callable[[str], bool]]:
+    """GPT-2-style BPE: the file's merges and split rule; tokens spelled in GPT-2's byte
+    alphabet (a token outside it, which llama.cpp mislabels, is respelled and not added whole)."""
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise MeshtronError(f"{where}: tokenizer.ggml.pre={str(pre)[:80]!r} is a pre-tokenizer "
+                            f"meshtron does not know (it knows {', '.join(PRE_TOKENIZERS)})")
     merges = [tuple(m.split(" ")) for m in _strings(meta, "tokenizer.ggml.merges", where)]
     if any(len(m) != 2 for m in merges):
         raise MeshtronError(f"{where}: tokenizer.ggml.merges holds an entry that is not two "
@@ -106,19 +128,37 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> tuple[HFTokenizer |
     alphabet = set(spelling.values())
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}
-    try:
-        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
-    except Exception as err:  # the Rust side raises plain Exceptions
-        raise MeshtronError(f"{where}: the tokenizer metadata is inconsistent "
-                            f"({str(err).splitlines()[0][:120]})") from None
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
-    whole = [(t, kind) for t, kind in zip(tokens, types) if set(t) <= alphabet]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in whole if kind == CONTROL])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, kind in whole if kind == USER_DEFINED])
-    return tokenizer, ""
+    return tokenizer, lambda t: set(t) <= alphabet
+
+
+def _sentencepiece(meta: dict[str, Any], tokens: list[str], where: str
+                   ) -> tuple[HFTokenizer, Callable[[str], bool]]:
+    """SentencePiece BPE (Llama 2, Mistral): spaces as "▁", one prepended to the text, bytes
+    without a token as ``<0xNN>`` tokens. llama.cpp merges the adjacent pair whose joined token
+    scores highest; a BPE whose merge ranks follow those scores does the same."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens):
+        raise MeshtronError(f"{where}: tokenizer.ggml.scores does not give one score per token")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for index, (token, score) in enumerate(zip(tokens, scores)):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-score, -len(left), -len(right), index, vocab[left],
+                               vocab[right], left, right))
+    ranked = [(m[-2], m[-1]) for m in sorted(merges)]
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=ranked, fuse_unk=True,
+                                       byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                       split=False)
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(content=" ", left=1, right=0)])
+    return tokenizer, lambda t: True
 
 
 def special_token(meta: dict[str, Any], key: str, where: str) -> str | None:
@@ -141,7 +181,8 @@ def tokenizer_config(meta: dict[str, Any], where: str, max_len: int) -> dict[str
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
         config[name] = special_token(meta, key, where)
-    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    sentencepiece = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp adds BOS there
+    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece))
     config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     template = meta.get("tokenizer.chat_template")
     if isinstance(template, str):
