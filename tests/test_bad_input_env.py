@@ -113,12 +113,12 @@ def test_metrics_the_file_system_refuses_are_one_line(data_cache, tmp_path, caps
 
 
 HOLD = """
-import sys, time
+import sys
 from pathlib import Path
 from meshtron.training.run_lock import run_lock
 with run_lock(Path(sys.argv[1]), Path(sys.argv[2])):
     print("held", flush=True)
-    time.sleep(120)
+    sys.stdin.read()  # held until the test kills this process, however long its checks take
 """
 
 
@@ -127,7 +127,7 @@ def test_a_second_training_on_a_busy_directory_is_refused_naming_the_holder(data
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != run_lock.HELD_ENV}
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run), str(run / "checkpoints")],
-                              stdout=subprocess.PIPE, text=True, env=env)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert holder.stdout.readline().strip() == "held"
         busy = f"(pid {holder.pid} on host {socket.gethostname()}, since "
