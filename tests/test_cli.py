@@ -228,16 +228,20 @@ def test_generate_from_a_missing_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_multi_process_failure_exits_promptly_naming_the_rank(data_cache, tmp_path):
+    """The launcher stops the rank that did not fail (its line says so), rather than leaving
+    it in a collective until run.timeout_s (600 s by default): the bound on the seconds is
+    half that, far above any start-up on a loaded machine (60 s was not)."""
     started = time.monotonic()
     proc = meshtron("train", "--nproc", "2",
                     *test_overrides(data_cache, str(tmp_path / "run"), steps=2),
-                    "--data.path=/nonexistent.txt", cwd=tmp_path, timeout=60)
+                    "--data.path=/nonexistent.txt", cwd=tmp_path, timeout=400)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert "data path not found: /nonexistent.txt" in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert re.match(r"meshtron: error: rank \d+ exited with code \d+", lines[-1]), proc.stderr
-    assert elapsed < 60
+    assert re.match(r"meshtron: error: rank \d+ exited with code \d+; the other ranks were "
+                    r"stopped$", lines[-1]), proc.stderr
+    assert elapsed < 300
 
 
 @pytest.mark.slow
