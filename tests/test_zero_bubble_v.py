@@ -102,16 +102,18 @@ def _measured_order_runs(rank: int, world_size: int, cache_dir: str, root: str) 
     order; with ``parallel.zb_v_measured_order=2`` (whichever order its timings give); and
     re-ordered before step 1 for fixed costs whose W is a fifth of F and B."""
     layout = ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=zb-v",
-              "--model.num_layers=4", "--train.micro_batch=1", "--model.tie_embeddings=true"]
+              "--model.num_layers=4", "--train.micro_batch=1"]
     out: dict = {}
-    for name, after in (("plan", 0), ("measured", 2), ("fixed", 0)):
+    for name, after in (("plan", 0), ("measured", 2), ("fixed", 0), ("plan untied", 0),
+                        ("fixed untied", 0)):
         lines: list[str] = []
-        overrides = test_overrides(cache_dir, f"{root}/{name}", steps=4) + layout + [
+        tied = [] if "untied" in name else ["--model.tie_embeddings=true"]
+        overrides = test_overrides(cache_dir, f"{root}/{name}", steps=4) + layout + tied + [
             f"--parallel.zb_v_measured_order={after}"]
         trainer = Trainer(load_config(overrides=overrides),
                           ParallelMesh(MeshLayout(world_size, pp=2), rank), log=lines.append)
         planned = trainer.pipeline.schedule
-        if name == "fixed":
+        if name.startswith("fixed"):
             costs = [(1.0, 1.0, 0.2), (1.0, 1.0, 0.2), (2.0, 2.0, 0.4), (1.5, 1.5, 0.3)]
             lines.append(MeasuredOrder(2, None).reorder(trainer.pipeline, costs, "fixed costs"))
         result = trainer.run()
@@ -132,7 +134,9 @@ def test_zb_v_reordered_for_measured_costs_keeps_the_losses(data_cache, tmp_path
     the same measured (F, B, W) seconds, or keeps the plan's where that is as short. Re-ordered
     (here for fixed costs, so surely), the losses and grad norms stay those of the plan's order:
     each chunk's B and W still go in micro-batch order, and only the tied weight's two chunks
-    may add in another order (1e-6)."""
+    may add in another order (1e-6). Without a tied weight every gradient adds in the plan's
+    order: the same bits, so a layout re-ordered for timings has one outcome whatever order
+    they give (the pp=4 parity layout's)."""
     ranks = run_distributed(_measured_order_runs, 2, data_cache, str(tmp_path), timeout=300)
     plan, measured, fixed = (ranks[0][name] for name in ("plan", "measured", "fixed"))
     assert plan["lines"] == [] and not plan["changed"]
@@ -146,6 +150,11 @@ def test_zb_v_reordered_for_measured_costs_keeps_the_losses(data_cache, tmp_path
     else:
         assert "keeps its order" in measured["lines"][0] and not measured["changed"]
     assert fixed["changed"] and "re-ordered for fixed costs" in fixed["lines"][0]
+    untied = ranks[0]["fixed untied"]
+    assert untied["changed"] and "re-ordered for fixed costs" in untied["lines"][0]
+    assert untied["chunk_orders"] == fixed["chunk_orders"]
+    for key in ("loss", "grad_norm"):
+        assert untied[key] == ranks[0]["plan untied"][key]  # exactly
     for run in (measured, fixed):
         for stage in run["chunk_orders"]:
             for chunk in stage:
