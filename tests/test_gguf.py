@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -210,6 +211,32 @@ def test_families_round_trip(tmp_path, transformers, overrides, family):
         [getattr(original_cfg.generation, k) for k in sampling]
 
 
+def test_llama3_rope_goes_as_llama_cpp_factors_and_back(tmp_path):
+    """llama.cpp keeps Llama 3.1's rope scaling as one divisor per frequency (rope_freqs)."""
+    rope = ("--model.rope.scaling=llama3", "--model.rope.factor=4",
+            "--model.rope.original_max_len=64", "--model.rope.high_freq_factor=8")
+    model, root = bpe_checkpoint(tmp_path / "ckpt", *rope)
+    out = tmp_path / "model.gguf"
+    assert main(["convert", "--from", str(root), "--to", str(out), "--format", "gguf"]) == 0
+    stored = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "rope_freqs.weight")
+    # Llama 3.1's rule for head_dim 16, theta 1e4: wavelengths under 64/8 kept, over 64/1
+    # divided by 4, a blend between
+    expected = []
+    for i in range(8):
+        wavelen = 2 * math.pi * 10000 ** (2 * i / 16)
+        blend = (64 / wavelen - 1) / (8 - 1)
+        expected.append(1.0 if wavelen < 8 else 4.0 if wavelen > 64
+                        else 1 / ((1 - blend) / 4 + blend))
+    assert np.allclose(stored.data, expected, rtol=1e-6)
+    assert main(["convert", "--from", str(out), "--to", str(tmp_path / "back")]) == 0
+    back_cfg, _ = read_model_tensors(next((tmp_path / "back").glob("step_*")))
+    assert back_cfg.model.rope == read_model_tensors(next(root.glob("step_*")))[0].model.rope
+    back, _ = load_for_inference(tmp_path / "back")
+    tokens = torch.randint(0, 300, (1, 100), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # positions past the original 64: the scaling matters
+        assert torch.equal(back(tokens), model(tokens))
+
+
 def test_llama_cpp_row_order_is_undone():
     """q/k rows: llama.cpp interleaves each head's two rotary halves; import restores them."""
     heads, width = 2, 8
@@ -295,7 +322,7 @@ BAD_FILES = {
                     "lacks llama.block_count"),
     "rope factors": (lambda s, d: rewrite(s, d, tensors={
         "rope_freqs.weight": (Q.F32, np.ones(8, dtype=np.float32))}),
-        "rope_freqs.weight', per-frequency rope factors"),
+        "rope_freqs.weight holds per-frequency rope factors that are not Llama 3.1-style"),
     "bad pre-tokenizer": (lambda s, d: rewrite(s, d, meta={"tokenizer.ggml.pre": "klingon"}),
                           "tokenizer.ggml.pre='klingon'"),
 }

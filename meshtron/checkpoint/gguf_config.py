@@ -8,8 +8,9 @@ both ways.
 
 The architectures are those llama.cpp writes for models meshtron computes exactly: ``llama``
 (Llama, and Mistral without a sliding window, which llama.cpp also files as llama), ``qwen2``,
-``qwen3`` and ``gpt2``. Anything else (a mixture of experts, rope scaling other than linear,
-a partial rotary dimension, separate key and value widths) is refused by name.
+``qwen3`` and ``gpt2``. Anything else (a mixture of experts, rope scaling other than linear or
+Llama 3.1's (:mod:`.gguf_rope`), a partial rotary dimension, separate key and value widths) is
+refused by name.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str, where: str) -> dict[str, Any]
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind != "linear" or not isinstance(factor, (int, float)):
         raise MeshtronError(f"{where}: {arch}.rope.scaling.type={kind}: only linear rope "
-                            "scaling (with its factor) is supported in GGUF files")
+                            "scaling (with its factor) and Llama 3.1's (rope_freqs.weight) are "
+                            "read from GGUF files")
     return {"rope_type": "linear", "factor": float(factor)}
 
 
@@ -178,7 +180,7 @@ def gguf_metadata(hf: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if rope.get("rope_type", "default") == "linear":
         meta.update({f"{arch}.rope.scaling.type": "linear",
                      f"{arch}.rope.scaling.factor": rope["factor"]})
-    elif rope.get("rope_type", "default") != "default":
+    elif rope.get("rope_type", "default") not in ("default", "llama3"):  # llama3: rope_freqs
         raise MeshtronError(f"rope scaling '{rope['rope_type']}' cannot be written as GGUF "
-                            "(linear can)")
+                            "(linear and llama3 can)")
     return arch, meta

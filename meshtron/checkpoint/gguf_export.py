@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from meshtron.checkpoint.gguf_config import ARCHITECTURES, gguf_metadata
+from meshtron.checkpoint.gguf_rope import NAME as ROPE_FACTORS
+from meshtron.checkpoint.gguf_rope import rope_factors
 from meshtron.checkpoint.gguf_tensors import gguf_names, qk_heads, to_llama_cpp_order
 from meshtron.checkpoint.gguf_tokenizer import gguf_tokenizer_metadata
 from meshtron.checkpoint.hf_config import hf_config_dict
@@ -71,6 +73,10 @@ def export_gguf(checkpoint: Path, dst: Path, gguf_type: str = "f32") -> Conversi
             heads = qk_heads(hf_name, hf["num_attention_heads"], hf["num_key_value_heads"])
             tensor = tensor if heads is None else to_llama_cpp_order(tensor, heads)
         encoded[names[hf_name]] = _encode(tensor, qtype)
+    if model_cfg.rope.scaling == "llama3":  # llama.cpp's form: one factor per frequency
+        factors = rope_factors(model_cfg.head_size, model_cfg.rope_theta, model_cfg.rope,
+                               model_cfg.max_seq_len)
+        encoded[ROPE_FACTORS] = (Q.F32, factors.numpy())
     fallback = sum(t == Q.F16 for t, _ in encoded.values() if qtype == Q.Q8_0)
     if fallback:
         notes.append(f"{fallback} matrices whose rows are not whole Q8_0 blocks of 32 were "

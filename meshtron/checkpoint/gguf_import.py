@@ -23,6 +23,8 @@ import torch
 
 from meshtron.checkpoint.gguf_config import ARCHITECTURES, hf_config_from_gguf
 from meshtron.checkpoint.gguf_file import GGUFModel
+from meshtron.checkpoint.gguf_rope import NAME as ROPE_FACTORS
+from meshtron.checkpoint.gguf_rope import llama3_from_factors
 from meshtron.checkpoint.gguf_tensors import from_llama_cpp_order, gguf_names, qk_heads
 from meshtron.checkpoint.gguf_tokenizer import tokenizer_config, tokenizer_from_gguf
 from meshtron.checkpoint.hf_config import hf_model_config
@@ -40,8 +42,8 @@ from meshtron.errors import MeshtronError
 from meshtron.models.flops import padded_vocab_size
 
 EXPLAINED_TENSORS = {
-    "rope_freqs.weight": "per-frequency rope factors (Llama 3.1-style rope scaling), which "
-                         "meshtron does not read from GGUF files",
+    ROPE_FACTORS: "per-frequency rope factors, which meshtron reads only for llama-block "
+                  "models",
 }
 SAMPLING_KEYS = (("general.sampling.temp", "temperature"), ("general.sampling.top_k", "top_k"),
                  ("general.sampling.top_p", "top_p"))
@@ -54,8 +56,9 @@ def import_gguf(src: Path, dst: Path) -> Conversion:
     model = GGUFModel(src)
     meta = model.metadata
     hf = hf_config_from_gguf(meta, set(model.tensors), where)
+    used = _rope_factors(model, hf)
     cfg = import_config(hf_model_config(hf, where), where)
-    tensors = from_hf(_hf_tensors(model, hf["model_type"], hf, cfg.model), cfg.model)
+    tensors = from_hf(_hf_tensors(model, hf["model_type"], hf, cfg.model, used), cfg.model)
     notes: list[str] = []
     tokenizer, why = tokenizer_from_gguf(meta, where)
     if tokenizer is None:
@@ -77,8 +80,22 @@ def import_gguf(src: Path, dst: Path) -> Conversion:
         return write_import(dst, cfg, tensors, path, notes, extra)
 
 
-def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfig
-                ) -> dict[str, torch.Tensor]:
+def _rope_factors(model: GGUFModel, hf: dict[str, Any]) -> set[str]:
+    """Llama 3.1-style rope scaling from ``rope_freqs.weight`` into ``hf``'s rope_scaling;
+    the tensor names read here."""
+    if ROPE_FACTORS not in model.tensors or "head_dim" not in hf:
+        return set()
+    if hf.get("rope_scaling"):
+        raise MeshtronError(f"{model.path}: both {ROPE_FACTORS} and rope.scaling.type scale "
+                            "the rope; meshtron reads one")
+    factors = model.tensor(ROPE_FACTORS)
+    hf["rope_scaling"] = llama3_from_factors(factors, hf["head_dim"], hf["rope_theta"],
+                                             hf["max_position_embeddings"], str(model.path))
+    return {ROPE_FACTORS}
+
+
+def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfig,
+                used: set[str]) -> dict[str, torch.Tensor]:
     """The model's tensors under Hugging Face names, each checked (present, shape from the
     metadata, a type gguf can dequantise, no tensor left over) before any is dequantised."""
     where, spec = model.path, ARCHITECTURES[arch]
@@ -92,7 +109,7 @@ def _hf_tensors(model: GGUFModel, arch: str, hf: dict[str, Any], cfg: ModelConfi
         if model.tensors[name].shape != want:
             raise MeshtronError(f"tensor '{name}' in {where} has shape "
                                 f"{model.tensors[name].shape}, its metadata implies {want}")
-    for name in sorted(set(model.tensors) - set(names.values())):
+    for name in sorted(set(model.tensors) - set(names.values()) - used):
         why = EXPLAINED_TENSORS.get(name, f"which a {arch} model of its metadata does not have")
         raise MeshtronError(f"{where} has tensor '{name}', {why}")
     model.check_types(list(names.values()))
