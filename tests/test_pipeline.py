@@ -19,8 +19,10 @@ from meshtron.training.live_memory import LiveTensorBytes
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import (
+    FP64_STEPS,
     PARITY_RTOL,
     ROUNDING_RTOL,
+    STEPS,
     assert_layouts_match,
     run_layout,
     run_layouts,
@@ -286,25 +288,22 @@ ZERO3_LAYOUT = ["--parallel.pp=2", "--parallel.zero=3", "--train.micro_batch=1",
 
 
 def zero3_pipeline(rank: int, world_size: int, cache_dir: str, root: str) -> dict:
-    """The pp x ZeRO-3 layout's parity runs, and what each stage still holds gathered right
-    after every optimizer step of a 3-step run: (step, parameters with data, bytes of the
-    units' full buffers)."""
+    """The pp x ZeRO-3 layout's parity runs (fp32, then fp64), and what this stage still holds
+    gathered right after each of their optimizer steps: (parameters with data, bytes of the
+    units' full buffers). The class is patched in this spawned worker only."""
+    from meshtron.optim.data_parallel import ShardedOptimizer
+
+    held: list[tuple[int, int]] = []
+    step = ShardedOptimizer.step
+
+    def watched(self: ShardedOptimizer, lr: float) -> None:
+        step(self, lr)
+        gathered = [p for p in self.params if p.numel()]
+        held.append((len(gathered), sum(f.buffer.untyped_storage().nbytes() for f in self.flats)))
+
+    ShardedOptimizer.step = watched
     result = run_layout(test_overrides(cache_dir, f"{root}/parity") + ZERO3_LAYOUT, rank,
                         world_size)
-    cfg = load_config(overrides=test_overrides(cache_dir, f"{root}/watched", steps=3)
-                      + ZERO3_LAYOUT)
-    trainer = Trainer(cfg, ParallelMesh(MeshLayout.of(cfg.parallel, world_size), rank),
-                      log=lambda m: None)
-    optimizer, held = trainer.optimizer, []
-
-    def watched(lr: float, step=optimizer.step) -> None:
-        step(lr)
-        gathered = [p for p in optimizer.params if p.numel()]
-        full = sum(flat.buffer.untyped_storage().nbytes() for flat in optimizer.flats)
-        held.append((trainer.step + 1, len(gathered), full))
-
-    optimizer.step = watched
-    trainer.run()
     result["held_after_step"] = held
     return result
 
@@ -318,9 +317,10 @@ def test_pipeline_zero3_frees_gathered_units_after_each_step(data_cache, tmp_pat
     gathered copy of the weights from before the update."""
     results = run_distributed(zero3_pipeline, 4, data_cache, str(tmp_path), timeout=600)
     for rank, result in enumerate(results):
-        assert len(result["held_after_step"]) == 3, (rank, result["held_after_step"])
-        for step, gathered, full in result["held_after_step"]:
-            assert (gathered, full) == (0, 0), f"rank {rank} after step {step}: {gathered} " \
+        held = result["held_after_step"]
+        assert len(held) == STEPS + FP64_STEPS, (rank, held)
+        for step, (gathered, full) in enumerate(held, 1):
+            assert (gathered, full) == (0, 0), f"rank {rank} after update {step}: {gathered} " \
                 f"parameters and {full} bytes of full buffers still gathered"
     assert_layouts_match([ZERO3_LAYOUT], [[r] for r in results], data_cache, tmp_path)
 
