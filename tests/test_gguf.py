@@ -373,6 +373,16 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path, small_gguf, trans
     assert ours.eos_id == 2 and ours.decode(ours.encode("héllo wörld")) == "héllo wörld"
     config = json.loads((tmp_path / "o" / "tokenizer_config.json").read_text())
     assert config["add_bos_token"] and config["bos_token"] == "<s>"
+    # exported again (scores from the merge ranks), read by transformers and by meshtron
+    again = tmp_path / "again.gguf"
+    assert main(["convert", "--from", str(tmp_path / "o"), "--to", str(again),
+                 "--format", "gguf"]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=again.name)
+    assert main(["convert", "--from", str(again), "--to", str(tmp_path / "back")]) == 0
+    back = Tokenizer.load(tmp_path / "back" / "tokenizer.json")
+    for text in (*TEXTS, "ΞΨΩ", "∑ 🚀 ű"):
+        ids = ours.encode(text)
+        assert ids == back.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
 
 
 def test_tokenizer_meshtron_cannot_use_is_left_out_with_a_note(tmp_path, capsys, small_gguf):

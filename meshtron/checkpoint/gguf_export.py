@@ -114,7 +114,8 @@ def _tokenizer_metadata(checkpoint: Path, tokenizer: Tokenizer | None, vocab: in
     bos = tokenizer.token_id(config.get("bos_token") or "")
     if bos is not None:
         meta["tokenizer.ggml.bos_token_id"] = bos
-    meta["tokenizer.ggml.add_bos_token"] = bool(config.get("add_bos_token", False))
+    sentencepiece = meta["tokenizer.ggml.model"] == "llama"  # llama.cpp's default: BOS there
+    meta["tokenizer.ggml.add_bos_token"] = bool(config.get("add_bos_token", sentencepiece))
     if isinstance(config.get("chat_template"), str):
         meta["tokenizer.chat_template"] = config["chat_template"]
     return meta

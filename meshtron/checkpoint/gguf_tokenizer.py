@@ -10,12 +10,13 @@ and user-defined ones plain added tokens, so text naming them (``<|im_start|>``)
 their ids, as llama.cpp encodes it. A sentencepiece BPE (``llama``: Llama 2, Mistral) is
 converted too, its merges ranked by the tokens' scores (llama.cpp's rule); other models
 (unigram ``t5``, ...) are not: the import says so and writes the model without one. The export
-writes byte-level BPEs only.
+writes both kinds.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from meshtron.errors import MeshtronError
 
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 """llama.cpp's token types (``gguf.TokenType``)."""
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -153,12 +155,16 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], where: str
     ranked = [(m[-2], m[-1]) for m in sorted(merges)]
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=ranked, fuse_unk=True,
                                        byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
-                                                       split=False)
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(content=" ", left=1, right=0)])
+    tokenizer.pre_tokenizer, tokenizer.decoder = _sentencepiece_parts()
     return tokenizer, lambda t: True
+
+
+def _sentencepiece_parts() -> tuple[pre_tokenizers.PreTokenizer, decoders.Decoder]:
+    """The pre-tokenizer (one "▁" prepended, spaces as "▁") and decoder of a sentencepiece
+    BPE, as the import builds them and the export recognises them."""
+    return (pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False),
+            decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                               decoders.Fuse(), decoders.Strip(content=" ", left=1, right=0)]))
 
 
 def special_token(meta: dict[str, Any], key: str, where: str) -> str | None:
@@ -203,19 +209,56 @@ def _pre_name(pre_tokenizer: Any) -> str | None:
 
 def gguf_tokenizer_metadata(tokenizer_json: str, vocab_rows: int
                             ) -> tuple[dict[str, Any] | None, str]:
-    """``tokenizer.ggml.*`` metadata (model, pre, tokens, types, merges) of a byte-level BPE
-    ``tokenizer.json`` with ``vocab_rows`` tokens (padding rows named ``[PADi]``, unused), or
-    None and why it cannot be written."""
+    """``tokenizer.ggml.*`` metadata of a byte-level BPE (model, pre, tokens, types, merges)
+    or sentencepiece BPE (tokens, types, scores) ``tokenizer.json`` with ``vocab_rows`` tokens
+    (padding rows named ``[PADi]``, unused), or None and why it cannot be written."""
     data = json.loads(tokenizer_json)
     model = data.get("model") or {}
     decoder = data.get("decoder") or {}
-    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel" or data.get(
-            "normalizer") is not None:
-        return None, "the tokenizer is not a byte-level BPE, which is all GGUF (gpt2) holds"
+    if model.get("type") != "BPE" or data.get("normalizer") is not None:
+        return None, "the tokenizer is not a BPE without a normalizer, which is all GGUF holds"
+    pre_tokenizer, spm_decoder = _sentencepiece_parts()
+    if (data.get("pre_tokenizer") == json.loads(pre_tokenizer.__getstate__())
+            and decoder == json.loads(spm_decoder.__getstate__()) and model.get("byte_fallback")):
+        return _sentencepiece_metadata(data, vocab_rows), ""
+    if decoder.get("type") != "ByteLevel":
+        return None, "the tokenizer is neither a byte-level nor a sentencepiece BPE"
     pre = _pre_name(data.get("pre_tokenizer"))
     if pre is None:
         return None, ("the tokenizer's pre-tokenizer is none of llama.cpp's "
                       f"({', '.join(PRE_TOKENIZERS)})")
+    tokens, types = _token_table(data, vocab_rows)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": merges}, ""
+
+
+def _sentencepiece_metadata(data: dict[str, Any], vocab_rows: int) -> dict[str, Any]:
+    """A sentencepiece BPE as llama.cpp stores it: scores instead of merges, each token
+    scored by the rank of the first merge that makes it (so the import ranks them the same),
+    tokens no merge makes below them all; ``<0xNN>`` tokens typed as bytes."""
+    tokens, types = _token_table(data, vocab_rows)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in data["model"].get("merges", [])]
+    first: dict[str, int] = {}
+    for rank, (left, right) in enumerate(merges):
+        first.setdefault(left + right, rank)
+    scores = [-float(first.get(token, len(merges) + 1)) for token in tokens]
+    for index, token in enumerate(tokens):
+        if types[index] == NORMAL and _BYTE_TOKEN.fullmatch(token):
+            types[index] = BYTE
+        if token == "<unk>" and types[index] == NORMAL:
+            types[index] = UNKNOWN
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.add_space_prefix": True}
+
+
+def _token_table(data: dict[str, Any], vocab_rows: int) -> tuple[list[str], list[int]]:
+    """(token, type) for each of ``vocab_rows`` ids: the vocabulary, added tokens as control
+    (special) or user-defined, unused padding rows as ``[PADi]``."""
+    model = data["model"]
     tokens: list[str | None] = [None] * vocab_rows
     types = [NORMAL] * vocab_rows
     for token, index in model["vocab"].items():
@@ -228,7 +271,4 @@ def gguf_tokenizer_metadata(tokenizer_json: str, vocab_rows: int
     for index, token in enumerate(tokens):
         if token is None:
             tokens[index], types[index] = f"[PAD{index}]", UNUSED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.merges": merges}, ""
+    return [str(t) for t in tokens], types
