@@ -323,6 +323,8 @@ BAD_FILES = {
     "rope factors": (lambda s, d: rewrite(s, d, tensors={
         "rope_freqs.weight": (Q.F32, np.ones(8, dtype=np.float32))}),
         "rope_freqs.weight holds per-frequency rope factors that are not Llama 3.1-style"),
+    "split file": (lambda s, d: rewrite(s, d, meta={"split.count": 3}),
+                   "part 1 of a GGUF split into 3 files"),
     "bad pre-tokenizer": (lambda s, d: rewrite(s, d, meta={"tokenizer.ggml.pre": "klingon"}),
                           "tokenizer.ggml.pre='klingon'"),
 }

@@ -55,6 +55,10 @@ def import_gguf(src: Path, dst: Path) -> Conversion:
     where = str(src)
     model = GGUFModel(src)
     meta = model.metadata
+    if isinstance(meta.get("split.count"), int) and meta["split.count"] > 1:
+        raise MeshtronError(f"{where} is part {meta.get('split.no', 0) + 1} of a GGUF split into "
+                            f"{meta['split.count']} files; merge them first (llama.cpp's "
+                            "gguf-split --merge)")
     hf = hf_config_from_gguf(meta, set(model.tensors), where)
     used = _rope_factors(model, hf)
     cfg = import_config(hf_model_config(hf, where), where)
