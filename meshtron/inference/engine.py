@@ -48,6 +48,8 @@ class Work:
     max_tokens: list[int]
     sampling: Sampling
     stops: list[tuple[str, ...]]
+    ends: tuple[int, ...]
+    """The ids that end a completion (the model's end-of-sequence ids)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def run_work(generator: Generator, tokenizer: Tokenizer, work: Work,
     """Run one batch: the same call on every rank of the replica."""
     rules = [stop_rule(tokenizer, list(stops)) for stops in work.stops]
     completions, _ = generator.generate(work.prompts, work.max_tokens, work.sampling,
-                                        tokenizer.eos_id, rules, on_step)
+                                        work.ends, rules, on_step)
     return completions
 
 
@@ -134,8 +136,10 @@ class Engine:
     """Rank 0's batching loop on its own thread (the HTTP server keeps the main thread)."""
 
     def __init__(self, generator: Generator, tokenizer: Tokenizer, max_batch: int,
-                 broadcast: Broadcast | None = None, keepalive_s: float = 60.0):
+                 broadcast: Broadcast | None = None, keepalive_s: float = 60.0,
+                 ends: tuple[int, ...] | None = None):
         self.generator, self.tokenizer, self.max_batch = generator, tokenizer, max_batch
+        self.ends = ends or (tokenizer.eos_id,)
         self.broadcast, self.keepalive_s = broadcast, keepalive_s
         self.max_len = generator.model.cfg.max_seq_len
         self.error: BaseException | None = None
@@ -234,7 +238,7 @@ class Engine:
         sampling = replace(batch[0].sampling,
                            seed=self._seeds.randrange(2**63) if seed is None else seed)
         work = Work([job.tokens for job in batch], [job.max_tokens for job in batch],
-                    sampling, [job.stops for job in batch])
+                    sampling, [job.stops for job in batch], self.ends)
         streams = [TextStream(self.tokenizer, job.stops) for job in batch]
         reported = [False] * len(batch)
 

@@ -22,7 +22,7 @@ from meshtron.checkpoint.loading import InferenceCheckpoint, load_model, open_fo
 from meshtron.config import Config, GenerationConfig, config_from_dict, parse_override
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
-from meshtron.inference.sampling_defaults import DEFAULT_MAX_NEW_TOKENS, choose_sampling
+from meshtron.inference.sampling_defaults import DEFAULT_MAX_NEW_TOKENS, choose_sampling, end_ids
 from meshtron.models.generation import Completion, GenerationStats, Generator, StopRule
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.mesh.process import ProcessInfo, process_info
@@ -159,7 +159,7 @@ def _generate_on_rank(args: argparse.Namespace, info: ProcessInfo, ckpt: Inferen
         _note_room(cfg, encoded, max_new_tokens)
     stops = list(args.stop or [])
     completions, stats = Generator(model, mesh).generate(
-        encoded, max_new_tokens, choice.sampling, ckpt.tokenizer.eos_id,
+        encoded, max_new_tokens, choice.sampling, end_ids(gen, ckpt.tokenizer.eos_id),
         stop_rule(ckpt.tokenizer, stops))
     if rank0:
         _print(args, ckpt.tokenizer, prompts, completions, stops)

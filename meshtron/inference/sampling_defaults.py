@@ -27,6 +27,13 @@ class SamplingChoice:
     line: str
 
 
+def end_ids(gen: GenerationConfig, tokenizer_eos: int) -> tuple[int, ...]:
+    """The ids that end a completion: the model's own ``eos_token_id`` (one or several; a chat
+    model ends its turn with one the tokenizer does not call end-of-text, such as SmolLM2's
+    ``<|im_end|>``), as transformers stops at any of them; else the tokenizer's end-of-text."""
+    return tuple(gen.eos_token_id) if gen.eos_token_id else (tokenizer_eos,)
+
+
 def model_sampling(gen: GenerationConfig) -> Sampling:
     """The model's default sampling: temperature 0 (greedy) when it does not sample."""
     return Sampling(0.0 if gen.greedy else gen.temperature, gen.top_k, gen.top_p)

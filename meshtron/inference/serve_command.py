@@ -23,7 +23,7 @@ from meshtron.checkpoint.loading import InferenceCheckpoint, load_model, open_fo
 from meshtron.errors import MeshtronError
 from meshtron.inference.engine import Engine, follow
 from meshtron.inference.generate_command import generation_config
-from meshtron.inference.sampling_defaults import choose_sampling
+from meshtron.inference.sampling_defaults import choose_sampling, end_ids
 from meshtron.models.generation import Generator, Sampling
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.mesh.process import ProcessInfo, process_info
@@ -134,7 +134,8 @@ def _serve_on_rank(args: argparse.Namespace, info: ProcessInfo, ckpt: InferenceC
     choice = choose_sampling(ckpt.config.generation, args.temperature, args.top_k, args.top_p)
     print(f"{choice.line}; a request's temperature, top_k and top_p win", file=sys.stderr)
     engine = Engine(generator, ckpt.tokenizer, args.max_batch, broadcast,
-                    keepalive_s=min(60.0, cfg.run.timeout_s / 4))
+                    keepalive_s=min(60.0, cfg.run.timeout_s / 4),
+                    ends=end_ids(ckpt.config.generation, ckpt.tokenizer.eos_id))
     return _run_server(args, engine, ckpt, name, listener, mesh, choice.sampling)
 
 

@@ -138,15 +138,16 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-                 sampling: Sampling = GREEDY, eos_id: int | None = None,
+                 sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
                  stop: StopRule | list[StopRule | None] | None = None,
                  on_step: StepHook | None = None) -> tuple[list[Completion], GenerationStats]:
         """Continue every prompt by up to ``max_new_tokens`` tokens (one budget for all or one
-        per prompt; fewer where the model's positions end), each stopping at ``eos_id`` or when
-        ``stop`` (one rule for all or one per prompt) says so. An empty prompt starts from
-        ``eos_id`` (or token 0)."""
+        per prompt; fewer where the model's positions end), each stopping at ``eos_id`` (or any
+        of several) or when ``stop`` (one rule for all or one per prompt) says so. An empty
+        prompt starts from the (first) ``eos_id`` (or token 0)."""
         max_len = self.model.cfg.max_seq_len
-        prompts = [list(p) or [eos_id or 0] for p in prompts]
+        ends = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id or ())
+        prompts = [list(p) or [ends[0] if ends else 0] for p in prompts]
         for i, prompt in enumerate(prompts):
             if len(prompt) >= max_len:
                 raise MeshtronError(
@@ -176,7 +177,7 @@ class Generator:
             for i, token in enumerate(next_ids.tolist()):
                 if done[i]:
                     continue
-                if token == eos_id:
+                if token in ends:
                     out[i].finish, done[i] = "eos", True
                     continue
                 out[i].tokens.append(token)
