@@ -61,21 +61,16 @@ def transformers():
 
 
 @pytest.fixture(scope="module")
-def smollm(tmp_path_factory):
-    """SmolLM2's GGUF imported by `meshtron convert`: (the import's folder, the GGUF)."""
-    path = smollm_path()
-    out = tmp_path_factory.mktemp("smollm") / "ck"
-    assert main(["convert", "--from", str(path), "--to", str(out)]) == 0
-    return out, path
+def smollm(smollm_checkpoint):
+    """SmolLM2's GGUF imported by `meshtron convert` (the session's import, conftest.py):
+    (the import's folder, the GGUF)."""
+    return smollm_checkpoint, smollm_path()
 
 
 @pytest.fixture(scope="module")
-def smollm_hf(smollm, transformers):
-    _, path = smollm
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
+def smollm_hf(smollm_transformers):
+    """transformers' reading of the same file (the session's, conftest.py)."""
+    return smollm_transformers
 
 
 @pytest.mark.slow

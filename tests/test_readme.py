@@ -6,6 +6,7 @@ by 100 (at most 3), a command that names no step count trains one step, an evalu
 one batch, sequences are at most 4096 tokens long, and every run reads a 1 MB slice of the
 built-in corpus from a private cache. The user's own files the examples name (``corpus.txt``,
 ``books/``, ``code.jsonl``, ``corpus/``) are made from this Python's sources.
+``cp`` copies from this environment (``.venv/`` is ``sys.prefix``).
 ``meshtron archsearch`` trains 4 proxies of 80 steps and refines one, ``hpsearch`` runs 3
 trials and ``evaluate`` 4 episodes.
 ``make test`` is not run (it is this suite), and ``make train`` runs what the Makefile runs.
@@ -95,6 +96,10 @@ def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
                                                cwd, cache)],
                 ["-m", "meshtron", "generate", "--checkpoint", "runs/default", "--prompt", "def ",
                  "--max-new-tokens", "20"]]
+    if words[0] == "cp":  # copying a file the environment holds (.venv/ is this one)
+        return [["-c", "import shutil, sys; shutil.copy(*sys.argv[1:])",
+                 *(str(Path(sys.prefix) / w[len(".venv/"):]) if w.startswith(".venv/") else w
+                   for w in words[1:])]]
     if words[0] == "torchrun":
         module = words.index("-m")
         return [["-m", "torch.distributed.run", *words[1:module], "-m", "meshtron",
