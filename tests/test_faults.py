@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,10 +185,13 @@ def test_a_killed_launcher_takes_its_ranks_with_it(data_cache, tmp_path):
         assert len(ranks) == 2, ranks
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{pid}").exists() for pid in ranks) and \
-                time.monotonic() < deadline:
-            time.sleep(0.1)
+        for pid in ranks:  # a pidfd reads ready once its process has exited (zombie or not)
+            try:
+                gone = os.pidfd_open(int(pid))
+            except ProcessLookupError:
+                continue  # exited and reaped already
+            select.select([gone], [], [], 120)  # the bound only stops a survivor hanging here
+            os.close(gone)
         alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()
                  and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
         assert alive == [], "ranks kept training without their launcher"
@@ -214,12 +219,13 @@ def test_the_watchdog_names_the_stalled_phase_and_the_silent_ranks(capsys, beat,
     store.set("heartbeat/1", json.dumps(beat(time.time())))
     exits: list[int] = []
     kills: list[int] = []
-    dog = Watchdog(0, 2, 0.3, store, exit_process=exits.append, kill_process=kills.append)
+    exited = threading.Event()
+    dog = Watchdog(0, 2, 0.3, store, exit_process=lambda code: (exits.append(code),
+                                                                exited.set()),
+                   kill_process=kills.append)
     dog.phase("step 3")
     dog.start()
-    deadline = time.monotonic() + 10
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
+    exited.wait(120)  # set by the watchdog's exit; the bound only stops a broken one hanging
     dog.stop()
     assert exits[:1] == [75] and kills[: len(killed)] == killed and set(kills) <= set(killed)
     line = capsys.readouterr().err.strip().splitlines()[0]
