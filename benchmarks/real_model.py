@@ -105,6 +105,7 @@ def bench_fine_tune(checkpoint: Path, root: Path, steps: int, warmup: int) -> di
     cfg = load_config(checkpoint / "train.yaml", [
         *QUIET, f"--data.path={text}", f"--data.cache_dir={root / 'cache'}",
         f"--run.dir={root / 'run'}", f"--checkpoint.dir={root / 'run'}",
+        f"--checkpoint.resume_from={checkpoint / 'step_00000000'}",
         "--train.seq_len=256", "--train.global_batch=4", "--train.lr=3e-5",
         "--train.warmup_steps=1", "--train.eval_every=0"])
     trainer = Trainer(cfg, log=lambda _: None)
@@ -117,6 +118,8 @@ def bench_fine_tune(checkpoint: Path, root: Path, steps: int, warmup: int) -> di
     calls = {"trainer": trainer_call(trainer, parts), "hf": plain_call(trainer, hf, hf_loss)}
     run = harness.interleave(calls, steps, warmup=warmup, cpu=time.process_time)
     harness.check_close(run.first, "fine-tuning: first losses", reference="hf")
+    if run.first["hf"] > 5.0:  # ln(49,152) = 10.8: the pretrained weights were not loaded
+        raise SystemExit(f"first loss {run.first['hf']:.2f}: not the pretrained model")
     return {"trainer_s": statistics.median(run.wall["trainer"]),
             "hf_s": statistics.median(run.wall["hf"]),
             "ratio": harness.ratio_of_medians(run.wall["trainer"], run.wall["hf"]),

@@ -177,6 +177,15 @@ def _wrong_shape(folder: Path) -> None:
     save_file(tensors, str(folder / "model.safetensors"))
 
 
+def _foreign_tokenizer(folder: Path) -> None:
+    """A tokenizer.json of another model: more tokens than the embedding has rows."""
+    rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.add_tokens([f"<extra{i}>" for i in range(rows)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
 HF_BREAKAGES = {
     "unsupported": (lambda f: edit_config(f, model_type="qwen2_moe",
                                           architectures=["Qwen2MoeForCausalLM"]),
@@ -191,6 +200,7 @@ HF_BREAKAGES = {
     "missing tensor": (_missing_tensor, "lacks tensor 'model.layers.1.mlp.up_proj.weight'"),
     "wrong shape": (_wrong_shape, "tensor 'model.norm.weight'"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "holds no model.safetensors"),
+    "foreign tokenizer": (_foreign_tokenizer, "does not belong to these weights"),
 }
 
 

@@ -218,9 +218,10 @@ def _hf_tokenizer(src: Path, vocab: int) -> tuple[Path | None, list[str]]:
         tokenizer = Tokenizer.load(path)
     except MeshtronError as err:
         return None, [f"tokenizer.json not copied, meshtron cannot use it: {err}"]
-    if tokenizer.vocab_size > vocab:
-        return None, [f"tokenizer.json not copied: its {tokenizer.vocab_size} tokens exceed the "
-                      f"model's vocabulary of {vocab}"]
+    if tokenizer.vocab_size > vocab:  # ids the embedding has no row for: another model's
+        raise MeshtronError(f"{path} does not belong to these weights: its "
+                            f"{tokenizer.vocab_size} tokens exceed the model's vocabulary of "
+                            f"{vocab} embedding rows")
     return path, []
 
 
