@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from meshtron.errors import MeshtronError
-from meshtron.tuning import calibrate, calibrate_command
+from meshtron.tuning import calibrate, calibrate_command, copy_probe
 from meshtron.tuning.candidate import Candidate
 from meshtron.tuning.estimate import Estimate
 from meshtron.tuning.memory_model import MemoryEstimate
@@ -203,7 +203,7 @@ def _copy_probe_on_a_heap_that_keeps_what_it_frees(rank: int, world_size: int) -
     assert libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**40) == 1  # M_MMAP_MAX, M_TRIM_...
     freed = torch.ones(96 * 2**20 // 4)  # resident in the heap from now on
     del freed
-    return calibrate.reduce_scatter_copy(world_size, torch.device("cpu"))
+    return copy_probe.reduce_scatter_copy(world_size, torch.device("cpu"))
 
 
 @pytest.mark.slow

@@ -59,11 +59,11 @@ from meshtron.tuning.calibrate import (
     RANK_TIMEOUT_S,
     measure_collectives,
     measure_process,
-    reduce_scatter_copy,
     summary,
     torch_threads,
     with_collectives,
 )
+from meshtron.tuning.copy_probe import reduce_scatter_copy
 from meshtron.tuning.estimate import Estimate, Estimator
 from meshtron.tuning.memory_model import MemoryEstimate
 from meshtron.tuning.online import candidate_of
