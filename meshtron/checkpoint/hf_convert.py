@@ -44,6 +44,7 @@ from meshtron.checkpoint.hf_config import hf_config_dict, hf_model_config
 from meshtron.checkpoint.hf_generation import (
     hf_generation_dict,
     read_hf_generation,
+    read_json_object,
     silent_generation,
 )
 from meshtron.checkpoint.hf_mapping import (
@@ -146,14 +147,7 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 def import_hf(src: Path, dst: Path) -> Conversion:
     """Write the HF model in ``src`` as a meshtron checkpoint under ``dst``."""
     config_path = src / "config.json"
-    try:
-        hf = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MeshtronError(f"{config_path} cannot be read as JSON ({err})") from None
-    except RecursionError:
-        raise MeshtronError(f"{config_path} is nested too deeply to be a config") from None
-    if not isinstance(hf, dict):
-        raise MeshtronError(f"{config_path} does not hold a JSON object")
+    hf = read_json_object(config_path)
     model_cfg = hf_model_config(hf, str(config_path))
     notes = []
     if model_cfg.mtp_depth and not _holds_layer(src, model_cfg.num_layers):

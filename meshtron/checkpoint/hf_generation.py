@@ -13,11 +13,11 @@ refuses to save temperature/top-k/top-p beside ``do_sample: false``).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from meshtron.config import GenerationConfig
+from meshtron.config.generation_section import check_generation
 from meshtron.errors import MeshtronError
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
@@ -38,7 +38,7 @@ def read_hf_generation(folder: Path, hf_config: dict) -> tuple[GenerationConfig,
     ``hf_config``), and notes on settings left out."""
     path = folder / "generation_config.json"
     if path.is_file():
-        data, source = _read_json(path), "generation_config.json"
+        data, source = read_json_object(path), "generation_config.json"
     else:
         data = {k: v for k, v in hf_config.items() if k in (*SAMPLING_KEYS, *LENGTH_KEYS,
                                                             *ID_KEYS, *NOT_APPLIED)}
@@ -86,13 +86,13 @@ def hf_generation_dict(gen: GenerationConfig, eos_id: int | None) -> dict[str, A
     return out
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MeshtronError(f"{path} cannot be read as JSON ({err})") from None
     except RecursionError:
-        raise MeshtronError(f"{path} is nested too deeply to be a generation config") from None
+        raise MeshtronError(f"{path} is nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise MeshtronError(f"{path} does not hold a JSON object")
     return data
@@ -126,10 +126,10 @@ def _eos_ids(path: Path, value: Any) -> list[int] | None:
 
 
 def _check_ranges(path: Path, gen: GenerationConfig) -> None:
-    if not (math.isfinite(gen.temperature) and gen.temperature >= 0):
-        raise MeshtronError(f"{path}: temperature must be a finite number >= 0, got "
-                            f"{gen.temperature}")
-    if gen.top_k < 0:
-        raise MeshtronError(f"{path}: top_k must not be negative, got {gen.top_k}")
-    if not (math.isfinite(gen.top_p) and 0 < gen.top_p <= 1):
-        raise MeshtronError(f"{path}: top_p must lie in (0, 1], got {gen.top_p}")
+    """The section's own checks, the file named."""
+    try:
+        check_generation(gen)
+    except MeshtronError as err:
+        raise MeshtronError(f"{path}: {err}") from None
+
+
