@@ -105,7 +105,7 @@ def bench_fine_tune(checkpoint: Path, root: Path, steps: int, warmup: int) -> di
     cfg = load_config(checkpoint / "train.yaml", [
         *QUIET, f"--data.path={text}", f"--data.cache_dir={root / 'cache'}",
         f"--run.dir={root / 'run'}", f"--checkpoint.dir={root / 'run'}",
-        f"--checkpoint.resume_from={checkpoint / 'step_00000000'}",
+        "--checkpoint.resume=true", f"--checkpoint.resume_from={checkpoint / 'step_00000000'}",
         "--train.seq_len=256", "--train.global_batch=4", "--train.lr=3e-5",
         "--train.warmup_steps=1", "--train.eval_every=0"])
     trainer = Trainer(cfg, log=lambda _: None)
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--only", choices=("decode", "fine-tune"), help="run one of the two")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,17 +141,25 @@ def main() -> None:
         checkpoint = import_model(root)
         print(f"SmolLM2-135M-Instruct (Q4_1 GGUF, fp32), 1 thread, {args.rounds} rounds, "
               f"{args.new_tokens} new tokens")
-        print(harness.markdown_table(
-            ("batch", "ttft ms meshtron", "ttft ms HF", "decode tok/s meshtron",
-             "decode tok/s HF", "meshtron/HF", "same tokens"),
-            ((r["batch"], f"{r['ttft_ours_ms']:.0f}", f"{r['ttft_hf_ms']:.0f}",
-              f"{r['decode_ours']:.1f}", f"{r['decode_hf']:.1f}", f"{r['ratio']:.2f}",
-              r["same_tokens"]) for r in bench_decode(checkpoint, args.rounds,
-                                                      args.new_tokens))))
-        r = bench_fine_tune(checkpoint, root, args.steps, args.warmup)
-        print(f"fine-tuning step ({r['tokens']} tokens, first loss {r['first_loss']:.4f}): "
-              f"meshtron train {r['trainer_s']:.2f} s, transformers loop {r['hf_s']:.2f} s, "
-              f"ratio {r['ratio']:.3f} (pair {r['pair_ratio']:.3f})")
+        if args.only != "fine-tune":
+            print_decode(bench_decode(checkpoint, args.rounds, args.new_tokens))
+        if args.only != "decode":
+            print_fine_tune(bench_fine_tune(checkpoint, root, args.steps, args.warmup))
+
+
+def print_decode(rows: list[dict]) -> None:
+    print(harness.markdown_table(
+        ("batch", "ttft ms meshtron", "ttft ms HF", "decode tok/s meshtron", "decode tok/s HF",
+         "meshtron/HF", "same tokens"),
+        ((r["batch"], f"{r['ttft_ours_ms']:.0f}", f"{r['ttft_hf_ms']:.0f}",
+          f"{r['decode_ours']:.1f}", f"{r['decode_hf']:.1f}", f"{r['ratio']:.2f}",
+          r["same_tokens"]) for r in rows)))
+
+
+def print_fine_tune(r: dict) -> None:
+    print(f"fine-tuning step ({r['tokens']} tokens, first loss {r['first_loss']:.4f}): "
+          f"meshtron train {r['trainer_s']:.2f} s, transformers loop {r['hf_s']:.2f} s, "
+          f"ratio {r['ratio']:.3f} (pair {r['pair_ratio']:.3f})")
 
 
 if __name__ == "__main__":
