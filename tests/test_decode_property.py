@@ -245,3 +245,19 @@ def test_cached_decode_equals_the_full_forward_at_tp_and_pp(tmp_path):
             assert result[i][0] == tokens, f"{shape.name}: rank {rank} generated other tokens"
         assert_decode_equals_full_forward(references[i], shape, tokens, logits,
                                           f"{shape.name} at tp={tp} pp={pp}")
+
+
+GEMMA3 = ("--model.arch=gemma3", "--model.qk_norm=true", "--model.sliding_window=5",
+          "--model.sliding_window_pattern=3", "--model.rope_local_theta=10000",
+          "--model.query_pre_attn_scalar=24", "--model.logit_softcap=30")
+"""Gemma 3's parts on a drawn shape: windowed layers with their own rotary base between
+global ones, q/k norms, the query scalar, scaled embeddings, post norms, soft-capped logits."""
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_cached_decode_equals_the_full_forward_for_gemma3(seed):
+    drawn = draw(seed)
+    shape = Shape(drawn.seed, (*drawn.overrides, *GEMMA3), drawn.prompts)
+    model = reference_model(shape)
+    tokens, logits = decode(model, None, shape.prompts)
+    assert_decode_equals_full_forward(model, shape, tokens, logits, f"gemma3-{seed}")
