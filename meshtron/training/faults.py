@@ -22,6 +22,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from meshtron.errors import MeshtronError
 from meshtron.parallel.mesh.process import ATTEMPT_ENV, restart_count
 
@@ -84,10 +86,16 @@ class FaultPlan:
         return bool(self.faults)
 
     def before_step(self, step: int) -> None:
-        """Kill or stop this process (first attempt only)."""
+        """Kill or stop this process (first attempt only). Before a kill, every rank meets at a
+        barrier: what the previous step wrote (rank 0's metrics row) is then written before any
+        rank dies, instead of racing the launcher's teardown."""
+        if not self.first_attempt:
+            return
+        if any(f.kind == "kill" and f.step == step for f in self.faults) \
+                and dist.is_available() and dist.is_initialized():
+            dist.barrier()
         for fault in self.faults:
-            if fault.kind in ("kill", "stall") and fault.applies(self.rank, step) \
-                    and self.first_attempt:
+            if fault.kind in ("kill", "stall") and fault.applies(self.rank, step):
                 os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
     def in_save(self, step: int) -> None:
