@@ -60,12 +60,13 @@ def import_model(root: Path) -> Path:
 
 
 def transformers_twin(model) -> transformers.LlamaForCausalLM:
-    """transformers' Llama holding ``model``'s weights."""
+    """transformers' Llama holding a copy of ``model``'s weights (greedy decoding ignores EOS,
+    as meshtron's side does here)."""
     cfg = model.cfg
     hf = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**hf_config_kwargs(cfg), attn_implementation="sdpa")).eval()
-    hf.load_state_dict(to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg),
-                       strict=False)
+        transformers.LlamaConfig(**hf_config_kwargs(cfg), attn_implementation="sdpa"))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hf.load_state_dict(to_hf(state, cfg), strict=False)
     hf.tie_weights()
     hf.generation_config.eos_token_id = None
     return hf
@@ -74,7 +75,7 @@ def transformers_twin(model) -> transformers.LlamaForCausalLM:
 def bench_decode(checkpoint: Path, rounds: int, new_tokens: int) -> list[dict]:
     """Per batch size: medians of time to first token and decode tokens/s, both sides."""
     model, tokenizer = load_for_inference(checkpoint)
-    hf = transformers_twin(model)
+    hf = transformers_twin(model).eval()
     generator = Generator(model)
     encoded = [tokenizer.encode(s) for s in PROMPT_STARTS]
     shortest = min(len(e) for e in encoded)
@@ -109,11 +110,7 @@ def bench_fine_tune(checkpoint: Path, root: Path, steps: int, warmup: int) -> di
         "--train.seq_len=256", "--train.global_batch=4", "--train.lr=3e-5",
         "--train.warmup_steps=1", "--train.eval_every=0"])
     trainer = Trainer(cfg, log=lambda _: None)
-    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **hf_config_kwargs(trainer.cfg.model), attn_implementation="sdpa"))
-    hf.load_state_dict(to_hf(state, trainer.cfg.model), strict=False)
-    hf.tie_weights()
+    hf = transformers_twin(trainer.model)
     parts: dict[str, list[float]] = {"fetch": [], "train_step": [], "row": []}
     calls = {"trainer": trainer_call(trainer, parts), "hf": plain_call(trainer, hf, hf_loss)}
     run = harness.interleave(calls, steps, warmup=warmup, cpu=time.process_time)
