@@ -37,10 +37,10 @@ import harness
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from meshtron.archsearch.shapes import Shape, shape_config  # noqa: E402
 from meshtron.config import load_config  # noqa: E402
 from meshtron.training.metrics import read_metrics  # noqa: E402
-from meshtron.tuning.shapes import Shape, shape_config  # noqa: E402
-from meshtron.tuning.trials import start_trial, trial_environment  # noqa: E402
+from meshtron.tune.trials import start_trial, trial_environment  # noqa: E402
 
 
 def overrides(workdir: Path, corpus_mb: float) -> list[str]:

@@ -15,12 +15,12 @@ trial corrections are reset to 1: the benchmark checks the model, not its feedba
 
 **Prediction.** For each layout, the config a user would give (``--model.preset``,
 ``--train.global_batch``, ``--train.seq_len``, fp32) and the layout as a :class:`Candidate`
-are priced by :class:`meshtron.tuning.estimate.Estimator` on the ``Problem`` that ``meshtron
-tune`` builds (:func:`meshtron.tuning.tune_command.problem_of`) with the world size as the
+are priced by :class:`meshtron.costmodel.estimate.Estimator` on the ``Problem`` that ``meshtron
+tune`` builds (:func:`meshtron.tune.tune_command.problem_of`) with the world size as the
 cluster's GPU count; each layout passes the trainer's plan checks first.
 
 **Measurement.** The same run through the real trainer, by the runner of ``meshtron tune
---trial`` (:func:`meshtron.tuning.trials.run_trial`): ``meshtron train --config F --nproc N``
+--trial`` (:func:`meshtron.tune.trials.run_trial`): ``meshtron train --config F --nproc N``
 for ``--steps`` steps, every step logged, no evaluation, a checkpoint only after the last
 step's metrics. Step time = median of the trainer's ``step_time_s`` (rank 0's wall time of one
 ``train_step``) over the steps after the first; memory = the largest ``mem_peak_bytes``: on a
@@ -64,12 +64,12 @@ from typing import Any, TypeVar
 import harness
 
 from meshtron.config import Config, load_config
-from meshtron.tuning.candidate import Candidate
-from meshtron.tuning.estimate import Estimate, Estimator
-from meshtron.tuning.profiles import load_profile, profile_to_dict, save_profile
-from meshtron.tuning.search import runnable
-from meshtron.tuning.trials import Trial, error, run_trial
-from meshtron.tuning.tune_command import Cluster, problem_of
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.estimate import Estimate, Estimator
+from meshtron.costmodel.profiles import load_profile, profile_to_dict, save_profile
+from meshtron.costmodel.search import runnable
+from meshtron.tune.trials import Trial, error, run_trial
+from meshtron.tune.tune_command import Cluster, problem_of
 
 T = TypeVar("T")
 GOAL_TIME, GOAL_MEMORY = 0.15, 0.10

@@ -59,6 +59,7 @@ import torch
 # meshtron: used in build_config, gemm_path, build_mode, the MFU in run_mode and the model
 # figures in main only
 from meshtron.config import Config, load_config
+from meshtron.costmodel.activations import activation_bytes_per_layer
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import model_size, training_flops_per_token
 from meshtron.models.init import initialize
@@ -70,7 +71,6 @@ from meshtron.plan import plan_run
 from meshtron.precision.fp8 import E4M3, E5M2, GEMMS, check_gemm, scaled_mm_supported
 from meshtron.precision.policy import Precision
 from meshtron.training.hardware import peak_flops
-from meshtron.training.memory import activation_bytes_per_layer
 from meshtron.training.step import train_step
 from meshtron.training.trainer import fp8_options
 

@@ -132,7 +132,7 @@ def main() -> None:
           f"(best lrs {mup} grid steps apart, one allowed); without it the optimum "
           f"{'drifts' if drifts else 'does NOT drift'} ({standard} grid steps apart)")
     verdict["transfers"], verdict["drifts"] = transfers, drifts
-    from meshtron.tuning.hp_report import plot_series
+    from meshtron.hpsearch.ranking import plot_series
 
     series = {}
     for name, table in results.items():

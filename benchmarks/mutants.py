@@ -142,12 +142,12 @@ MUTANTS = [
       "tests/test_boundaries.py tests/test_model.py::test_init_is_a_function_of_seed_and_name_only",
       "residual projections scaled by 1/sqrt(L), not 1/sqrt(2L)"),
     # ------------------------------------------------------------------ training
-    m("memory-selective", "training", "meshtron/training/memory.py",
+    m("memory-selective", "training", "meshtron/costmodel/activations.py",
       "        attention -= n * heads", "        attention -= n * kv_heads",
       "tests/test_activation_memory.py tests/test_boundaries.py",
       "selective recompute drops the kv heads' log-sum-exp"),
     # ------------------------------------------------------------------ tuning
-    m("ring-steps", "tuning", "meshtron/tuning/comms.py",
+    m("ring-steps", "tuning", "meshtron/costmodel/comms.py",
       "factor * (n - 1) / n * nbytes / link.bandwidth", "factor * nbytes / link.bandwidth",
       "tests/test_boundaries.py tests/test_tp_overlap_cost.py",
       "ring collectives priced as moving the whole buffer per step"),
@@ -155,7 +155,7 @@ MUTANTS = [
       "+ 6.0 * layers * seq_len * scores", "+ 12.0 * layers * seq_len * scores",
       "tests/test_model.py::test_flops_per_token_formula",
       "attention FLOPs counted without the causal half"),
-    m("memory-moments", "tuning", "meshtron/tuning/memory_model.py",
+    m("memory-moments", "tuning", "meshtron/costmodel/memory_model.py",
       '"optimizer": 2 * master_bytes * (total if zero == 0 else owned)',
       '"optimizer": master_bytes * (total if zero == 0 else owned)',
       "tests/test_tuner.py", "the cost model counts one Adam moment"),

@@ -18,8 +18,8 @@ of ``seq`` tokens, gradients accumulated, one optimizer step. It measures
 
 Each measured quantity has a formula from the code that plans runs, not from this file: FLOPs
 from :mod:`meshtron.models.flops`, activations from
-:func:`meshtron.training.memory.activation_bytes_per_layer` and the state and transients of
-:mod:`meshtron.tuning.memory_model`. Work that no FLOP count describes is given the unit it
+:func:`meshtron.costmodel.activations.activation_bytes_per_layer` and the state and transients of
+:mod:`meshtron.costmodel.memory_model`. Work that no FLOP count describes is given the unit it
 should scale with: the optimizer its parameters, the loss its logits, element-wise work the
 activation elements of the blocks. The saved bytes add to the blocks' formula what the head
 keeps: its norm (as a block's) and the fp32 logits the loss saves; they leave out the int64
@@ -39,6 +39,9 @@ import harness
 import torch
 
 from meshtron.config import load_config
+from meshtron.costmodel.activations import activation_bytes_per_layer
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.memory_model import stage_params, state_bytes, transient_bytes
 from meshtron.models.arch import architecture_of
 from meshtron.models.flops import model_size, padded_vocab_size, training_flops_per_token
 from meshtron.models.init import initialize
@@ -46,10 +49,8 @@ from meshtron.models.transformer import ModelOptions, Transformer
 from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.precision.policy import Precision
-from meshtron.training.memory import activation_bytes_per_layer, measure_saved_bytes
+from meshtron.training.memory import measure_saved_bytes
 from meshtron.training.step import train_step
-from meshtron.tuning.candidate import Candidate
-from meshtron.tuning.memory_model import stage_params, state_bytes, transient_bytes
 
 OP_CLASSES = {
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv"),

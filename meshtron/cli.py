@@ -15,16 +15,16 @@ import sys
 import typing
 from pathlib import Path
 
+from meshtron.archsearch.archsearch_arguments import add_archsearch_parser
 from meshtron.config.docs import config_reference
 from meshtron.config.parse import split_overrides as _split_overrides
 from meshtron.errors import MeshtronError
 from meshtron.files import REASONS as OS_REASONS
 from meshtron.files import check_writable, os_reason
+from meshtron.hpsearch.hpsearch_arguments import add_hpsearch_parser
 from meshtron.inference.vla_arguments import add_vla_parsers
 from meshtron.signals import Stopped, report_stop, stop_on_signals
-from meshtron.tuning.archsearch_arguments import add_archsearch_parser
-from meshtron.tuning.arguments import add_tune_parser
-from meshtron.tuning.hpsearch_arguments import add_hpsearch_parser
+from meshtron.tune.tune_arguments import add_tune_parser
 
 if typing.TYPE_CHECKING:
     from meshtron.config import Config
@@ -49,11 +49,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             "--max-restarts needs checkpoints to restart from: set checkpoint.every (steps) or "
             "checkpoint.every_seconds, and keep checkpoint.resume=true")
 
+    from meshtron.costmodel.online import running_prices
     from meshtron.parallel.mesh.process import LAUNCHER_ENV, process_info
     from meshtron.plan import check_run
     from meshtron.training.autotune import with_chosen_layout
     from meshtron.training.run_dir import check_run_dir
-    from meshtron.tuning.online import running_plan_cost
 
     info = process_info()
     launching = (args.nproc > 1 or args.max_restarts > 0) and not info.distributed
@@ -66,7 +66,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         check_run(cfg, world_size)
         check_run_dir(cfg)
         _check_state_fits(cfg, world_size)
-        running_plan_cost(cfg, world_size)  # train.autotune_profile loads
+        running_prices(cfg, world_size)  # train.autotune_profile loads
     except MeshtronError:
         if info.distributed and info.rank != 0:
             return 2  # every rank sees the same config and files: rank 0 says it once
@@ -113,13 +113,11 @@ def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
     from meshtron.parallel.mesh.launch import RELAYOUT_EXIT_CODE
     from meshtron.parallel.mesh.process import device_for, die_with_launcher, init_process_group
     from meshtron.training.trainer import train
-    from meshtron.tuning.online import running_plan_cost
 
     die_with_launcher()
-    cost = running_plan_cost(cfg, info.world_size)  # train.autotune's yardstick
     init_process_group(info, cfg.run.timeout_s)
     mesh = ParallelMesh(MeshLayout.of(cfg.parallel, info.world_size), info.rank)
-    result = train(cfg, mesh, device=device_for(info), cost=cost)
+    result = train(cfg, mesh, device=device_for(info))
     if result.relayout is not None:  # train.autotune=layout: the launcher starts us again
         return RELAYOUT_EXIT_CODE
     if info.rank != 0:
@@ -172,7 +170,7 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_tune(args: argparse.Namespace, extra: list[str]) -> int:
-    from meshtron.tuning.tune_command import run_tune
+    from meshtron.tune.tune_command import run_tune
 
     return run_tune(args, extra)
 

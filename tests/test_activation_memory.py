@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from meshtron.config import load_config
+from meshtron.costmodel.activations import activation_bytes_per_layer
 from meshtron.models.init import initialize
 from meshtron.models.transformer import ModelOptions, Transformer
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.live_memory import LiveTensorBytes
-from meshtron.training.memory import activation_bytes_per_layer, measure_saved_bytes
+from meshtron.training.memory import measure_saved_bytes
 from tests.distributed import run_distributed
 
 BATCH, SEQ = 2, 16

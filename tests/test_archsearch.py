@@ -11,17 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.cli import main
-from meshtron.config import load_config
-from meshtron.errors import MeshtronError
-from meshtron.models.flops import training_flops_per_token
-from meshtron.training.metrics import read_metrics
-from meshtron.tuning import proxy_runs
-from meshtron.tuning.arch_report import best, pareto_front
-from meshtron.tuning.memory_model import with_vocab
-from meshtron.tuning.scaling_law import CHINCHILLA, Point, ScalingLaw, fit_law, parse_law
-from meshtron.tuning.shape_cost import Priced, Pricer, budget_of
-from meshtron.tuning.shapes import (
+from meshtron.archsearch import proxy_runs
+from meshtron.archsearch.report import best, pareto_front
+from meshtron.archsearch.scaling_law import CHINCHILLA, Point, ScalingLaw, fit_law, parse_law
+from meshtron.archsearch.shape_cost import Priced, Pricer, budget_of
+from meshtron.archsearch.shapes import (
     Shape,
     ShapeSpace,
     Sizes,
@@ -32,7 +26,13 @@ from meshtron.tuning.shapes import (
     shape_config,
     sizes_of,
 )
-from meshtron.tuning.tune_command import cluster_of
+from meshtron.cli import main
+from meshtron.config import load_config
+from meshtron.costmodel.memory_model import with_vocab
+from meshtron.errors import MeshtronError
+from meshtron.models.flops import training_flops_per_token
+from meshtron.training.metrics import read_metrics
+from meshtron.tune.tune_command import cluster_of
 
 TRUE = ScalingLaw(E=1.8, A=400.0, alpha=0.34, B=410.0, beta=0.28)
 SIZES = (1e6, 3e6, 1e7, 3e7, 1e8)

@@ -14,6 +14,7 @@ import pytest
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.costmodel.profiles import Link, load_profile, save_profile
 from meshtron.errors import MeshtronError
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.autotune import (
@@ -28,8 +29,6 @@ from meshtron.training.autotune import (
 from meshtron.training.faults import parse_faults
 from meshtron.training.metrics import read_metrics
 from meshtron.training.trainer import Trainer
-from meshtron.tuning.online import running_plan_cost
-from meshtron.tuning.profiles import Link, load_profile, save_profile
 from tests.distributed import run_distributed
 from tests.parity import PARITY_RTOL, test_overrides
 
@@ -125,8 +124,7 @@ def _run_pair(rank: int, world_size: int, cache: str, root: str) -> list[dict]:
             "--train.micro_batch=1", f"--train.autotune={mode}", "--train.autotune_every=4",
             "--train.autotune_profile=h100-sxm", "--run.straggler_every=0"])
         mesh = ParallelMesh(MeshLayout.of(cfg.parallel, world_size), rank)
-        trainer = Trainer(cfg, mesh, log=lambda m: None,
-                          cost=running_plan_cost(cfg, world_size))
+        trainer = Trainer(cfg, mesh, log=lambda m: None)
         results.append({"loss": trainer.run().losses, "micro_batch": trainer.micro_batch})
     return results
 

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 from meshtron.checkpoint.boxes import intersect
 from meshtron.config import load_config
+from meshtron.costmodel import comms
+from meshtron.costmodel.activations import activation_bytes_per_layer
+from meshtron.costmodel.profiles import load_profile
 from meshtron.data.blend import BlendedDataset
 from meshtron.models.generation import filter_logits
 from meshtron.models.init import initial_value
@@ -20,9 +23,6 @@ from meshtron.models.transformer import ModelOptions, Transformer
 from meshtron.parallel.mesh.groups import CommStats, Group
 from meshtron.parallel.tensor.layers import TPRegion, VocabParallelEmbedding
 from meshtron.training.live_memory import LiveTensorBytes
-from meshtron.training.memory import activation_bytes_per_layer
-from meshtron.tuning import comms
-from meshtron.tuning.profiles import load_profile
 
 
 @pytest.mark.parametrize("tp", [2, 4])

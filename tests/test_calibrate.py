@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.estimate import Estimate
+from meshtron.costmodel.memory_model import MemoryEstimate
+from meshtron.costmodel.profiles import load_profile, save_profile
 from meshtron.errors import MeshtronError
-from meshtron.tuning import calibrate, calibrate_command, copy_probe
-from meshtron.tuning.candidate import Candidate
-from meshtron.tuning.estimate import Estimate
-from meshtron.tuning.memory_model import MemoryEstimate
-from meshtron.tuning.profiles import load_profile, save_profile
-from meshtron.tuning.trials import Measurement, Trial
+from meshtron.tune import calibrate, calibrate_command, copy_probe
+from meshtron.tune.trials import Measurement, Trial
 
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")

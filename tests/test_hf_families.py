@@ -376,8 +376,9 @@ def test_window_with_context_parallelism_is_refused_by_the_plan():
 
 def test_head_width_checks_and_memory_use_the_explicit_head_dim():
     """hidden / heads = 64 / 4 = 16 is even and a whole FP8 block; the real width decides."""
+    from meshtron.costmodel.activations import activation_bytes_per_layer
     from meshtron.plan import check_run
-    from meshtron.training.memory import activation_bytes_per_layer, measure_saved_bytes
+    from meshtron.training.memory import measure_saved_bytes
 
     odd = load_config(overrides=[*SHAPE, "--model.hidden_size=60", "--model.head_dim=16"])
     check_run(odd, 1)  # 60 / 4 = 15 is odd, the heads are 16 wide

@@ -18,8 +18,8 @@ import pytest
 from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
-from meshtron.tuning.hp_proxy import Proxy
-from meshtron.tuning.hp_space import Dimension, default_space, parse_dimension, parse_space
+from meshtron.hpsearch.proxies import Proxy
+from meshtron.hpsearch.space import Dimension, default_space, parse_dimension, parse_space
 
 ROOT = Path(__file__).resolve().parents[1]
 

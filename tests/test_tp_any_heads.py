@@ -12,11 +12,11 @@ import pytest
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.costmodel.problem import Problem
+from meshtron.costmodel.profiles import load_profile
+from meshtron.costmodel.search import Pins, candidates
 from meshtron.errors import MeshtronError
 from meshtron.plan import check_run, plan_generation, plan_run
-from meshtron.tuning.problem import Problem
-from meshtron.tuning.profiles import load_profile
-from meshtron.tuning.search import Pins, candidates
 from tests.distributed import run_distributed
 from tests.parity import FP64_RTOL, FP64_STEPS, assert_layouts_match, run_layouts
 

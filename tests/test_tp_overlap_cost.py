@@ -9,14 +9,14 @@ import dataclasses
 import pytest
 
 from meshtron.config import load_config
-from meshtron.tuning.candidate import Candidate
-from meshtron.tuning.comms import collective_seconds, layout_groups
-from meshtron.tuning.estimate import Estimator, Problem
-from meshtron.tuning.layer_comms import layer_communication, overlapped_seconds
-from meshtron.tuning.memory_model import with_vocab
-from meshtron.tuning.problem import Cluster, problem_of
-from meshtron.tuning.profiles import load_profile
-from meshtron.tuning.workload import layer_work
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.comms import collective_seconds, layout_groups
+from meshtron.costmodel.estimate import Estimator, Problem
+from meshtron.costmodel.layer_comms import layer_communication, overlapped_seconds
+from meshtron.costmodel.memory_model import with_vocab
+from meshtron.costmodel.problem import Cluster, problem_of
+from meshtron.costmodel.profiles import load_profile
+from meshtron.costmodel.workload import layer_work
 
 TP8_SP = Candidate(8, 1, 1, 1, "1f1b", 1, None, 1, 0, True, 2, "none")
 

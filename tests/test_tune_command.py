@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from meshtron.config import load_config
+from meshtron.costmodel.profiles import builtin_profiles, profile_to_dict
 from meshtron.models.flops import training_flops_per_token
 from meshtron.plan import check_run
-from meshtron.tuning.profiles import builtin_profiles, profile_to_dict
 from tests.test_tuner import ROW_KEYS, model_of, tune
 
 # ----------------------------------------------------------------------------- moe-10t

@@ -14,6 +14,12 @@ import torch
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.costmodel import workload
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.estimate import ActionCosts, Estimator, Problem, zb_v_order_costs
+from meshtron.costmodel.memory_model import stage_params, state_bytes, with_vocab
+from meshtron.costmodel.profiles import load_profile
+from meshtron.costmodel.search import Pins, search
 from meshtron.models.flops import layer_size, model_size, training_flops_per_token
 from meshtron.models.init import initialize
 from meshtron.models.transformer import ModelOptions, Transformer
@@ -22,12 +28,6 @@ from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.precision.policy import Precision
 from meshtron.training.live_memory import LiveTensorBytes
-from meshtron.tuning import workload
-from meshtron.tuning.candidate import Candidate
-from meshtron.tuning.estimate import ActionCosts, Estimator, Problem, zb_v_order_costs
-from meshtron.tuning.memory_model import stage_params, state_bytes, with_vocab
-from meshtron.tuning.profiles import load_profile
-from meshtron.tuning.search import Pins, search
 from tests.distributed import run_distributed
 
 ROW_KEYS = {"tp", "cp", "pp", "vpp", "schedule", "ep", "dp", "zero", "sp", "micro_batch",
@@ -193,7 +193,7 @@ def tensor_parallel_accounting(rank: int, world_size: int) -> list[tuple]:
             for dtype in ("fp32", "bf16")]
 
 
-# BUG (meshtron/tuning/memory_model.py, rank_params): every dense parameter is divided by tp,
+# BUG (meshtron/costmodel/memory_model.py, rank_params): every dense parameter is divided by tp,
 # but the norm weights (and other replicated parameters) are whole on every tp rank; the
 # tiny 2-layer model at tp=2 holds 640 more parameters per rank than predicted (2560 bytes of
 # fp32 params, grads; 5120 of moments). Small for large models, but not "exactly" the

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshtron.tuning.calibrate_command import EXACT_HEAP
+from meshtron.tune.calibrate_command import EXACT_HEAP
 
 EXACT_ALLOCATOR = EXACT_HEAP
 """Give it to ``spawn(..., env=EXACT_ALLOCATOR)``: glibc reads it when the process starts."""

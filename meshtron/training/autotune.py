@@ -44,25 +44,13 @@ import torch.distributed as dist
 import yaml
 
 from meshtron.config import Config
+from meshtron.costmodel.online import Overrides, running_prices
 from meshtron.errors import MeshtronError
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.plan import RunPlan, plan_run
 
-Overrides = dict[str, object]
-"""A layout as config fields (``parallel.tp``, ``train.micro_batch``, ...)."""
 LAYOUT_FILE = "autotune-layout.yaml"
 """The layout ``train.autotune=layout`` chose, in the run directory, read by every restart."""
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The tuner's prices of a planned config on the job's ranks, handed down by the command
-    line (training may not import the tuner)."""
-
-    step_time: Callable[[Config], float]
-    """Predicted seconds per step."""
-    layouts: Callable[[Config], list[tuple[Overrides, float]]]
-    """The layouts of the same ranks and batch that fit, fastest first, with their times."""
 
 
 SUSTAINED = 2
@@ -324,8 +312,9 @@ class OnlineTuner:
     micro-batch sizes it may switch to (:attr:`plan` is the one to run)."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, micro_batch: int,
-                 cost: CostModel | None, device: torch.device | None = None):
+                 device: torch.device | None = None):
         t = cfg.train
+        cost = running_prices(cfg, mesh.layout.world_size)
         self.run_dir, self.writes = Path(cfg.run.dir), mesh.global_rank == 0
         self.plans = micro_batch_options(cfg, mesh.layout.world_size)
         prices: dict[int, float] = {}

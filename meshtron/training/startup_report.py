@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from meshtron.config import Config, PrecisionConfig
+from meshtron.costmodel.activations import activation_bytes_per_layer, formula_covers
 from meshtron.models.flops import model_size
 from meshtron.models.vision import vision_parameters
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.pipeline.schedules import Schedule
 from meshtron.plan import RunPlan
 from meshtron.precision.fp8 import scaled_mm_supported
-from meshtron.training.memory import activation_bytes_per_layer, formula_covers
 
 
 def run_lines(cfg: Config, plan: RunPlan, padded_vocab: int) -> list[str]:

@@ -38,7 +38,6 @@ from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision, cpu_low_precision_note
 from meshtron.training.autotune import (
     LAYOUT_FILE,
-    CostModel,
     OnlineTuner,
     describe,
     write_chosen_layout,
@@ -113,7 +112,7 @@ class Trainer:
     config, with the model's vocabulary resolved."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-                 device: torch.device | None = None, cost: CostModel | None = None):
+                 device: torch.device | None = None):
         self.mesh = mesh or ParallelMesh.single()
         self.is_rank0 = self.mesh.global_rank == 0
         self.log = log if self.is_rank0 else _quiet
@@ -172,7 +171,7 @@ class Trainer:
         self.faults = FaultPlan(self.mesh.global_rank)
         self.stragglers = StragglerWatch(self.mesh, cfg.run.straggler_every,
                                          cfg.run.straggler_factor, self.device)
-        self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, cost, self.device) \
+        self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, self.device) \
             if cfg.train.autotune != "off" else None
         for line in run_lines(cfg, plan, self.model.padded_vocab):
             self.log(line)
@@ -490,10 +489,9 @@ def _layout_text(sizes: dict) -> str:
 
 
 def train(cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-          device: torch.device | None = None, cost: CostModel | None = None) -> TrainResult:
-    """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary;
-    ``cost``: the tuner's prices, for ``train.autotune``."""
-    trainer = Trainer(cfg, mesh, log, device, cost)
+          device: torch.device | None = None) -> TrainResult:
+    """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary."""
+    trainer = Trainer(cfg, mesh, log, device)
     result = trainer.run()
     sys.stdout.flush()
     return result

@@ -1,0 +1,488 @@
+"""Step time and memory of one layout: the cost model that ranks the search and plans the run.
+
+Each pipeline action is priced from its layers' work (:mod:`meshtron.costmodel.workload`) at the
+profile's GEMM efficiency for its size, plus the tensor-, context- and expert-parallel
+communication it waits for (:mod:`meshtron.costmodel.comms`) and the receive of its input from
+the neighbouring stage. The pipeline's time is the makespan of the schedule simulator
+(:meth:`Schedule.timeline`) over those per-stage costs, the last stage's head and loss
+included; runs with very many micro-batches are simulated at two small counts and extended
+along the line through them, since each extra micro-batch adds the same steady-state time.
+After the pipeline come the data-parallel reductions that did not overlap the last backward,
+the ZeRO all-gather of updated parameters, and the optimizer step (bound by memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.comms import collective_seconds, layout_groups, send_seconds
+from meshtron.costmodel.layer_comms import edge_communication, layer_communication
+from meshtron.costmodel.memory_model import (
+    MemoryEstimate,
+    StageParams,
+    collective_copy_bytes,
+    layer_activation_bytes,
+    rank_params,
+    stage_params,
+    state_bytes,
+    transient_bytes,
+)
+from meshtron.costmodel.problem import Problem
+from meshtron.costmodel.stages import ChunkShape, StageShape, representative_layers, stage_shapes
+from meshtron.costmodel.workload import LayerWork, head_work, layer_work, mtp_merge_work
+from meshtron.models.flops import layer_and_head_cost
+from meshtron.parallel.pipeline.partition import (
+    PipelinePartition,
+    partition_layers,
+    virtual_stage_of,
+)
+from meshtron.parallel.pipeline.schedules import Action, build_schedule
+
+SIMULATED_MICROBATCHES = 24
+"""Above this many micro-batches the pipeline is simulated at two counts and extended."""
+
+
+@dataclass
+class Estimate:
+    candidate: Candidate
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    memory: MemoryEstimate
+    fits: bool
+    bottleneck: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by cause: compute, bubble, tp/cp/ep/pp communication that the
+    pipeline waits for, exposed dp communication, the optimizer, fixed overhead."""
+
+    @property
+    def memory_per_gpu_bytes(self) -> int:
+        return int(self.memory.peak)
+
+    def row(self) -> dict:
+        """The JSON entry of the contract."""
+        c = self.candidate
+        return {"tp": c.tp, "cp": c.cp, "pp": c.pp, "vpp": c.vpp, "schedule": c.schedule,
+                "ep": c.ep, "etp": c.etp, "dp": c.dp, "zero": c.zero, "sp": c.sp,
+                "micro_batch": c.micro_batch, "recompute": c.recompute,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                "memory_per_gpu_bytes": self.memory_per_gpu_bytes, "fits": self.fits,
+                "bottleneck": self.bottleneck,
+                "breakdown_s": {k: round(v, 9) for k, v in self.breakdown.items()}}
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Seconds of one chunk's actions for one micro-batch, and the communication inside."""
+
+    forward: float
+    backward: float
+    """The input-gradient backward (with a whole backward, ``backward + weight``)."""
+    weight: float
+    """The weight gradients, which zb-h1 defers to their own action."""
+    communication: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.weight
+
+
+def zb_v_order_costs(c: Candidate, shapes: list[StageShape],
+                     costs: dict[ChunkShape, ActionCosts]) -> list[tuple[float, float, float]]:
+    """Each virtual stage's (F, B, W) seconds, which zb-v's order is made for (the plan,
+    which has only FLOPs, prices the three alike)."""
+    order = [(0.0, 0.0, 0.0)] * (c.pp * c.vpp)
+    for stage, shape in enumerate(shapes):
+        for chunk, piece in enumerate(shape.chunks):
+            a = costs[piece]
+            order[virtual_stage_of(c.pp, stage, chunk, True)] = (a.forward, a.backward,
+                                                                 a.weight)
+    return order
+
+
+class Estimator:
+    """Prices candidates of one problem, caching what candidates share (partitions and stage
+    shapes, layer costs, stage parameters)."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.dense_layer, self.moe_layer = representative_layers(problem.model)
+        self._pipelines: dict[tuple[int, int], tuple[PipelinePartition, list[StageShape],
+                                                     dict[StageShape, int]]] = {}
+        self._layers: dict[tuple, tuple[float, float, float, float]] = {}
+        self._stage_params: dict[tuple[int, int, int], StageParams] = {}
+        self._activations: dict[tuple, float] = {}
+        self._in_flight: dict[tuple, list[int]] = {}
+        self._receives_ahead: dict[tuple, int] = {}
+        self._shape_index: dict[tuple[int, int], list[int]] = {}
+        self._peak_stages: dict[tuple, list[int]] = {}
+        self._shape_bytes: dict[tuple, tuple[dict[str, float], float, float, float]] = {}
+        """Per stage shape and layout: (state, its sum, transient, collective copies) bytes,
+        shared by the schedules, sp and recompute modes the search tries for one layout."""
+        self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
+
+    # ------------------------------------------------------------------ compute
+
+    def rate_scale(self, c: Candidate) -> float:
+        """CPU ranks share the node's cores: one rank uses them all, more split them."""
+        units = self.problem.profile.compute_units
+        if units is None:
+            return 1.0
+        ranks = min(c.world_size, self.problem.profile.gpus_per_node)
+        return self.problem.profile.thread_speedup if ranks == 1 else min(1.0, units / ranks)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether communication can hide behind compute. A GPU's collectives run beside its
+        kernels (NCCL on its own streams); a CPU rank's collectives (gloo copying, reducing
+        and driving the sockets) take the cores that its compute uses, and the ranks take every
+        core (:meth:`rate_scale`), so there they add to the compute time."""
+        return self.problem.profile.compute_units is None
+
+    def _gemm_seconds(self, work: LayerWork, scale: float) -> list[float]:
+        """Forward seconds of each of ``work``'s GEMMs, in its order."""
+        p = self.problem.profile
+        peak = p.peak(self.problem.gemm_dtype) * scale / p.compute_correction
+        return [g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms]
+
+    def _work_seconds(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
+        """(GEMMs, attention core, memory-bound) forward seconds of ``work``."""
+        p = self.problem.profile
+        gemm = sum(self._gemm_seconds(work, scale))
+        scale = scale / p.compute_correction
+        core_peak = p.peak(self.problem.dtype) * scale * p.attention_efficiency
+        return gemm, work.attention_flops / core_peak, \
+            work.elementwise_bytes / (p.memory_bandwidth * scale)
+
+    def layer_seconds(self, layer: int | None, c: Candidate
+                      ) -> tuple[float, float, float, float]:
+        """(forward, input-gradient backward, weight-gradient backward, communication) seconds
+        of one layer for one micro-batch, communication included in the first two."""
+        if layer is None:
+            return 0.0, 0.0, 0.0, 0.0
+        cfg = self.problem.model
+        key = (layer, c.tp, c.cp, c.ep, c.etp, c.sp, c.micro_batch, c.recompute,
+               c.world_size)
+        if key not in self._layers:
+            work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size)
+            gemm, core, memory = self._work_seconds(work, self.rate_scale(c))
+            comm_f, comm_b = layer_communication(self.problem, layer, c, core, self.overlaps,
+                                                 self._gemm_seconds(work, self.rate_scale(c)))
+            forward = gemm + core + memory
+            redo = {"full": forward, "selective": core}.get(c.recompute, 0.0)
+            backward_input = gemm + 2.5 * core + 2 * memory + redo
+            self._layers[key] = (forward + comm_f, backward_input + comm_b, gemm,
+                                 comm_f + comm_b)
+        return self._layers[key]
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def pipeline(self, c: Candidate) -> tuple[PipelinePartition, list[StageShape],
+                                              dict[StageShape, int]]:
+        """The partition, each stage's shape, and one stage of each distinct shape."""
+        key = (c.pp, c.vpp, c.vshape)
+        if key not in self._pipelines:
+            costs = layer_and_head_cost(self.problem.model, self.problem.seq_len)
+            part = partition_layers(self.problem.model, c.pp, c.vpp, costs,
+                                    vshape=c.vshape)
+            shapes = stage_shapes(self.problem.model, part)
+            unique: dict[StageShape, int] = {}
+            for stage, shape in enumerate(shapes):
+                unique.setdefault(shape, stage)
+            self._pipelines[key] = part, shapes, unique
+            # per stage, the index of its shape among the distinct ones (hashing a shape for
+            # every stage of every candidate would dominate the search)
+            order = list(unique)
+            self._shape_index[key] = [order.index(shape) for shape in shapes]
+        return self._pipelines[key]
+
+    def chunk_costs(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
+        """Costs of every distinct chunk for one micro-batch."""
+        pr = self.problem
+        _, _, unique = self.pipeline(c)
+        groups = layout_groups(c, pr.profile.gpus_per_node)
+        hop = (send_seconds(pr.profile, self.stage_message_bytes(c), groups.pp_crosses_nodes)
+               if c.pp > 1 else 0.0)
+        head_gemm, _, head_memory = self._work_seconds(
+            head_work(pr.model, pr.seq_len, c, pr.element_size), self.rate_scale(c))
+        merge = self._work_seconds(mtp_merge_work(pr.model, pr.seq_len, c),
+                                   self.rate_scale(c))[0] if pr.model.mtp_depth else 0.0
+        dense = self.layer_seconds(self.dense_layer, c)
+        moe = self.layer_seconds(self.moe_layer, c)
+        (embed_f, embed_b), (head_f, head_b) = edge_communication(self.problem, c, head_gemm,
+                                                                  self.overlaps)
+        out: dict[ChunkShape, ActionCosts] = {}
+        for shape in unique:
+            for chunk in shape.chunks:
+                if chunk in out:
+                    continue
+                f, b, w, comm = (chunk.dense * d + chunk.moe * m for d, m in zip(dense, moe))
+                merges = max(0, chunk.heads - 1)  # each prediction module's merge
+                f += chunk.heads * (head_gemm + head_memory) + merges * merge
+                b += chunk.heads * (head_gemm + 2 * head_memory) + merges * merge
+                w += chunk.heads * head_gemm + merges * merge
+                if chunk.heads:
+                    f, b = f + chunk.heads * head_f, b + chunk.heads * head_b
+                    comm += chunk.heads * (head_f + head_b)
+                if not chunk.receives:  # the first virtual stage: the embedding
+                    f, b, comm = f + embed_f, b + embed_b, comm + embed_f + embed_b
+                if chunk.receives:
+                    f, comm = f + hop, comm + hop
+                if chunk.sends_back:
+                    b, comm = b + hop, comm + hop
+                out[chunk] = ActionCosts(f, b, w, comm)
+        return out
+
+    def in_flight(self, c: Candidate, microbatches: int, ordered: bool = False) -> list[int]:
+        """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
+        what the schedule's warm-up holds (it stops growing after a few rounds). ``ordered``:
+        zb-v's order made for the chunks' costs, as the plan makes it (it may admit one
+        micro-batch more); else the order for equal chunks, which the first pass prices."""
+        if c.pp == 1:
+            return [1]
+        if c.schedule == "gpipe":
+            return [microbatches] * c.pp
+        m = min(microbatches, 4 * c.pp)
+        order = None
+        if c.vshape and ordered:
+            _, shapes, _ = self.pipeline(c)
+            order = tuple(zb_v_order_costs(c, shapes, self.chunk_costs(c)))
+        key = (c.schedule, c.pp, c.vpp, m, order)
+        if key not in self._in_flight:
+            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m, receives_ahead=0,
+                                                   costs=order).peak_in_flight()
+        return self._in_flight[key]
+
+    def posted_receives(self, c: Candidate, stage: int) -> float:
+        """Bytes of a stage's pipeline receives posted ahead of their consumers
+        (``build_schedule``'s default): that many hidden-state messages on every stream the
+        stage receives on (from the stage before, from the stage after; both on every stage
+        when interleaved), beyond the consumed one its activations count."""
+        if c.pp == 1:
+            return 0.0
+        key = (c.schedule, c.pp, c.vpp)
+        if key not in self._receives_ahead:  # at most 1 unless interleaved; an interleaved
+            # schedule's need is highest from 4 * pp micro-batches on (tests/test_schedules.py)
+            self._receives_ahead[key] = 1 if c.vpp == 1 else build_schedule(
+                c.schedule, c.pp, c.vpp, 4 * c.pp).receives_ahead
+        wraps = c.vpp > 1 and not c.vshape  # looped chunks: every stage has both peers
+        streams = (stage > 0 or wraps) + (stage < c.pp - 1 or wraps)
+        return self._receives_ahead[key] * self.stage_message_bytes(c) * streams
+
+    def stage_message_bytes(self, c: Candidate) -> float:
+        """One micro-batch's hidden states between pipeline stages on one rank: this rank's
+        share of the sequence (over cp, and over tp under sequence parallelism)."""
+        pr = self.problem
+        tokens = c.micro_batch * pr.seq_len / c.cp
+        return tokens * pr.model.hidden_size * pr.element_size / (c.tp if c.sp else 1)
+
+    def peak_candidates(self, c: Candidate, in_flight: list[int]) -> list[int]:
+        """The stages, in order, that can hold the peak: of each stage shape its first stage
+        and its first with the most micro-batches in flight. A stage's memory grows with its
+        micro-batches in flight, so no other stage of the shape is higher, nor equal and
+        earlier; pricing only these keeps a deep pipeline's search from visiting every stage
+        of every candidate."""
+        key = (c.pp, c.vpp, c.vshape, tuple(in_flight))
+        if key not in self._peak_stages:
+            first: dict[int, int] = {}
+            most: dict[int, int] = {}
+            for s, number in enumerate(self._shape_index[(c.pp, c.vpp, c.vshape)]):
+                first.setdefault(number, s)
+                if number not in most or in_flight[s] > in_flight[most[number]]:
+                    most[number] = s
+            self._peak_stages[key] = sorted({*first.values(), *most.values()})
+        return self._peak_stages[key]
+
+    def closed_form_seconds(self, c: Candidate, busiest: float, microbatches: int) -> float:
+        """The busiest stage's work over one minus the schedule's theoretical bubble: the
+        search's first pass (the plan itself uses :meth:`pipeline_seconds`)."""
+        busy = busiest * microbatches
+        if c.pp == 1:
+            return busy
+        p, m = c.pp, microbatches
+        fraction = {"zb-h1": (p - 1) / (3 * m + p - 1), "zb-v": (p - 1) / (6 * m + p - 1),
+                    "interleaved": (p - 1) / (c.vpp * m + p - 1)}.get(c.schedule,
+                                                                      (p - 1) / (m + p - 1))
+        return busy / (1 - fraction)
+
+    def pipeline_seconds(self, c: Candidate, costs: dict[ChunkShape, ActionCosts],
+                         microbatches: int) -> float:
+        """The makespan of the step's pipeline in the schedule simulator."""
+        _, shapes, _ = self.pipeline(c)
+        if c.pp == 1:
+            return microbatches * costs[shapes[0].chunks[0]].total
+        split = c.schedule in ("zb-h1", "zb-v")
+
+        def price(stage: int, action: Action) -> float:
+            a = costs[shapes[stage].chunks[action.chunk]]
+            if action.kind == "F":
+                return a.forward
+            if action.kind == "W":
+                return a.weight
+            return a.backward if split else a.backward + a.weight
+
+        order = zb_v_order_costs(c, shapes, costs) if c.vshape else None
+
+        def makespan(m: int) -> float:
+            rows = build_schedule(c.schedule, c.pp, c.vpp, m, receives_ahead=0,
+                                  costs=order).timeline(action_cost=price)
+            return max(row[-1][1] for row in rows if row)
+
+        if microbatches <= SIMULATED_MICROBATCHES:
+            return makespan(microbatches)
+        step = c.pp  # keeps interleaved's multiple of pp
+        m1 = max(c.pp, SIMULATED_MICROBATCHES // step * step)
+        if c.vshape:  # zb-v's list-scheduled order is not periodic (its choices differ from
+            # one count to the next): past the start its busiest stage sets the pace
+            busiest = max(sum(costs[k].total for k in shape.chunks) for shape in shapes)
+            return makespan(m1 + step) + (microbatches - m1 - step) * busiest
+        t1, t2 = makespan(m1), makespan(m1 + step)
+        return t2 + (microbatches - m1 - step) * (t2 - t1) / step
+
+    # ------------------------------------------------------------------ memory
+
+    def stage_params(self, c: Candidate, stage: int) -> StageParams:
+        key = (c.pp, c.vpp, c.vshape, stage)
+        if key not in self._stage_params:
+            part, _, _ = self.pipeline(c)
+            held = part.stage_layers(stage)
+            layers = [i for chunk in held.chunks for i in chunk]
+            self._stage_params[key] = stage_params(self.problem.model, layers, held.embedding,
+                                                   held.head, c.pp)
+        return self._stage_params[key]
+
+    def layer_activations(self, layer: int | None, c: Candidate, recompute: str) -> float:
+        if layer is None:
+            return 0.0
+        key = (layer, c.tp, c.cp, c.sp, c.micro_batch, recompute)
+        if key not in self._activations:
+            self._activations[key] = layer_activation_bytes(
+                self.problem.model, layer, dataclasses.replace(c, recompute=recompute),
+                self.problem.seq_len, self.problem.element_size)
+        return self._activations[key]
+
+    def memory(self, c: Candidate, stage: int | None = None,
+               ordered: bool = False) -> MemoryEstimate:
+        """The peak over stages, or the peak of pipeline stage ``stage`` (a trainer's memory
+        figure is rank 0's, which holds stage 0); ``ordered``: see :meth:`in_flight`."""
+        pr = self.problem
+        _, _, unique = self.pipeline(c)
+        in_flight = self.in_flight(c, c.microbatches(pr.global_batch), ordered)
+        dense = self.layer_activations(self.dense_layer, c, c.recompute)
+        moe = self.layer_activations(self.moe_layer, c, c.recompute)
+        per_shape = []
+        for number, (shape, first) in enumerate(unique.items()):
+            chunk = max(k.dense * dense + k.moe * moe for k in shape.chunks)
+            if c.recompute == "full":  # one layer's whole activations while it is recomputed
+                chunk_extra = self.layer_activations(
+                    self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
+            else:
+                chunk_extra = 0.0
+            key = (c.pp, c.vpp, c.vshape, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero,
+                   c.micro_batch)
+            if key not in self._shape_bytes:
+                params = self.stage_params(c, first)
+                state = state_bytes(params, c, pr.element_size, pr.reduce_size)
+                self._shape_bytes[key] = (
+                    state, sum(state.values()),
+                    transient_bytes(pr.model, params, c, pr.seq_len, shape.head,
+                                    pr.element_size, pr.reduce_size),
+                    collective_copy_bytes(params, c, pr.reduce_size,
+                                          pr.profile.reduce_scatter_copy))
+            state, held, transient, copies = self._shape_bytes[key]
+            per_shape.append((state, held, chunk, chunk_extra, transient, copies))
+        index = self._shape_index[(c.pp, c.vpp, c.vshape)]
+        stages = [stage] if stage is not None else self.peak_candidates(c, in_flight)
+        worst, peak = None, -1.0
+        for s in stages:
+            state, held, chunk, extra, transient, copies = per_shape[index[s]]
+            transient += self.posted_receives(c, s)
+            buffers = max(in_flight[s] * chunk + extra + transient, copies)
+            total = held + (1 + pr.profile.memory_step_slack) * buffers
+            if total > peak:
+                worst, peak = (state, in_flight[s] * chunk + extra, transient, copies), total
+        assert worst is not None
+        state, activations, transient, copies = worst
+        return MemoryEstimate(**state, activations=activations, transient=transient,
+                              reserved=pr.reserved_bytes,
+                              correction=pr.profile.memory_correction,
+                              collective_copies=copies, slack=pr.profile.memory_step_slack)
+
+    # ------------------------------------------------------------------ the whole step
+
+    def data_parallel_costs(self, c: Candidate, stage: int
+                            ) -> tuple[tuple[tuple[float, float, float], ...], float]:
+        """Per gradient group (dense, experts): (reduction, gather of updated chunks, ZeRO-3
+        gather) seconds; and the optimizer step's seconds (memory-bound: every state byte
+        read and written once)."""
+        key = (c.pp, c.vpp, c.vshape, stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.world_size)
+        if key not in self._dp:
+            pr = self.problem
+            groups = layout_groups(c, pr.profile.gpus_per_node)
+            params = self.stage_params(c, stage)
+            per_group = []
+            for count, group in zip(rank_params(params, c), (groups.dp, groups.expert_dp)):
+                grads, weights = count * pr.reduce_size, count * pr.element_size
+                kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
+                gather = collective_seconds(pr.profile, "all_gather", group, weights)
+                per_group.append((collective_seconds(pr.profile, kind, group, grads),
+                                  gather if c.zero in (1, 2) else 0.0,
+                                  gather if c.zero == 3 else 0.0))
+            state = sum(state_bytes(params, c, pr.element_size, pr.reduce_size).values())
+            bandwidth = pr.profile.memory_bandwidth * self.rate_scale(c)
+            self._dp[key] = tuple(per_group), 2 * state / bandwidth
+        return self._dp[key]
+
+    def data_parallel_seconds(self, c: Candidate, stage: int, last_backward: float,
+                              microbatches: int) -> tuple[float, float]:
+        """(exposed reduction and gather seconds, optimizer seconds) of one stage after its
+        last backward: ZeRO 0/1 reduce once, overlapping the last backward; ZeRO 2/3 reduce
+        every micro-batch's gradients during its own backward; ZeRO 1/2 gather the updated
+        chunks after the step; ZeRO-3 gathers in forward and backward, prefetched behind
+        compute."""
+        per_group, optimizer = self.data_parallel_costs(c, stage)
+        times = microbatches if c.zero >= 2 else 1
+        hidden = last_backward if self.overlaps else 0.0
+        exposed = 0.0
+        for reduce, gather_after, gather_3 in per_group:
+            exposed += times * max(0.0, reduce - hidden) + gather_after
+            if gather_3:
+                exposed += microbatches * max(0.0, 2 * gather_3 - hidden)
+        return exposed, optimizer
+
+    def estimate(self, c: Candidate, simulate: bool = True) -> Estimate:
+        """The candidate's step time, memory and throughput; ``simulate=False`` prices the
+        pipeline in closed form (the search's first pass)."""
+        pr = self.problem
+        m = c.microbatches(pr.global_batch)
+        costs = self.chunk_costs(c)
+        _, _, unique = self.pipeline(c)
+        busy = comm = 0.0
+        after = (0.0, 0.0)
+        for shape, stage in unique.items():
+            work = [costs[k] for k in shape.chunks]
+            busy = max(busy, sum(a.total for a in work))
+            comm = max(comm, sum(a.communication for a in work))
+            last_backward = sum(a.backward + a.weight for a in work)
+            after = max(after, self.data_parallel_seconds(c, stage, last_backward, m), key=sum)
+        makespan = (self.pipeline_seconds(c, costs, m) if simulate
+                    else self.closed_form_seconds(c, busy, m))
+        memory = self.memory(c, ordered=simulate)
+        dp_exposed, optimizer = after
+        busy, comm = busy * m, comm * m
+        overhead = pr.profile.step_overhead_s
+        step = (makespan + dp_exposed + optimizer + overhead) * pr.profile.time_correction
+        breakdown = {"compute": busy - comm, "bubble": max(0.0, makespan - busy),
+                     "communication": comm + dp_exposed, "optimizer": optimizer,
+                     "overhead": overhead}
+        fits = memory.peak <= pr.memory_limit
+        main = max(("compute", "bubble", "communication"), key=lambda k: breakdown[k])
+        bottleneck = "memory" if not fits or breakdown["optimizer"] > breakdown[main] else main
+        flops = pr.flops_per_step / step / pr.gpus
+        return Estimate(c, step, pr.global_batch * pr.seq_len / step, flops / 1e12,
+                        flops / pr.profile.peak(pr.dtype if pr.dtype != "fp64" else "fp32"),
+                        memory, fits, bottleneck, breakdown)

@@ -1,0 +1,282 @@
+"""The layout search: every split of a cluster the trainer can run, pruned exactly, then ranked.
+
+Enumeration walks tp, cp, pp (with vpp and the schedule), ep and etp, ZeRO and the micro-batch
+size; a pinned field takes only its pinned value. Pruning is exact before anything is ranked:
+divisibility as the plan checks it, and memory — the optimizer state of the largest stage is
+known before activations, so a (tp, cp, pp, ep, zero) split whose state alone overflows is
+dropped with every schedule and micro-batch under it. Among the recompute modes, which only
+trade time for memory, each layout keeps the cheapest that fits. Sequence parallelism is on
+whenever tp > 1 unless pinned off (the same communication as without, less memory), and GPipe
+is tried only when pinned (1F1B runs the same pipeline in less memory).
+
+Ranking is two-pass: a closed-form pipeline (the busiest stage over one minus the schedule's
+theoretical bubble) orders every fitting candidate, then the best few are priced with the
+schedule simulator and re-sorted, with the most promising zb-v twins of their pipelines
+(:func:`v_twins`); the final plan and table use the simulated figures only, and each of them
+passes the trainer's own plan checks (:func:`meshtron.plan.check_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from meshtron.config import Config
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.estimate import Estimate, Estimator, Problem
+from meshtron.costmodel.memory_model import state_bytes
+from meshtron.errors import MeshtronError
+from meshtron.models.flops import padded_vocab_size
+from meshtron.plan import check_run
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+SIMULATED = 48
+"""Candidates re-ranked with the schedule simulator after the closed-form pass."""
+TWINS_SIMULATED = 4
+"""zb-v twins of those (:func:`v_twins`) simulated at most."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Fields the user fixed; None leaves a field to the search."""
+
+    tp: int | None = None
+    cp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    schedule: str | None = None
+    ep: int | None = None
+    etp: int | None = None
+    zero: int | None = None
+    sp: bool | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+
+    def allow(self, name: str, options: list) -> list:
+        pinned = getattr(self, name)
+        return [pinned] if pinned is not None else options
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]
+    """Simulated candidates, fitting ones first, each group by step time."""
+    considered: int
+    """Layouts that passed divisibility (before memory pruning)."""
+    fitting: int
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _structures(problem: Problem, pins: Pins) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) splits the model and the world divide into."""
+    m, gpus = problem.model, problem.gpus
+    gpn = problem.profile.gpus_per_node
+    for tp in pins.allow("tp", powers_of_two(min(gpn, m.num_heads))):
+        if (m.num_heads % tp or (m.num_kv_heads % tp and tp % m.num_kv_heads)
+                or m.ffn_hidden_size % tp or padded_vocab_size(m) % tp or gpus % tp):
+            continue
+        for cp in pins.allow("cp", powers_of_two(problem.seq_len // 2)):
+            if problem.seq_len % (2 * cp) or gpus % (tp * cp):
+                continue
+            for pp in pins.allow("pp", divisors(gpus // (tp * cp), m.num_layers)):
+                if gpus % (tp * cp * pp) == 0:
+                    yield tp, cp, pp, gpus // (tp * cp * pp)
+
+
+def _expert_splits(problem: Problem, pins: Pins, tp: int, cp: int,
+                   dp: int) -> Iterator[tuple[int, int | None]]:
+    m = problem.model
+    if not m.is_moe:
+        if pins.ep not in (None, 1):
+            return
+        yield 1, None
+        return
+    for etp in pins.allow("etp", [None, 1] if tp > 1 else [None]):
+        if etp is not None and etp not in (1, tp):
+            continue
+        if etp != 1 and m.moe.expert_ffn_size % tp:
+            continue
+        folded = dp * cp * (tp if etp == 1 else 1)
+        for ep in pins.allow("ep", divisors(m.moe.num_experts, folded)):
+            if folded % ep == 0:
+                yield ep, etp
+
+
+def _pipelines(pins: Pins, pp: int, layers: int) -> list[tuple[int, str]]:
+    if pp == 1:
+        return [(1, "1f1b")] if pins.schedule in (None, "1f1b", "gpipe") and \
+            pins.vpp in (None, 1) else []
+    # zb-v is priced by simulation only: pinned here, else as the shortlist's twins (v_twins)
+    schedules = [pins.schedule] if pins.schedule else ["1f1b", "zb-h1", "interleaved"]
+    out = []
+    for schedule in schedules:
+        vpps = ([v for v in range(2, 5) if layers % (pp * v) == 0] if schedule == "interleaved"
+                else [2] if schedule == "zb-v" and layers >= 2 * pp else [1])
+        out += [(v, schedule) for v in pins.allow("vpp", vpps)
+                if (v > 1) == (schedule in ("interleaved", "zb-v"))]
+    return out
+
+
+def candidates(problem: Problem, pins: Pins) -> Iterator[Candidate]:
+    """Every candidate that passes divisibility (memory is not checked here)."""
+    gb, layers = problem.global_batch, problem.model.num_layers
+    for tp, cp, pp, dp in _structures(problem, pins):
+        if gb % dp:
+            continue
+        share = gb // dp
+        for ep, etp in _expert_splits(problem, pins, tp, cp, dp):
+            can_split = tp > 1 and (problem.seq_len // cp) % tp == 0
+            for sp in pins.allow("sp", [can_split]):
+                if sp and not can_split:
+                    continue
+                for zero in pins.allow("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
+                    for vpp, schedule in _pipelines(pins, pp, layers):
+                        if schedule in ("zb-h1", "zb-v") and zero == 3 and dp * cp > 1:
+                            continue
+                        for mb in pins.allow("micro_batch", powers_of_two(min(share, 64))):
+                            count = share // mb if share % mb == 0 else 0
+                            if not count or (pp > 1 and schedule != "gpipe" and count < pp) \
+                                    or (schedule == "interleaved" and count % pp):
+                                continue
+                            for recompute in pins.allow("recompute", list(RECOMPUTE_ORDER)):
+                                yield Candidate(tp, cp, pp, vpp, schedule, ep, etp, dp, zero,
+                                                sp, mb, recompute)
+
+
+def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULATED
+           ) -> SearchResult:
+    """Rank every layout of ``problem`` that the trainer can run (``cfg`` gives the rest of
+    the run's settings for the plan checks)."""
+    estimator = Estimator(problem)
+    limit = problem.memory_limit
+    considered = 0
+    state_fits: dict[tuple, bool] = {}
+    first_pass: list[tuple[float, Candidate]] = []
+    spill: list[Candidate] = []  # the least-memory layouts, for the "does not fit" report
+    kept: dict[tuple, str] = {}
+    for c in candidates(problem, pins):
+        considered += 1
+        key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.zero)
+        if key not in state_fits:
+            worst = max(sum(state_bytes(estimator.stage_params(c, s), c, problem.element_size,
+                                        problem.reduce_size).values()) for s in range(c.pp))
+            state_fits[key] = worst * problem.profile.memory_correction \
+                + problem.reserved_bytes <= limit
+        layout = (*key, c.schedule, c.sp, c.micro_batch)
+        if not state_fits[key]:
+            if c.recompute == "full":
+                spill.append(c)
+            continue
+        if layout in kept:  # a cheaper recompute mode of this layout already fits
+            continue
+        if estimator.memory(c).peak > limit:
+            if c.recompute == "full" or pins.recompute:
+                spill.append(c)
+            continue
+        kept[layout] = c.recompute
+        first_pass.append((estimator.estimate(c, simulate=False).step_time_s, c))
+    first_pass.sort(key=lambda item: item[0])
+    ranked = []
+    for _, c in first_pass:
+        if len(ranked) >= simulate:
+            break
+        if runnable(cfg, c, problem.gpus):
+            ranked.append(estimator.estimate(c))
+    fitting = len(first_pass)
+    twins = v_twins(estimator, pins, cfg, ranked, limit)
+    considered, fitting = considered + twins.tried, fitting + twins.fitting
+    ranked += twins.simulated
+    if not ranked:
+        ranked = least_memory(estimator, spill)
+    # equal times (cp re-splitting what dp would) go to the simpler layout
+    ranked.sort(key=lambda e: (not e.fits, e.step_time_s, e.candidate.cp, e.candidate.pp,
+                               e.candidate.zero, e.candidate.tp))
+    return SearchResult(ranked, considered, fitting)
+
+
+@dataclass
+class Twins:
+    tried: int
+    """zb-v layouts priced (memory, then the closed form)."""
+    fitting: int
+    simulated: list[Estimate]
+    """The most promising of those whose closed form beats the shortlist's best, simulated."""
+
+
+def v_twins(estimator: Estimator, pins: Pins, cfg: Config, shortlist: list[Estimate],
+            limit: float) -> Twins:
+    """The zb-v layouts of the shortlist's pipelines: the same split with its two chunks per
+    stage in a V, each with the least recompute that fits.
+
+    zb-v is not ranked beside the other schedules in the closed-form pass: its closed form
+    (one unit-cost V) is optimistic where the chunks differ (a head, chunks of 2 and 1 layers),
+    and there it crowded better layouts out of the shortlist. Here it orders the twins instead:
+    of those whose closed form beats the shortlist's best, the :data:`TWINS_SIMULATED` lowest
+    are simulated and plan-checked."""
+    layers = estimator.problem.model.num_layers
+    fitting_times = [e.step_time_s for e in shortlist if e.fits]
+    if pins.schedule is not None or pins.vpp not in (None, 2) or not fitting_times:
+        return Twins(0, 0, [])
+    best = min(fitting_times)
+    seen: set[Candidate] = set()
+    tried, fitting, promising = 0, 0, []
+    for c in (e.candidate for e in shortlist):
+        if c.pp == 1 or layers < 2 * c.pp or (c.zero == 3 and c.dp * c.cp > 1):
+            continue
+        base = dataclasses.replace(c, vpp=2, schedule="zb-v", recompute="none")
+        if base in seen:
+            continue
+        seen.add(base)
+        for recompute in pins.allow("recompute", list(RECOMPUTE_ORDER)):
+            twin = dataclasses.replace(base, recompute=recompute)
+            tried += 1
+            if estimator.memory(twin).peak > limit:
+                continue
+            fitting += 1
+            closed = estimator.estimate(twin, simulate=False).step_time_s
+            if closed < best:
+                promising.append((closed, twin))
+            break
+    promising.sort(key=lambda item: item[0])
+    simulated = [estimator.estimate(twin) for _, twin in promising[:TWINS_SIMULATED]
+                 if runnable(cfg, twin, estimator.problem.gpus)]
+    return Twins(tried, fitting, simulated)
+
+
+def least_memory(estimator: Estimator, spill: list[Candidate], keep: int = 5) -> list[Estimate]:
+    """The layouts closest to fitting, for the report that nothing fits."""
+    if not spill:
+        return []
+    scored = sorted(spill, key=lambda c: estimator.memory(c).peak)
+    return [estimator.estimate(c) for c in scored[:keep]]
+
+
+def runnable(cfg: Config, c: Candidate, gpus: int) -> bool:
+    """The trainer's plan accepts the candidate. The enumeration has checked the batch split
+    already, so the plan is asked with the fewest micro-batches the schedule takes: every
+    other check is the same, and building a schedule of hundreds of micro-batches is not."""
+    fewest = 1 if c.pp == 1 else c.pp
+    small = dataclasses.replace(cfg.train, global_batch=c.dp * c.micro_batch * fewest)
+    try:
+        check_run(apply(dataclasses.replace(cfg, train=small), c), gpus)
+    except MeshtronError:
+        return False
+    return True
+
+
+def apply(cfg: Config, c: Candidate) -> Config:
+    """``cfg`` with the candidate's layout, micro-batch and recompute mode."""
+    parallel = dataclasses.replace(cfg.parallel, tp=c.tp, cp=c.cp, pp=c.pp, vpp=c.vpp,
+                                   schedule=c.schedule, ep=c.ep, etp=c.etp, zero=c.zero,
+                                   sp=c.sp, pp_layers=None)
+    train = dataclasses.replace(cfg.train, micro_batch=c.micro_batch, recompute=c.recompute)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)

@@ -1,0 +1,121 @@
+"""The work of one transformer layer, by part, on one rank of a layout: FLOPs and GEMM sizes.
+
+Per-token FLOPs come from the same architecture objects and size functions as
+:mod:`meshtron.models.flops` (which the trainer's MFU and the pipeline's balancing use), split
+into the parts the cost model prices differently: the projections and MLP GEMMs (whose speed
+depends on their size), the attention core (a fused kernel, causally halved in time but counted
+whole in model FLOPs as Megatron does), the router and the routed experts (top-k, padded to
+capacity when the model asks for it), the output layer with the loss. The GEMM sizes follow
+from the layout: ``m`` tokens of a micro-batch on this rank (a cp rank holds seq/cp of each
+sequence; sequence parallelism gathers the full m before each GEMM), weights split over tp, and
+the experts' tokens spread over the local experts of an ep rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.config import ModelConfig
+from meshtron.costmodel.candidate import Candidate
+from meshtron.models.arch import architecture_of
+from meshtron.models.flops import mlp_matmul_params, padded_vocab_size
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``count`` matrix multiplies of ``flops`` each (one rank, one micro-batch, forward)."""
+
+    flops: float
+    count: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One layer's forward on one rank for one micro-batch."""
+
+    gemms: tuple[Gemm, ...]
+    attention_flops: float
+    """The attention core's FLOPs as computed (causal: half the score matrix)."""
+    elementwise_bytes: float
+    """Bytes the memory-bound operators (norms, residuals, rotary, activation) move."""
+
+    @property
+    def gemm_flops(self) -> float:
+        return sum(g.flops * g.count for g in self.gemms)
+
+
+def layer_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of layer ``layer`` by part, in the Megatron convention (full
+    attention scores): three times their sum is the layer's share of
+    :func:`meshtron.models.flops.training_flops_per_token`."""
+    arch = architecture_of(cfg)
+    parts = {"projections": 2.0 * arch.attention.matmul_params(cfg),
+             "attention": 2.0 * seq_len * arch.attention.score_width(cfg)}
+    if not cfg.is_moe_layer(layer):
+        parts["mlp"] = 2.0 * mlp_matmul_params(cfg, cfg.ffn_hidden_size)
+        return parts
+    moe = cfg.moe
+    parts["router"] = 2.0 * moe.num_experts * cfg.hidden_size
+    parts["experts"] = 2.0 * moe.top_k * mlp_matmul_params(cfg, moe.expert_ffn_size)
+    parts["shared_experts"] = 2.0 * mlp_matmul_params(cfg, moe.shared_experts
+                                                      * moe.expert_ffn_size)
+    return parts
+
+
+def head_flops_per_token(cfg: ModelConfig) -> float:
+    """The output layer's forward FLOPs per token (the loss's few passes are memory-bound)."""
+    return 2.0 * cfg.hidden_size * padded_vocab_size(cfg)
+
+
+def capacity_padding(cfg: ModelConfig) -> float:
+    """How much more the experts compute than their routed tokens: the capacity factor when
+    every expert pads to its capacity, else 1."""
+    moe = cfg.moe
+    return moe.capacity_factor if moe.pad_to_capacity and moe.capacity_factor else 1.0
+
+
+def layer_work(cfg: ModelConfig, layer: int, seq_len: int, c: Candidate,
+               element_size: int) -> LayerWork:
+    """The forward of layer ``layer`` for one micro-batch on one rank of ``c``."""
+    arch = architecture_of(cfg)
+    m = c.micro_batch * seq_len / c.cp  # tokens of this rank's micro-batch
+    h, tp = cfg.hidden_size, c.tp
+    attention = arch.attention.matmul_params(cfg)
+    out_proj = (cfg.v_head_dim if cfg.latent_attention else cfg.head_size) * cfg.num_heads * h
+    gemms = [Gemm(2.0 * m * (attention - out_proj) / tp), Gemm(2.0 * m * out_proj / tp)]
+    core = m * seq_len * arch.attention.score_width(cfg) / tp  # causal half of 2*m*s*width
+    mlp_width = cfg.ffn_hidden_size
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        gated = 3 if arch.gated_mlp else 2
+        gemms.append(Gemm(2.0 * m * h * moe.num_experts))  # the router, replicated over tp
+        local_experts = moe.num_experts / c.ep
+        whole = c.etp == 1  # each tp rank routes its 1/tp of the tokens through whole experts
+        routed = m * moe.top_k * capacity_padding(cfg) / (tp if whole else 1)
+        per_expert = routed * c.ep / moe.num_experts  # tokens one local expert sees
+        expert_width = moe.expert_ffn_size / (1 if whole else tp)
+        gemms.append(Gemm(2.0 * per_expert * h * expert_width, gated * local_experts))
+        shared = moe.shared_experts * moe.expert_ffn_size
+        if shared:
+            gemms.append(Gemm(2.0 * m * mlp_matmul_params(cfg, shared) / tp))
+        mlp_width = moe.top_k * moe.expert_ffn_size + shared
+    else:
+        gemms.append(Gemm(2.0 * m * mlp_matmul_params(cfg, mlp_width) / tp))
+    residual = m / tp if c.sp and tp > 1 else m
+    elementwise = element_size * (12 * residual * h + 8 * m * h + 6 * m * mlp_width / tp)
+    return LayerWork(tuple(gemms), core, elementwise)
+
+
+def head_work(cfg: ModelConfig, seq_len: int, c: Candidate, element_size: int) -> LayerWork:
+    """The output layer and the vocabulary-parallel loss for one micro-batch on one rank."""
+    m = c.micro_batch * seq_len / c.cp
+    vocab = padded_vocab_size(cfg) / c.tp
+    return LayerWork((Gemm(2.0 * m * cfg.hidden_size * vocab),), 0.0,
+                     4 * m * vocab * 4 + element_size * 2 * m * cfg.hidden_size)
+
+
+def mtp_merge_work(cfg: ModelConfig, seq_len: int, c: Candidate) -> LayerWork:
+    """One multi-token-prediction module's merge projection (2h -> h, whole on every tp rank)
+    for one micro-batch."""
+    m = c.micro_batch * seq_len / c.cp
+    return LayerWork((Gemm(2.0 * m * 2 * cfg.hidden_size ** 2),), 0.0, 0.0)

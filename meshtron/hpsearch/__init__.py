@@ -1,0 +1,2 @@
+"""``meshtron hpsearch``: learning rate, warm-up, batch and weight decay searched on proxy runs
+(Optuna studies over short ``meshtron train`` trials)."""
