@@ -57,6 +57,7 @@ SANITY_LIMITS = {
     "model.num_layers": 100_000, "model.hidden_size": 2**20, "model.ffn_hidden_size": 2**24,
     "model.num_heads": 2**16, "model.max_seq_len": 2**27, "model.vocab_size": 2**32,
     "train.global_batch": 2**24, "train.seq_len": 2**27, "train.steps": 10**12,
+    "data.vocab_size": 2**24,
 }
 """Sizes far beyond the largest models trained (10T parameters fit inside them): a value
 past one is a typo, refused before it allocates terabytes or loops for hours."""
@@ -87,6 +88,7 @@ def validate(cfg: Config) -> None:
         "train.log_every": t.log_every, "data.vocab_size": d.vocab_size,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
         "precision.fp8_block": pc.fp8_block, "precision.fp8_history": pc.fp8_history,
+        "parallel.tp_comm_chunks": p.tp_comm_chunks,
     }
     for name, value in positive.items():
         require(value is not None and value > 0,
@@ -182,7 +184,45 @@ def validate(cfg: Config) -> None:
     require(not (pc.dtype == "fp64" and pc.reduce_dtype != "fp32"),
             "precision.dtype=fp64 reduces gradients in fp64; leave precision.reduce_dtype at "
             "fp32")
+    require(-(2**63) <= t.seed < 2**64, f"train.seed must fit in 64 bits (-2**63 to 2**64-1), "
+            f"got {t.seed}")
+    check_paths(cfg)
     check_model_shape(m)
+
+
+NAME_MAX, PATH_MAX = 255, 4095
+"""Bytes of one name and of a whole path that Linux and macOS file systems accept."""
+
+
+def check_paths(cfg: Config) -> None:
+    """The folders a run writes to are names a file system can hold: not empty (an empty
+    run.dir would write into the current folder), no NUL byte, no name over 255 bytes (the OS
+    refuses those with a traceback at the first stat, not at the config)."""
+    named = {"run.dir": cfg.run.dir, "checkpoint.dir": cfg.checkpoint.dir,
+             "data.cache_dir": cfg.data.cache_dir}
+    for name, value in named.items():
+        if value is None:
+            continue
+        require(value.strip() != "", f"{name} is empty; name a folder (. for the current one)")
+        require("\0" not in value, f"{name} holds a NUL byte, which no file name may")
+        encoded = value.encode("utf-8", "surrogateescape")
+        require(len(encoded) <= PATH_MAX, f"{name} is {len(encoded):,} bytes long; a path "
+                f"may have at most {PATH_MAX:,}")
+        longest = max(encoded.split(b"/"), key=len)
+        require(len(longest) <= NAME_MAX, f"{name} has a name of {len(longest):,} bytes "
+                f"('{longest[:20].decode('utf-8', 'replace')}...'); a file system allows at "
+                f"most {NAME_MAX} per name")
+
+
+def inert_settings(cfg: Config) -> list[str]:
+    """Settings that are valid but do nothing in this config, one sentence each, for the
+    command to say as a note: a config written for one layout still runs under another (the
+    tuner and train.autotune move between layouts), so they are not refused."""
+    notes = []
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        notes.append("parallel.sp=true has no effect at parallel.tp=1 (sequence parallelism "
+                     "splits the residual stream over tp ranks)")
+    return notes
 
 
 def check_model_shape(m: ModelConfig) -> None:

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import re
+import shutil
 import textwrap
 from collections.abc import Iterator
 from functools import cache
@@ -64,9 +65,35 @@ def undocumented(cls: type) -> list[str]:
     return missing
 
 
-def config_reference() -> str:
-    """Every config field as '--section.field (default ...): what it does', for
-    `meshtron train --help`."""
+TRAIN_EXAMPLES = """\
+examples:
+  meshtron train --model.preset=tiny --train.steps=200 --run.dir=runs/tiny
+  meshtron train --config configs/default.yaml --train.lr=3e-4
+  meshtron train --data.path=corpus.txt --data.vocab_size=4096 --run.dir=runs/mine
+  meshtron train --nproc 4 --parallel.tp=2 --parallel.sp=true --run.dir=runs/tp2
+  torchrun --nproc-per-node 2 -m meshtron train --parallel.pp=2 --run.dir=runs/pp2"""
+
+
+def help_width() -> int:
+    """Columns help text wraps to: the terminal's (or $COLUMNS) less 2, as argparse's."""
+    return max(shutil.get_terminal_size().columns - 2, 40)
+
+
+def config_reference(width: int | None = None) -> str:
+    """Every config field as '--section.field (default ...): what it does', wrapped to
+    ``width`` columns (default: the terminal's, as argparse wraps the options above it), then
+    examples (kept whole, so that they paste), for `meshtron train --help`."""
+    width = width or help_width()
+    lines = []
+    for line in _reference_lines():
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        lines += textwrap.wrap(line, width, subsequent_indent=indent,
+                               break_on_hyphens=False) or [""]
+    return "\n".join(lines) + "\n\n" + TRAIN_EXAMPLES
+
+
+def _reference_lines() -> list[str]:
+    """The reference's lines, unwrapped."""
     from meshtron.config import MOE_DEFAULTS, Config
 
     lines = ["config fields (set in --config YAML or as --section.field=value):"]
@@ -78,4 +105,4 @@ def config_reference() -> str:
             if value is None and key.startswith("model.moe."):  # unset: the preset's, or this
                 value = MOE_DEFAULTS.get(attr)
             lines.append(f"    --{key} (default {value!r}): {summary(doc)}")
-    return "\n".join(lines)
+    return lines

@@ -9,10 +9,13 @@ other or to a world size belong to the run plan (:mod:`meshtron.plan`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import difflib
 import functools
+import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -26,6 +29,7 @@ from meshtron.config.sections import (
     MOE_DEFAULTS,
     SECTIONS,
     Config,
+    DataConfig,
     TrainConfig,
     attribute_name,
     config_key,
@@ -57,7 +61,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+            value = split_list(value)
         if not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(v, item_tp, where) for v in value]
@@ -176,8 +180,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     cfg = Config()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise MeshtronError(f"config file not found: {p}")
+        check_config_file(p)
         try:
             data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError:
@@ -199,13 +202,54 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
+class OnceAction(argparse.Action):
+    """An option that may be given once: a second ``--config`` used to replace the first
+    without a word. Two files are refused rather than merged, since a merge would have to pick
+    a rule (whole sections or single fields) the user cannot see; overrides on the command
+    line are the documented way to change a file's values."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None:
+            raise argparse.ArgumentError(self, f"given twice ({earlier}, then {values}); give "
+                                         "one file and change its values with "
+                                         "--section.field=value")
+        setattr(namespace, self.dest, values)
+
+
+def check_config_file(path: Path) -> None:
+    """``path`` is a regular file: a FIFO would block the read forever and a device such as
+    /dev/zero would fill memory, and "not found" would be the wrong reason for either."""
+    try:
+        exists = path.exists()
+    except OSError as err:  # a name too long, a parent that is a file
+        raise MeshtronError(f"config file {str(path)[:80]!r} cannot be read: "
+                            f"{err.strerror}") from None
+    if not exists:
+        raise MeshtronError(f"config file not found: {path}")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file (a pipe or a device)"
+        raise MeshtronError(f"config file {path} is {kind}; give a YAML file")
+
+
+def split_list(text: str) -> list[str]:
+    """A comma-separated list from the command line; ``\\,`` is a comma inside an item (a file
+    named ``a,b.txt`` is ``--data.path=a\\,b.txt``; in YAML, a list needs no escaping)."""
+    items = re.split(r"(?<!\\),", text)
+    return [item.replace("\\,", ",") for item in items if item]
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last
-    silently, so half of a config would be ignored without a word)."""
+    silently, so half of a config would be ignored without a word). Merge keys (``<<: *base``)
+    work as in YAML 1.1: the mapping's own keys override the merged ones."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # flattened by SafeConstructor below
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -269,12 +313,21 @@ def resolve(cfg: Config) -> None:
         m.mtp_depth = 0
     if m.vision.enabled:
         _resolve_vision_window(cfg)
+    if cfg.data.cache_dir == DataConfig.cache_dir:
+        cfg.data.cache_dir = default_cache_dir()
     if cfg.data.path is not None:
         paths = [p for p in cfg.data.path if p]
         if not paths:
             raise MeshtronError("data.path is empty; name a file, folder or dataset prefix, or "
                                 "leave data.path unset for the built-in corpus")
         cfg.data.path = paths
+
+
+def default_cache_dir() -> str:
+    """Where caches go unless data.cache_dir says: ``$XDG_CACHE_HOME/meshtron`` when that is
+    set to an absolute path (the XDG base-directory rule), else ``~/.cache/meshtron``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return os.path.join(xdg, "meshtron") if os.path.isabs(xdg) else DataConfig.cache_dir
 
 
 def split_overrides(extra: list[str]) -> list[str]:
