@@ -48,3 +48,12 @@ def check_writable(directory: Path, what: str) -> None:
     except OSError as err:
         probe.unlink(missing_ok=True)
         raise MeshtronError(f"{what} {directory} is not writable ({os_reason(err)})") from None
+
+
+def png_path(given: str, default_name: str) -> Path:
+    """Where a PNG goes: inside ``given`` when it is a directory, with ``.png`` added when it
+    names no extension (matplotlib would add it without saying so)."""
+    path = Path(given)
+    if path.is_dir():
+        return path / default_name
+    return path if path.suffix else path.with_name(path.name + ".png")

@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from meshtron.cli import _split_overrides, main
+from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.config.parse import split_overrides as _split_overrides
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import training_flops_per_token
 from meshtron.optim.lr_schedule import learning_rate

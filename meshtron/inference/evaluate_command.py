@@ -1,4 +1,5 @@
-"""``meshtron evaluate`` and ``meshtron vla-data``: a policy in closed loop, and its data.
+"""``meshtron evaluate``: a vision-language-action policy in closed loop (its data is written by
+``meshtron vla-data``, :mod:`meshtron.data.vla_data_command`).
 
 The checkpoint, its config and its tokenizer are checked before the model is built; a text
 model's checkpoint is refused in one line. The held-out demonstrations the accuracy is measured
@@ -15,7 +16,6 @@ from pathlib import Path
 import torch
 
 from meshtron.checkpoint.loading import load_model, open_for_inference
-from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import build_policy_data
 from meshtron.data.vla_tokens import ActionCodec
 from meshtron.envs import save_gif
@@ -23,18 +23,6 @@ from meshtron.errors import MeshtronError
 from meshtron.files import check_writable
 from meshtron.inference.policy_eval import PolicyActor, evaluate_policy
 from meshtron.models.policy_runner import PolicyRunner
-
-
-def run_vla_data(args: argparse.Namespace, extra: list[str]) -> int:
-    if extra:
-        raise MeshtronError(f"vla-data takes no config overrides, got {' '.join(extra)}")
-    if args.episodes < 1:
-        raise MeshtronError(f"--episodes must be at least 1, got {args.episodes}")
-    output = Path(args.output)
-    if output.exists():
-        raise MeshtronError(f"--output {output} already exists; name a new folder")
-    generate_demonstrations(args.episodes, args.seed, args.image_size, output)
-    return 0
 
 
 def run_evaluate(args: argparse.Namespace, extra: list[str]) -> int:

@@ -19,6 +19,13 @@ calibrate this machine, then check the plan by trial runs of the real trainer:
 See docs/tuning.md."""
 
 
+
+def cmd_tune(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtron.tune.tune_command import run_tune
+
+    return run_tune(args, extra)
+
+
 def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "tune", help="plan the parallel layout of a run on a cluster (cost model + search)",
@@ -46,4 +53,5 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--trial-steps", type=int, default=6,
                    help="steps of each trial run (default 6; the first is warm-up)")
     p.add_argument("--trial-dir", help="where trial runs go (default: a temporary folder)")
+    p.set_defaults(func=cmd_tune)
     return p

@@ -1,0 +1,48 @@
+"""``meshtron preprocess``: text files to a Megatron-format indexed dataset (PREFIX.bin/.idx),
+with a given tokenizer or a byte-level BPE trained on the same text.
+
+The output prefix and its folder are checked before any text is read."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from meshtron.data.preprocess import preprocess
+from meshtron.data.sources import open_source
+from meshtron.data.tokenizer import Tokenizer, train_tokenizer
+from meshtron.errors import MeshtronError
+from meshtron.files import check_writable
+
+
+def add_preprocess_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("preprocess", help="tokenise text into an indexed dataset (.bin/.idx)")
+    p.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders of them")
+    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx")
+    p.add_argument("--tokenizer", help="tokenizer.json to use (default: train a byte-level BPE)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="size of a trained tokenizer")
+    p.add_argument("--cache-dir", default="~/.cache/meshtron", help="where tokenizers are cached")
+    p.set_defaults(func=run_preprocess)
+    return p
+
+
+def run_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise MeshtronError(f"unrecognised argument '{extra[0]}'")
+    if not Path(args.output).name or args.output.endswith(("/", ".")):
+        raise MeshtronError(f"--output {args.output!r} names no file prefix (PREFIX.bin and "
+                            "PREFIX.idx are written)")
+    check_writable(Path(args.output).parent, "--output's folder")
+    sources = [open_source(path) for path in args.inputs]
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    else:
+        tokenizer = train_tokenizer(sources, args.vocab_size, os.path.expanduser(args.cache_dir))
+        print(f"tokenizer: {tokenizer.path}")
+    stats = preprocess(sources, args.output, tokenizer)
+    print(f"wrote {args.output}.bin/.idx: {stats['documents']} documents, {stats['tokens']} "
+          f"tokens, {stats['mb_per_s']:.1f} MB/s; tokenizer {stats['tokenizer']}")
+    print(f"train on it with: meshtron train --data.path={args.output}")
+    return 0
