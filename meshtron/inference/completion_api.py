@@ -56,6 +56,9 @@ def parse_request(body: bytes, defaults: Sampling = OPENAI_SAMPLING) -> Completi
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply (a completion request is "
+                           "a flat JSON object)") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
     unknown = [key for key in data if key not in FIELDS]
@@ -73,6 +76,8 @@ def parse_request(body: bytes, defaults: Sampling = OPENAI_SAMPLING) -> Completi
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
         raise RequestError("prompt must be a string or a non-empty list of strings", "prompt")
+    for i, text in enumerate(prompts):
+        _check_text(text, f"prompt {i + 1}" if len(prompts) > 1 else "the prompt", "prompt")
     options = data.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError('stream_options takes only {"include_usage": true|false}',
@@ -134,7 +139,52 @@ def _stops(value: object) -> tuple[str, ...]:
     stops = [] if value is None else [value] if isinstance(value, str) else value
     if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
         raise RequestError("stop must be a non-empty string or a list of them", "stop")
+    for text in stops:
+        _check_text(text, "a stop string", "stop")
     return tuple(stops)
+
+
+def _check_text(text: str, what: str, param: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``): Python keeps it in the string,
+    but it is no character, and neither UTF-8 nor a tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(f"{what} holds a lone surrogate (\\u{ord(text[err.start]):04x} at "
+                           f"character {err.start + 1}), which is not text", param) from None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bytes a request may have, checked before it is parsed or tokenised, so that one huge
+    request cannot hold the server: a prompt past ``prompt_bytes`` cannot fit the model's
+    positions whatever its tokens (no token covers more than ``token_bytes`` of text), and the
+    body may hold a few such prompts with JSON's escapes."""
+
+    prompt_bytes: int
+    body_bytes: int
+
+    @classmethod
+    def of(cls, max_len: int, token_bytes: int) -> Limits:
+        """``max_len`` positions, no token longer than ``token_bytes`` bytes (doubled, with a
+        kilobyte to spare, for what a tokenizer's normaliser and prefix space may add)."""
+        prompt = 2 * max_len * max(token_bytes, 1) + 1024
+        return cls(prompt, max(2**20, 8 * prompt))
+
+    def check_prompts(self, prompts: list[str]) -> None:
+        """A 400 for a prompt that cannot fit, before tokenising it."""
+        for i, text in enumerate(prompts):
+            size = len(text.encode("utf-8"))
+            if size > self.prompt_bytes:
+                which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+                raise RequestError(f"{which} is {size:,} bytes: more than the model's positions "
+                                   f"can hold (at most {self.prompt_bytes:,} bytes)", "prompt")
+
+
+def too_large(size: int, limits: Limits) -> RequestError:
+    """The 413 answer to a body over ``limits.body_bytes``."""
+    return RequestError(f"the request body is over {limits.body_bytes:,} bytes ({size:,} or "
+                        "more); send fewer or shorter prompts", status=413)
 
 
 def error_body(err: RequestError) -> dict:

@@ -2,10 +2,12 @@
 completions API, whole or streamed as server-sent events), ``GET /v1/models`` and
 ``GET /health``.
 
-Handlers run on uvicorn's event loop and never generate: they check the request, encode its
-prompts, queue one engine job per prompt and wait for the engine thread's reports, which come
-back onto the loop through ``call_soon_threadsafe``. A bad request is a 4xx answer with the
-OpenAI API's error object; the server goes on.
+Handlers run on uvicorn's event loop and never generate: they read the body (bounded in bytes:
+a 413 past :class:`~.completion_api.Limits`), check the request and encode its prompts in a
+worker thread (so that ``/health`` and other requests are answered meanwhile), queue one engine
+job per prompt and wait for the engine thread's reports, which come back onto the loop through
+``call_soon_threadsafe``. A bad request is a 4xx answer with the OpenAI API's error object; the
+server goes on.
 
 FastAPI is imported by the command only when it serves (an optional dependency).
 """
@@ -23,6 +25,7 @@ from meshtron.data import Tokenizer
 from meshtron.inference.completion_api import (
     OPENAI_SAMPLING,
     CompletionRequest,
+    Limits,
     Reply,
     RequestError,
     check_fits,
@@ -30,6 +33,7 @@ from meshtron.inference.completion_api import (
     error_body,
     parse_request,
     sse,
+    too_large,
     usage,
 )
 from meshtron.inference.engine import Engine, EngineClosed, Job, Progress
@@ -65,12 +69,21 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": 0, "owned_by": "meshtron"}]}
 
+    limits = Limits.of(engine.max_len, longest_token_bytes(tokenizer))
+
+    def prepare(body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+        """The checked request and its tokens (run in a worker thread)."""
+        req = parse_request(body, defaults)
+        limits.check_prompts(req.prompts)
+        encoded = [tokenizer.encode(p) for p in req.prompts]
+        check_fits(encoded, req.max_tokens, engine.max_len)
+        return req, encoded
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            req = parse_request(await request.body(), defaults)
-            encoded = [tokenizer.encode(p) for p in req.prompts]
-            check_fits(encoded, req.max_tokens, engine.max_len)
+            body = await read_body(request, limits)
+            req, encoded = await asyncio.to_thread(prepare, body)
         except RequestError as err:
             return JSONResponse(error_body(err), err.status)
         loop, events = asyncio.get_running_loop(), asyncio.Queue[Event]()
@@ -96,6 +109,27 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
         return await _whole(reply, len(jobs), events, prompt_tokens)
 
     return app
+
+
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The request body, refused (413) as soon as it is known to pass ``limits.body_bytes``:
+    from its Content-Length, else while it streams in."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.body_bytes:
+        raise too_large(int(declared), limits)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.body_bytes:
+            raise too_large(size, limits)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes any one token decodes to (the bound of :class:`Limits`)."""
+    return max(len(tokenizer.decode([i]).encode("utf-8", "replace"))
+               for i in range(tokenizer.vocab_size))
 
 
 async def _whole(reply: Reply, count: int, events: asyncio.Queue[Event],
