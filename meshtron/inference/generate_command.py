@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 from meshtron.checkpoint.loading import InferenceCheckpoint, load_model, open_for_inference
 from meshtron.config import Config, GenerationConfig, config_from_dict, parse_override
 from meshtron.data import Tokenizer
@@ -40,8 +42,10 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     info = process_info()
     launching = args.nproc > 1 and not info.distributed
     try:  # before any process group: every rank sees the same files, rank 0 says it
+        check_stops(args.stop)
         prompts = read_prompts(args.prompt, args.prompt_file)
         ckpt = open_for_inference(Path(args.checkpoint))
+        check_run_model(Path(args.checkpoint), ckpt)
         cfg = generation_config(ckpt, overrides)
         plan = plan_generation(cfg, args.nproc if launching else info.world_size)
         encoded = [ckpt.tokenizer.encode(p) for p in prompts]
@@ -62,8 +66,13 @@ def read_prompts(given: list[str] | None, prompt_file: str | None) -> list[str]:
     """``--prompt`` (repeatable), then one prompt per line of ``--prompt-file``; none: the
     empty prompt (the model starts from EOS)."""
     prompts = list(given or [])
+    for i, prompt in enumerate(prompts):
+        check_text(prompt, f"--prompt {i + 1}" if len(prompts) > 1 else "--prompt")
     if prompt_file is not None:
         path = Path(prompt_file)
+        if path.exists() and not path.is_file():  # a FIFO without a writer blocks forever
+            raise MeshtronError(f"--prompt-file {path} is not a regular file (prompts are "
+                                "read from a text file, one per line)")
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -76,6 +85,58 @@ def read_prompts(given: list[str] | None, prompt_file: str | None) -> list[str]:
             raise MeshtronError(f"--prompt-file {path} holds no prompt (one per line)")
         prompts += lines
     return prompts or [""]
+
+
+def check_text(text: str, what: str) -> None:
+    """Command-line text is UTF-8: bytes that are not arrive as lone surrogates, which no
+    tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raw = text[err.start].encode("utf-8", "surrogateescape")
+        raise MeshtronError(f"{what} is not UTF-8 text (byte 0x{raw.hex()} at character "
+                            f"{err.start + 1})") from None
+
+
+def check_stops(stops: list[str] | None) -> None:
+    """Stop strings are non-empty UTF-8 text, as a served request's ``stop``: an empty one is
+    found in every text and would end each sequence after its first token."""
+    for i, stop in enumerate(stops or []):
+        what = f"--stop {i + 1}" if len(stops or []) > 1 else "--stop"
+        if not stop:
+            raise MeshtronError(f"{what} is empty: a stop string must be non-empty text")
+        check_text(stop, what)
+
+
+def check_run_model(given: Path, ckpt: InferenceCheckpoint) -> None:
+    """A run directory's newest checkpoint holds the run's model (as resume requires): a
+    checkpoint of another model copied into the run would otherwise generate unnoticed."""
+    saved_path = given / "config.yaml"
+    if (given / "meta.json").is_file() or not saved_path.is_file():
+        return
+    saved = yaml.safe_load(saved_path.read_text())  # read once already by open_for_inference
+    run_model = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(run_model, dict):
+        return
+    theirs = _flat(run_model, "model")
+    differences = [f"{key}: {theirs[key]} -> {value}"
+                   for key, value in _flat(ckpt.config.to_dict()["model"], "model").items()
+                   if key != "model.preset" and key in theirs and theirs[key] != value]
+    if differences:
+        raise MeshtronError(f"the newest checkpoint {ckpt.path} holds another model than the "
+                            f"run {given} trained ({'; '.join(differences[:3])}); pass it "
+                            "itself as --checkpoint to generate from it")
+
+
+def _flat(section: dict, prefix: str) -> dict[str, object]:
+    """``{"model.moe.top_k": 2, ...}`` of a nested config section."""
+    out: dict[str, object] = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}.{key}"))
+        else:
+            out[f"{prefix}.{key}"] = value
+    return out
 
 
 def generation_config(ckpt: InferenceCheckpoint, overrides: list[str]) -> Config:
