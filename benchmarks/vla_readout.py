@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from meshtron.config import Config, load_config
+from meshtron.config.kinds import VISION
+from meshtron.data.builders import row_format
 from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import VLATrainingData, build_policy_data
 from meshtron.models.init import initialize
@@ -75,7 +77,7 @@ def train_readout(readout: str, cfg: Config, data: VLATrainingData, steps: int, 
     if readout != "decoder":
         net = PatchHead(model.vision, cfg.model.hidden_size, v.num_patches, dims, bins,
                         norm=readout == "mlp-norm")
-    split = SequenceSplit(ParallelMesh.single().cp, image_shape=v.image_shape)
+    split = SequenceSplit(ParallelMesh.single().cp, rows=row_format(cfg.model))
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def logits_and_targets(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +85,9 @@ def train_readout(readout: str, cfg: Config, data: VLATrainingData, steps: int, 
         keep = mb.targets >= 0
         targets = mb.targets[keep].view(-1, dims) - first
         if readout == "decoder":
-            logits = model(mb.tokens, images=mb.images)[keep][:, first:first + bins]
+            logits = model(mb.tokens, inputs=mb.inputs)[keep][:, first:first + bins]
             return logits.reshape(-1, dims, bins), targets
-        return net(mb.images), targets
+        return net(mb.inputs[VISION]), targets
 
     valid = data.valid.rows(np.arange(min(len(data.valid), 512)))
     rows = []

@@ -11,6 +11,7 @@ import torch
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.data.builders import row_format
 from meshtron.data.demonstrations import generate_demonstrations
 from meshtron.data.vla_data import build_policy_data, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec, vla_tokenizer
@@ -59,8 +60,9 @@ def test_observation_windows_read_everything_and_predict_only_actions(demos, tmp
     batch = data.train_batch(0, 8)
     assert batch.shape == (8, 31 + 32 * 32 * 3)
     assert torch.equal(batch, data.train_batch(0, 8))  # a function of (seed, k)
-    mb = SequenceSplit(ParallelMesh.single().cp, image_shape=v.image_shape)(batch)
-    assert mb.images.shape == (8, 32, 32, 3) and mb.images.dtype == torch.uint8
+    mb = SequenceSplit(ParallelMesh.single().cp, rows=row_format(cfg.model))(batch)
+    assert list(mb.inputs) == ["vision"]
+    assert mb.inputs["vision"].shape == (8, 32, 32, 3) and mb.inputs["vision"].dtype == torch.uint8
     assert (mb.tokens >= 0).all() and (mb.tokens[:, :v.num_patches] == 0).all()
     predicted = mb.targets >= 0
     assert predicted.sum(dim=1).tolist() == [v.action_tokens] * 8  # the actions alone
@@ -104,11 +106,11 @@ def test_cached_action_decoding_equals_the_full_forward():
     prefix = torch.cat([torch.zeros(2, cfg.vision.num_patches, dtype=torch.long),
                         instructions, torch.zeros(2, 1, dtype=torch.long), actions[:, :-1]],
                        dim=1)
-    logits = model(prefix, images=images)[:, -3:, 40:296]
+    logits = model(prefix, inputs={"vision": images})[:, -3:, 40:296]
     assert torch.equal(logits.argmax(-1) + 40, actions)
     # the images matter: other pixels, other patch embeddings in the first positions
-    other = model(prefix, images=255 - images)
-    assert not torch.allclose(other[:, :16], model(prefix, images=images)[:, :16])
+    other = model(prefix, inputs={"vision": 255 - images})
+    assert not torch.allclose(other[:, :16], model(prefix, inputs={"vision": images})[:, :16])
 
 
 def test_image_tokens_go_to_the_patches_and_the_readout_position():
@@ -122,15 +124,15 @@ def test_image_tokens_go_to_the_patches_and_the_readout_position():
     ids = torch.randint(1, 300, (2, 30))
     with torch.no_grad():
         tokens = model.vision(images, ids[:, 16:27])
-        placed = model.place_images(torch.zeros(2, 30, 128), images, 0, ids)
-        other = model.place_images(torch.zeros(2, 30, 128), images, 0, ids.flip(1))
+        placed = model.place_inputs(torch.zeros(2, 30, 128), {"vision": images}, 0, ids)
+        other = model.place_inputs(torch.zeros(2, 30, 128), {"vision": images}, 0, ids.flip(1))
     assert cfg.vision.image_token_positions == [*range(16), 27] and tokens.shape[1] == 17
     assert torch.equal(placed[:, :16], tokens[:, :16]) and torch.equal(placed[:, 27], tokens[:, 16])
     assert not placed[:, 16:27].any() and not placed[:, 28:].any()
     assert torch.equal(other[:, :16], placed[:, :16]) and not torch.equal(other[:, 27],
                                                                           placed[:, 27])
     with pytest.raises(MeshtronError, match="instruction in the same forward call"):
-        model.place_images(torch.zeros(2, 10, 128), images, 20, ids[:, 20:])
+        model.place_inputs(torch.zeros(2, 10, 128), {"vision": images}, 20, ids[:, 20:])
 
 
 def _vla_layouts(rank: int, world_size: int, demos: str, cache_dir: str, root: str,

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtron.config import DataConfig
+from meshtron.config import Config, DataConfig
 from meshtron.data.blend import BlendedDataset, parse_blend
 from meshtron.data.corpus import stdlib_corpus
 from meshtron.data.gpt_dataset import GPTDataset, train_valid_split
@@ -77,6 +77,10 @@ class TrainingData:
             dataset = self.valid.datasets[d]
             out[row] = dataset[int(j) % len(dataset)]
         return torch.from_numpy(out)
+
+    def resolved(self, cfg: Config) -> Config:
+        """``cfg`` as the data leaves it: text data resolves nothing of the model's."""
+        return cfg
 
 
 def build_training_data(

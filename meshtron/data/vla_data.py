@@ -6,16 +6,17 @@ token window is ``patches`` placeholders (the model puts the image there), the i
 left-padded to ``instruction_len``, the readout token's placeholder (``model.vision.keypoints``)
 and the action tokens; every token but the actions is stored as
 -(id + 1), "read, never predicted", so the loss counts the action tokens only
-(:class:`~meshtron.parallel.context.sequence.SequenceSplit` with ``image_shape`` undoes it). A
-row of a batch is that window followed by the image's pixels, so batches split over data
-parallelism and micro-batches as text batches do. The last ``valid_fraction`` of the episodes
-(at least one) is held out for validation; global batch k is a function of (seed, k) as for
-text (:class:`GlobalSampler`).
+(:class:`~meshtron.parallel.context.sequence.SequenceSplit` undoes it). A row of a batch is
+that window followed by the image's pixels (:meth:`Observations.rows` packs it,
+:class:`ObservationRows` unpacks it), so batches split over data parallelism and micro-batches
+as text batches do. The last ``valid_fraction`` of the episodes (at least one) is held out for
+validation; global batch k is a function of (seed, k) as for text (:class:`GlobalSampler`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from meshtron.config import Config, VisionConfig
+from meshtron.config.kinds import VISION
 from meshtron.data.demonstrations import default_demonstrations
 from meshtron.data.episodes import EpisodeDataset
 from meshtron.data.sampler import GlobalSampler
@@ -36,6 +38,22 @@ DEFAULT_EPISODES = 10_000
 """Demonstrations generated when a vision model is given no data.path."""
 DEFAULT_DATA_SEED = 0
 """Their seed: the default set is the same for every training seed (and cached once)."""
+
+
+@dataclass(frozen=True)
+class ObservationRows:
+    """The row format of observation batches: the token window, then the image's pixels (a
+    :class:`~meshtron.parallel.context.sequence.RowFormat`)."""
+
+    image_shape: tuple[int, int, int]
+    """[H, W, C] of one camera image."""
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rows [b, S + 1 + pixels] -> windows [b, S + 1] and the images, uint8 [b, H, W, C],
+        as the policy's ``vision`` input."""
+        pixels = math.prod(self.image_shape)
+        window, image = rows[:, :-pixels], rows[:, -pixels:]
+        return window, {VISION: image.to(torch.uint8).view(rows.shape[0], *self.image_shape)}
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtron.data.builders import row_format
 from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_data import VLATrainingData, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec
@@ -147,12 +148,12 @@ def rollouts(actor: PolicyActor, count: int, image_size: int, batch: int = 16,
 def action_token_accuracy(runner: PolicyRunner, data: VLATrainingData,
                           batch: int = 64) -> float:
     """Greedy action tokens equal to the expert's on every held-out observation."""
-    split = SequenceSplit(ParallelMesh.single().cp, image_shape=runner.vision.image_shape)
+    split = SequenceSplit(ParallelMesh.single().cp, rows=row_format(runner.model.cfg))
     correct = counted = 0
     for start in range(0, len(data.valid), batch):
         index = np.arange(start, min(len(data.valid), start + batch))
         mb = split(data.valid.rows(index))
-        right, total = runner.token_accuracy(mb.tokens, mb.targets, mb.images)
+        right, total = runner.token_accuracy(mb.tokens, mb.targets, mb.inputs)
         correct, counted = correct + right, counted + total
     return correct / counted
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from meshtron.config.kinds import VISION
+from meshtron.models.input_encoder import ModelInputs
 from meshtron.models.transformer import Transformer
 
 
@@ -36,7 +38,7 @@ class PolicyRunner:
                             torch.zeros(batch, v.readout_tokens, dtype=torch.long)],
                            dim=1).to(images.device)
         cache = self.model.new_cache(batch, prefix.shape[1] + self.vision.action_tokens)
-        logits = self.model(prefix, cache=cache, images=images)[:, -1]
+        logits = self.model(prefix, cache=cache, inputs={VISION: images})[:, -1]
         tokens = [self._action_token(logits.float())]
         for _ in range(self.vision.action_tokens - 1):
             logits = self.model(tokens[-1][:, None], cache=cache)[:, -1]
@@ -45,10 +47,11 @@ class PolicyRunner:
 
     @torch.no_grad()
     def token_accuracy(self, tokens: torch.Tensor, targets: torch.Tensor,
-                       images: torch.Tensor) -> tuple[int, int]:
-        """(correct, counted) action tokens of teacher-forced observation windows: the
-        greedy action token at each position whose target is an action."""
-        logits = self.model(tokens, images=images)
+                       inputs: ModelInputs) -> tuple[int, int]:
+        """(correct, counted) action tokens of teacher-forced observation windows (with their
+        ``inputs``, the images): the greedy action token at each position whose target is an
+        action."""
+        logits = self.model(tokens, inputs=inputs)
         keep = targets >= 0
         predicted = self._action_token(logits[keep].float())
         return int((predicted == targets[keep]).sum()), int(keep.sum())

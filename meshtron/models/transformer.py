@@ -23,20 +23,21 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.autograd import attach_loss
 from meshtron.config import ModelConfig
-from meshtron.errors import MeshtronError
+from meshtron.config.kinds import model_kind
 from meshtron.models.arch import architecture_of
 from meshtron.models.blocks import Block, KVCache, make_norm
 from meshtron.models.flops import padded_vocab_size
 from meshtron.models.init import width_multiplier
+from meshtron.models.input_encoder import InputEncoder, ModelInputs, place_inputs
+from meshtron.models.modalities import build_input_encoders
 from meshtron.models.moe import MoE
 from meshtron.models.mtp import MTPLayer, MTPLosses
 from meshtron.models.rotary import Rotary
-from meshtron.models.vision import VisionEncoder
 from meshtron.parallel.context.sequence import Sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.mesh.params import tie_across_pipeline
 from meshtron.parallel.pipeline.partition import StageLayers
-from meshtron.parallel.tensor.collectives import local_chunk, split_to_tp
+from meshtron.parallel.tensor.collectives import local_chunk
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     TPRegion,
@@ -93,6 +94,11 @@ class Transformer(nn.Module):
     and several stages the last stage keeps a copy of the embedding as its output weight
     (global name ``embed.weight``); the two copies' gradients are summed over
     ``mesh.pipeline_ends`` so they stay equal.
+
+    A model that reads more than tokens (its kind's ``inputs``) holds, on its first stage, one
+    :class:`~meshtron.models.input_encoder.InputEncoder` per input as a submodule of the
+    input's name (a vision-language-action policy's ``vision``), chosen by its kind
+    (:mod:`meshtron.models.modalities`); ``forward(inputs=)`` hands them their inputs.
     """
 
     def __init__(self, cfg: ModelConfig, mesh: ParallelMesh | None = None,
@@ -113,6 +119,7 @@ class Transformer(nn.Module):
         self.mtp_depth = cfg.mtp_depth if self.has_head else 0
         self.mtp_losses = MTPLosses(cfg.mtp_depth)
         self.aux_loss_weight = options.aux_loss_weight
+        self.masked_targets = model_kind(cfg).masked_targets
         # muP's readout multiplier 1/m; with tied embeddings the only muP change at the output
         # (the shared weight keeps the embedding's init and learning rate)
         self.logit_scale = 1.0 / width_multiplier(cfg)
@@ -122,8 +129,10 @@ class Transformer(nn.Module):
             if arch.embed_scale else None
         if self.has_embedding or self.mtp_depth:  # multi-token prediction embeds tokens ahead
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, region)
-        if self.has_embedding and cfg.vision.enabled:  # a vision-language-action policy
-            self.vision = VisionEncoder(cfg.vision, cfg.hidden_size, region, cfg.vocab_size)
+        encoders = build_input_encoders(cfg, region) if self.has_embedding else {}
+        for name, encoder in encoders.items():  # before the positions: the parameters' order
+            self.add_module(name, encoder)
+        self.input_names = tuple(encoders)
         self.rotary: Rotary | None = None
         if arch.rotary:
             self.rotary = arch.attention.rotary(cfg)
@@ -159,6 +168,10 @@ class Transformer(nn.Module):
         """This rank's transformer blocks in the order its forward passes run them."""
         return [self.layers[str(i)] for chunk in self.chunks for i in chunk]
 
+    def input_encoders(self) -> dict[str, InputEncoder]:
+        """This rank's input encoders by the name of the input each reads (first stage only)."""
+        return {name: getattr(self, name) for name in self.input_names}
+
     def moe_layers(self) -> dict[int, MoE]:
         """This rank's mixture-of-experts layers by global layer index."""
         return {int(i): block.mlp for i, block in self.layers.items()
@@ -183,21 +196,21 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, chunk: int = 0,
                 sequence: Sequence | None = None, ahead: torch.Tensor | None = None,
-                images: torch.Tensor | None = None) -> torch.Tensor:
+                inputs: ModelInputs | None = None) -> torch.Tensor:
         """Logits of token ids ``x``; in a pipeline, chunk ``chunk`` of this stage: token ids
         or hidden states in, hidden states or (from the model's last chunk) logits out.
         ``sequence`` says where the tokens sit when the sequence is split over cp or holds
         masked documents (None: positions 0.. of a plain causal sequence). ``ahead``
         [mtp_depth + 1, b, s], the targets and the tokens after them (-1 past the window's
         end), runs the multi-token-prediction modules, whose loss rides on the logits.
-        ``images`` uint8 [b, H, W, C] (a vision model's first chunk): their encoded tokens
-        take the place of the token embeddings at the image positions (see place_images)."""
+        ``inputs``: the model's inputs besides token ids by name (its kind's), read on the
+        first chunk: each input encoder's tokens take the place of the token embeddings at
+        its positions (see place_inputs)."""
         new_tokens = x.shape[1]
         if self.has_embedding and chunk == 0:
             start = cache.length if cache is not None else 0
             tokens, x = x, self.embed_tokens(x, start, sequence)
-            if images is not None:
-                x = self.place_images(x, images, start, tokens)
+            x = self.place_inputs(x, inputs, start, tokens)
         for i in self.chunks[chunk]:
             block = self.layers[str(i)]
             if self.recompute == "full" and self.training:
@@ -268,38 +281,17 @@ class Transformer(nn.Module):
             x = x + positions
         return F.dropout(x, self.cfg.dropout, self.training)
 
-    def place_images(self, x: torch.Tensor, images: torch.Tensor, start: int,
+    def place_inputs(self, x: torch.Tensor, inputs: ModelInputs | None, start: int,
                      tokens: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``x`` of positions ``start..`` with those at the image tokens'
-        positions (``vision.image_token_positions``: the patches, the readout token) replaced
-        by the encoder's; under sequence parallelism each rank replaces its own chunk's (the
-        split's backward gathers their gradients). A window past them all runs no encoder.
-        ``tokens``: the window's ids (whole under sp), whose instruction queries the readout."""
-        full = x.shape[1] * (self.region.size if self.region.sequence_parallel else 1)
-        slot = torch.full((full,), -1, dtype=torch.long)
-        for j, position in enumerate(self.cfg.vision.image_token_positions):
-            if start <= position < start + full:
-                slot[position - start] = j
-        if bool((slot < 0).all()):
-            return x
-        v = self.cfg.vision
-        first = v.num_patches - start
-        if v.instruction_keypoints and not 0 <= first <= tokens.shape[1] - v.instruction_len:
-            raise MeshtronError("the readout token's instruction keypoints need the "
-                                "instruction in the same forward call as the image")
-        instruction = tokens[:, first:first + v.instruction_len] if first >= 0 else None
-        encoded = self.vision(images, instruction).to(x.dtype)
-        slot = slot.to(x.device)
-        placed, keep = encoded[:, slot.clamp(min=0)], slot >= 0
-        if self.region.sequence_parallel:
-            placed = split_to_tp(placed, self.region.group)
-            keep = local_chunk(keep, self.region.group, dim=0)
-        return torch.where(keep[None, :, None], placed, x)
+        """Token embeddings ``x`` of positions ``start..`` with each input encoder's tokens at
+        its positions; ``tokens``: the window's ids (whole under sp)."""
+        return place_inputs(self.input_encoders(), x, inputs, start, tokens, self.region)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies in fp32; padded vocabulary entries never count, nor,
-        in a vision-language-action model, targets below 0 (everything but the actions)."""
-        if self.cfg.vision.enabled:
+        in a model whose kind masks its targets (a vision-language-action policy's: everything
+        but the actions), targets below 0."""
+        if self.masked_targets:
             keep = targets >= 0
             logits, targets = logits[keep], targets[keep]
         start = self.region.group.rank * logits.shape[-1]

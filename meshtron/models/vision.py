@@ -23,6 +23,7 @@ from torch import nn
 
 from meshtron.config import VisionConfig
 from meshtron.errors import MeshtronError
+from meshtron.models.input_encoder import InputEncoder
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -167,8 +168,11 @@ class KeypointReadout(nn.Module):
         return self.out_norm(self.fc2(F.gelu(self.fc1(points))))[:, None]
 
 
-class VisionEncoder(nn.Module):
-    """Camera images -> image tokens in the decoder's width, replicated on every tp rank.
+class VisionEncoder(InputEncoder):
+    """Camera images -> image tokens in the decoder's width, replicated on every tp rank; as
+    the decoder's input encoder ``vision`` (:class:`InputEncoder`), the patch tokens take the
+    window's first positions and the readout token, queried by the instruction's ids, the
+    position right before the actions (``vision.image_token_positions``).
 
     ``region`` is the decoder's tp region; its sequence parallelism is dropped (see the module
     docstring). Parameters, as the decoder's submodule ``vision``: ``patch_embed.weight``
@@ -186,6 +190,7 @@ class VisionEncoder(nn.Module):
         check_buildable(vision, decoder_hidden, region.size)
         region = TPRegion(region.group)  # never sequence-parallel
         self.vision = vision
+        self.pretrained = vision.pretrained
         h, p = vision.hidden_size, vision.patch_size
         self.patch_embed = nn.Conv2d(vision.channels, h, p, stride=p)
         self.pos_embed = nn.Embedding(vision.num_patches, h)
@@ -217,6 +222,21 @@ class VisionEncoder(nn.Module):
             return tokens
         readout = self.readout(hidden, instruction).to(tokens.dtype)
         return torch.cat([tokens, readout], dim=1)
+
+    def positions(self) -> list[int]:
+        return self.vision.image_token_positions
+
+    def encode_input(self, value: torch.Tensor, tokens: torch.Tensor,
+                     start: int) -> torch.Tensor:
+        """The image tokens of images ``value`` for the window positions ``start..`` of
+        ``tokens``, whose instruction (right after the patches) queries the readout token."""
+        v = self.vision
+        first = v.num_patches - start
+        if v.instruction_keypoints and not 0 <= first <= tokens.shape[1] - v.instruction_len:
+            raise MeshtronError("the readout token's instruction keypoints need the "
+                                "instruction in the same forward call as the image")
+        instruction = tokens[:, first:first + v.instruction_len] if first >= 0 else None
+        return self(value, instruction)
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Float pixels [b, C, H, W] (HF's layout) -> the last hidden state after the final

@@ -14,13 +14,12 @@ from pathlib import Path
 import torch
 
 from meshtron.checkpoint import train_state
-from meshtron.checkpoint.hf_vision import load_hf_vision
+from meshtron.checkpoint.encoder_weights import load_pretrained_encoders
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.checkpoint.shards import Piece, check_finite
 from meshtron.checkpoint.store import find_latest, new_token, open_checkpoint, step_dir_name
 from meshtron.config import Config, PrecisionConfig
-from meshtron.data import TrainingData, build_training_data
-from meshtron.data.vla_data import VLATrainingData, build_policy_data
+from meshtron.data.builders import RunData, build_run_data, row_format
 from meshtron.errors import MeshtronError
 from meshtron.models.init import initialize
 from meshtron.models.moe import step_routing_stats
@@ -124,8 +123,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
 
         self.data = self._build_data(cfg)
-        if isinstance(self.data, VLATrainingData):  # the action range, from the dataset
-            cfg = self.data.resolved(cfg)
+        cfg = self.data.resolved(cfg)  # e.g. a policy's action range, from the dataset
         self.plan = plan = plan_run(cfg, self.mesh.layout.world_size,
                                     self.data.tokenizer.vocab_size)
         if plan.layout != self.mesh.layout:
@@ -143,8 +141,7 @@ class Trainer:
         self.model = Transformer(cfg.model, self.mesh, options)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
-        if cfg.model.vision.pretrained and hasattr(self.model, "vision"):
-            load_hf_vision(Path(cfg.model.vision.pretrained).expanduser(), self.model.vision)
+        load_pretrained_encoders(self.model)
         self.model.to(self.device).train()
         self.precision.cast_parameters(self.model)
         self.local_params = sum(p.numel() for p in self.model.parameters())  # before ZeRO-3
@@ -158,8 +155,7 @@ class Trainer:
         self.dp_share = plan.dp_share
         self.split = SequenceSplit(self.mesh.cp, cfg.data.document_mask,
                                    cfg.data.reset_positions, self.data.tokenizer.eos_id,
-                                   cfg.model.mtp_depth, cfg.model.vision.image_shape
-                                   if cfg.model.vision.enabled else None)
+                                   cfg.model.mtp_depth, row_format(cfg.model))
         self.pipeline = None
         if plan.schedule is not None:
             self.pipeline = PipelineExecutor(self.model, self.mesh, plan.partition,
@@ -201,12 +197,10 @@ class Trainer:
         """Warnings of a run that logs to the console go where errors go, not into the log."""
         print(f"warning: {message}", file=sys.stderr)
 
-    def _build_data(self, cfg: Config) -> TrainingData | VLATrainingData:
+    def _build_data(self, cfg: Config) -> RunData:
         """Local rank 0 fills the tokenizer/dataset caches first; the others then read them."""
-        def build() -> TrainingData:
-            if cfg.model.vision.enabled:
-                return build_policy_data(cfg, self.log)
-            return build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, self.log)
+        def build() -> RunData:
+            return build_run_data(cfg, self.log)
 
         if self.mesh.world.pg is None:
             return build()

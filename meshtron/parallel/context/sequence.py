@@ -16,12 +16,17 @@ A packed sequence holds several documents, each ending with EOS. With ``data.doc
 a token attends only to earlier tokens of its own document (``documents`` numbers them over the
 whole sequence, so every cp rank can mask any pair of chunks); ``data.reset_positions``
 restarts positions at every document.
+
+Batch rows may carry more than a token window (a :class:`RowFormat` unpacks them): the model's
+other inputs by name, handed to it untouched, and tokens stored as -(id + 1), read but never
+predicted. What those inputs are is the data's and the model's business, not the split's.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -108,8 +113,19 @@ class MicroBatch:
     """Multi-token prediction's inputs and targets, [depth + 1, b, L]: ``ahead[j]`` holds the
     token 1 + j positions after each local one (``ahead[0]`` the targets), -1 past the end of
     the window; None without multi-token prediction."""
-    images: torch.Tensor | None = None
-    """A vision-language-action model's camera images, uint8 [b, H, W, C]; None for text."""
+    inputs: Mapping[str, torch.Tensor] | None = None
+    """The model's inputs besides token ids, by name (``Transformer.forward(inputs=)``),
+    one row per sequence; None: tokens only."""
+
+
+class RowFormat(Protocol):
+    """How a batch row carries more than a token window (the data of a model that reads
+    other inputs packs its rows so; rows then split over dp and micro-batches as windows do)."""
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rows [b, ...] -> their windows [b, S + 1], with tokens that are read but never
+        predicted stored as -(id + 1), and the model's other inputs by name."""
+        ...
 
 
 class SequenceSplit:
@@ -118,7 +134,7 @@ class SequenceSplit:
 
     def __init__(self, cp: Group, document_mask: bool = False, reset_positions: bool = False,
                  eos_id: int | None = None, mtp_depth: int = 0,
-                 image_shape: tuple[int, int, int] | None = None):
+                 rows: RowFormat | None = None):
         if (document_mask or reset_positions) and eos_id is None:
             raise ValueError("document masks need the tokenizer's EOS id")
         self.cp = cp
@@ -126,17 +142,16 @@ class SequenceSplit:
         self.document_mask = document_mask
         self.reset_positions = reset_positions
         self.eos_id = eos_id
-        self.image_shape = image_shape
-        """Observation windows (vision-language-action): each row is the token window and then
-        the image's pixels, and tokens stored as -(id + 1) are read but never predicted."""
+        self.rows = rows
+        """Rows that carry other inputs beside the window (None: rows are windows)."""
 
     @property
     def plain(self) -> bool:
         return self.cp.size == 1 and not self.document_mask and not self.reset_positions
 
     def __call__(self, window: torch.Tensor) -> MicroBatch:
-        if self.image_shape is not None:
-            return self._observations(window)
+        if self.rows is not None:
+            return self._unpacked(window)
         tokens, targets = window[:, :-1], window[:, 1:]
         rank, cp, seq = self.cp.rank, self.cp.size, tokens.shape[1]
         ahead = None
@@ -158,12 +173,10 @@ class SequenceSplit:
         return MicroBatch(split_sequence(tokens, rank, cp), split_sequence(targets, rank, cp),
                           Sequence(positions, index, documents), ahead)
 
-    def _observations(self, rows: torch.Tensor) -> MicroBatch:
-        """Observation rows [b, S + 1 + pixels] -> tokens, targets (-1 where only read) and
-        images; the plan refuses cp, document masks and multi-token prediction for them."""
-        pixels = math.prod(self.image_shape)
-        window, image = rows[:, :-pixels], rows[:, -pixels:]
+    def _unpacked(self, rows: torch.Tensor) -> MicroBatch:
+        """Packed rows -> tokens, targets (-1 where only read) and the other inputs; the plan
+        refuses cp, document masks and multi-token prediction for such models."""
+        window, inputs = self.rows.unpack(rows)
         tokens = torch.where(window < 0, -window - 1, window)[:, :-1]
         targets = window[:, 1:].clamp(min=-1)
-        images = image.to(torch.uint8).view(rows.shape[0], *self.image_shape)
-        return MicroBatch(tokens, targets, images=images)
+        return MicroBatch(tokens, targets, inputs=inputs)

@@ -169,7 +169,7 @@ class PipelineExecutor:
                     x.requires_grad_(True)
                 started = self._now()
                 out = model(x, chunk=c, sequence=micro_batches[m].sequence,
-                            ahead=micro_batches[m].ahead, images=micro_batches[m].images)
+                            ahead=micro_batches[m].ahead, inputs=micro_batches[m].inputs)
                 if vstage == last_virtual:
                     loss = model.loss_sum(out, micro_batches[m].targets)
                     loss_sum += loss.detach().double()
@@ -241,7 +241,7 @@ class PipelineExecutor:
                     work, x = self._post_receive(self._hidden_shape(micro_batch), dtype, source,
                                                  self._tag("F", m, vstage))
                     work.wait()
-                out = model(x, chunk=c, sequence=micro_batch.sequence, images=micro_batch.images)
+                out = model(x, chunk=c, sequence=micro_batch.sequence, inputs=micro_batch.inputs)
                 if vstage == plan.virtual_stages - 1:
                     total += model.loss_sum(out, micro_batch.targets).double()
                 elif self._local_chunk(vstage + 1) is None:

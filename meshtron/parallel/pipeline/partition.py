@@ -63,8 +63,8 @@ def balanced_counts(num_layers: int, stages: int, layer_cost: float,
                     head_cost: float, first_cost: float = 0.0,
                     attention_cost: float | None = None) -> list[float]:
     """Layers per virtual stage minimising the costliest stage (see :func:`balanced_split`).
-    ``first_cost``: what the first stage runs besides its layers (a vision model's image
-    encoder). ``attention_cost`` (of ``layer_cost``): given, a stage may also end after a
+    ``first_cost``: what the first stage runs besides its layers (the model's input
+    encoders). ``attention_cost`` (of ``layer_cost``): given, a stage may also end after a
     layer's attention half, and counts come in halves."""
     counts = balanced_split(_pieces(num_layers, layer_cost, attention_cost), stages, head_cost,
                             first_cost)
