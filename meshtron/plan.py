@@ -138,8 +138,8 @@ def _plan(cfg: Config, world_size: int, tokenizer_vocab: int | None,
         require(not (p.tp_comm_overlap and schedule.split_backward), "parallel.tp_comm_overlap "
                 f"does not combine with parallel.schedule={p.schedule} (its split backward "
                 "defers weight gradients the overlapped products form at once)")
-    if cfg.precision.fp8 == "blockwise":
-        _check_fp8_blocks(cfg)
+    for recipe, block in _block_recipes(cfg):
+        _check_fp8_blocks(cfg, recipe, block)
     require(not cfg.train.compile or cfg.model.dropout == 0, f"train.compile needs "
             f"model.dropout=0 (got {cfg.model.dropout}): compiled dropout draws other masks "
             "than eager")
@@ -274,8 +274,9 @@ def _check_overlap(cfg: Config, layout: MeshLayout) -> None:
     share = cfg.train.seq_len // (layout.cp * layout.tp)
     require(share % chunks == 0, f"parallel.tp_comm_chunks={chunks} does not divide the "
             f"{share} positions of each rank's sequence share (train.seq_len / (cp * tp))")
-    require(cfg.precision.fp8 == "none", "parallel.tp_comm_overlap computes in high precision; "
-            f"it does not combine with precision.fp8={cfg.precision.fp8}")
+    pc = cfg.precision
+    require(pc.fp8 == "none" and pc.fp4 == "none", "parallel.tp_comm_overlap computes in high "
+            f"precision; it does not combine with precision.fp8={pc.fp8} or fp4={pc.fp4}")
 
 
 def _check_vision_layout(cfg: Config, layout: MeshLayout) -> None:
@@ -318,9 +319,9 @@ def _check_context(cfg: Config, layout: MeshLayout) -> None:
             f"parallel.cp={cp} with model.moe.capacity_factor={m.moe.capacity_factor}: each cp "
             "rank would decide drops over its own chunks only; use a dropless MoE "
             "(capacity_factor=0) with context parallelism")
-    require(cfg.precision.fp8 != "blockwise", f"parallel.cp={cp} with precision.fp8=blockwise: "
-            "its weight-gradient tiles run along the tokens that cp splits; use tensorwise or "
-            "delayed scaling")
+    blocked = [recipe for recipe, _ in _block_recipes(cfg)]
+    require(not blocked, f"parallel.cp={cp} with {' and '.join(blocked)}: its weight-gradient "
+            "tiles run along the tokens that cp splits; use tensorwise or delayed scaling")
 
 
 def _batch_split(cfg: Config, dp: int) -> tuple[int, int]:
@@ -350,10 +351,19 @@ def _pipeline_micro_batch(cfg: Config, share: int) -> tuple[int, int]:
     return 1, share
 
 
-def _check_fp8_blocks(cfg: Config) -> None:
-    """Every tp-local dimension a blockwise-scaled linear layer reduces or produces must be a
+def _block_recipes(cfg: Config) -> list[tuple[str, int]]:
+    """The block-scaled recipes of the run (``precision.X=name``) and their block sizes."""
+    pc = cfg.precision
+    blocks = {"blockwise": pc.fp8_block, "mxfp8": 32, "nvfp4": 16}
+    return [(f"precision.{name}={value}", blocks[value])
+            for name, value in (("fp8", pc.fp8), ("fp4", pc.fp4)) if value in blocks]
+
+
+def _check_fp8_blocks(cfg: Config, recipe: str, block: int) -> None:
+    """Every tp-local dimension a block-scaled linear layer reduces or produces must be a
     whole number of blocks."""
-    m, tp, block = cfg.model, cfg.parallel.tp, cfg.precision.fp8_block
+    m, tp = cfg.model, cfg.parallel.tp
+    size = f"precision.fp8_block={block}" if "blockwise" in recipe else f"its block of {block}"
     head_dim = m.head_size
     dims = {"model.hidden_size": m.hidden_size,
             "model.hidden_size / parallel.tp": m.hidden_size // tp,
@@ -375,5 +385,5 @@ def _check_fp8_blocks(cfg: Config) -> None:
                                                    // min(tp, m.num_kv_heads))
     for name, value in dims.items():
         require(value % block == 0,
-                f"precision.fp8=blockwise needs {name} = {value} divisible by precision.fp8_block="
-                f"{block}; pick a block that divides it, pad the model, or use tensorwise scaling")
+                f"{recipe} needs {name} = {value} divisible by {size}; pad the model, or use "
+                "tensorwise scaling")

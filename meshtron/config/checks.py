@@ -21,7 +21,9 @@ from meshtron.config.sections import (
     CP_COMMS,
     DTYPES,
     EXPERT_COMPUTE,
+    FP4_RECIPES,
     FP8_RECIPES,
+    MX_SCALES,
     RECOMPUTE,
     REDUCE_DTYPES,
     ROPE_SCALINGS,
@@ -29,6 +31,7 @@ from meshtron.config.sections import (
     SCHEDULES,
     Config,
     ModelConfig,
+    PrecisionConfig,
 )
 from meshtron.config.vision_section import check_vision
 from meshtron.errors import MeshtronError
@@ -71,6 +74,7 @@ def validate(cfg: Config) -> None:
     choice(pc.fp8, FP8_RECIPES, "precision.fp8")
     choice(pc.fp8_grad, ("e5m2", "e4m3"), "precision.fp8_grad")
     choice(pc.fp8_amax, ("max", "most_recent"), "precision.fp8_amax")
+    _check_low_precision(pc, m.num_layers)
     choice(p.schedule, SCHEDULES, "parallel.schedule")
     choice(p.cp_comm, CP_COMMS, "parallel.cp_comm")
     choice(t.recompute, RECOMPUTE, "train.recompute")
@@ -151,7 +155,8 @@ def validate(cfg: Config) -> None:
     require(m.dropout < 1, f"model.dropout must be below 1, got {m.dropout}")
     unsampled = [f"{name}={value}" for name, value, plain in (
         ("parallel.cp", p.cp, 1), ("parallel.ep", p.ep, 1), ("parallel.vpp", p.vpp, 1),
-        ("parallel.zero", p.zero, 0), ("precision.fp8", pc.fp8, "none")) if value != plain]
+        ("parallel.zero", p.zero, 0), ("precision.fp8", pc.fp8, "none"),
+        ("precision.fp4", pc.fp4, "none")) if value != plain]
     require(not (t.eval_generate and unsampled), f"train.eval_generate samples on one model "
             f"replica and does not combine with {', '.join(unsampled)} yet; set it to 0")
     require(m.mtp_depth < t.seq_len, f"model.mtp_depth={m.mtp_depth} predicts tokens up to "
@@ -367,3 +372,27 @@ def _check_moe(m: ModelConfig) -> None:
             f"leaves no MoE layer among model.num_layers={m.num_layers}")
     require(not (moe.pad_to_capacity and moe.capacity_factor == 0),
             "model.moe.pad_to_capacity needs a model.moe.capacity_factor above 0")
+
+
+def _check_low_precision(pc: PrecisionConfig, num_layers: int) -> None:
+    """The FP8/FP4 recipes and the per-layer policy: known names, block indices inside the
+    model, no block both in FP4 and kept in high precision, and a dtype the recipe trains in."""
+    choice(pc.fp4, FP4_RECIPES, "precision.fp4")
+    choice(pc.mx_scale, MX_SCALES, "precision.mx_scale")
+    for name, layers in (("precision.fp4_layers", pc.fp4_layers),
+                         ("precision.keep_layers", pc.keep_layers)):
+        for i in layers or ():
+            require(isinstance(i, int) and -num_layers <= i < num_layers, f"{name} names "
+                    f"block {i}, but the model has blocks 0..{num_layers - 1} (or -1..-"
+                    f"{num_layers} from the end)")
+    require(pc.fp4_layers is None or pc.fp4 != "none", "precision.fp4_layers chooses the "
+            "blocks in FP4: set precision.fp4=nvfp4 too")
+    kept = {i % num_layers for i in pc.keep_layers or ()}
+    both = sorted(kept & {i % num_layers for i in pc.fp4_layers or ()})
+    require(not both, f"precision.fp4_layers puts block {both[0] if both else ''} in FP4, but "
+            "precision.keep_layers keeps it in high precision; drop it from one of the two")
+    new = [f"precision.{name}={value}" for name, value in (("fp8", pc.fp8), ("fp4", pc.fp4))
+           if value in ("mxfp8", "nvfp4")]
+    require(not new or pc.dtype in ("bf16", "fp32"), f"{' and '.join(new)} train with "
+            f"bf16 (or fp32) parameters, not precision.dtype={pc.dtype}: use "
+            "precision.dtype=bf16")

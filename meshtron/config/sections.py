@@ -21,7 +21,9 @@ from meshtron.config.vision_section import VisionConfig
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 REDUCE_DTYPES = ("fp32", "bf16")
-FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")
+FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise", "mxfp8")
+FP4_RECIPES = ("none", "nvfp4")
+MX_SCALES = ("rceil", "floor")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 CP_COMMS = ("ring", "all_to_all", "all_gather")
 RECOMPUTE = ("none", "selective", "full")
@@ -376,9 +378,27 @@ class PrecisionConfig:
     loss_scaling: bool = True
     """Dynamic loss scaling under fp16 (an overflow without it stops training)."""
     fp8: str = "none"
-    """FP8 for the blocks' linear layers: none, tensorwise, delayed or blockwise scaling."""
+    """FP8 for the blocks' linear layers: none, tensorwise, delayed or blockwise scaling, or
+    mxfp8 (OCP microscaling: a power-of-two scale per 32 elements along each product's
+    reduction dimension; see docs/precision.md)."""
     fp8_grad: str = "e5m2"
     """FP8 format of output gradients: e5m2 or e4m3 (activations and weights are e4m3)."""
+    mx_scale: str = "rceil"
+    """MXFP8 block scales: rceil (rounded up so the block's amax fits, as cuBLAS and torchao
+    train) or floor (the OCP spec's rule; the largest values may saturate)."""
+    fp4: str = "none"
+    """FP4 for the blocks' linear layers: none or nvfp4 (E2M1 values, an E4M3 scale per 16
+    and one per tensor; 16x16 weight blocks, Hadamard-transformed weight-gradient inputs,
+    stochastically rounded gradients). Blocks not in fp4_layers use precision.fp8."""
+    fp4_layers: list[int] | None = None
+    """Blocks in NVFP4 (negative indices count from the end); None: every block not kept."""
+    keep_layers: list[int] | None = None
+    """Blocks kept in precision.dtype whatever fp8/fp4 say (negative indices count from the
+    end; Megatron-Core keeps the first and the last: 0,-1). The output layer always is."""
+    fp4_hadamard: bool = True
+    """NVFP4: random Hadamard transform of the weight-gradient product's inputs."""
+    fp4_stochastic: bool = True
+    """NVFP4: round output gradients stochastically (else to nearest)."""
     fp8_block: int = 128
     """Block size of blockwise scaling (1 x block activation tiles, block x block weights)."""
     fp8_history: int = 1024

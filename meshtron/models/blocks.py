@@ -315,6 +315,7 @@ class Block(nn.Module):
                  aux_loss_weight: Callable[[], float],
                  parts: tuple[str, ...] = (ATTENTION_HALF, MLP_HALF)):
         super().__init__()
+        mode = mode.for_layer(layer)  # the per-layer precision policy asks by block index
         self.has_attention, self.has_mlp = ATTENTION_HALF in parts, MLP_HALF in parts
         self.post_norms = arch.post_norms
         if self.has_attention:

@@ -229,6 +229,25 @@ class ScalingRecipe(ABC):
                      fmt: FP8Format) -> tuple[Tensor, Tile | None] | None:
         return None
 
+    def quantize(self, x: Tensor, role: Role, fmt: FP8Format) -> Quantized:
+        """The 2-D operand ``x`` quantised for ``role`` in the forward / input-gradient
+        products (a recipe with its own rounding, such as MX, overrides this)."""
+        scale, tile = self.scales(x, role, fmt)
+        return quantize_tiles(x, fmt, scale, tile)
+
+    def quantize_wgrad(self, x: Tensor, role: Role, fmt: FP8Format,
+                       reuse: Quantized) -> Quantized:
+        """``x`` quantised for the weight-gradient product: ``reuse`` unless the recipe scales
+        that product's operands on their own (:meth:`wgrad_scales`)."""
+        got = self.wgrad_scales(x, role, fmt)
+        return reuse if got is None else quantize_tiles(x, fmt, *got)
+
+    def weight_for_grad_input(self, weight: Tensor, qw: Quantized) -> Quantized:
+        """The weight operand of ``grad_x = grad_y @ W`` as ``[in, out]``: the forward's
+        quantised weight, transposed (a recipe whose blocks run along the reduction dimension
+        quantises ``W`` again along ``out``)."""
+        return qw.t()
+
 
 class TensorwiseScaling(ScalingRecipe):
     """Current scaling: ``scale = fmt.max / amax(x)`` over the whole tensor, amax agreed by
@@ -386,15 +405,8 @@ def make_recipe(name: str, reduce_amax: AmaxReduce | None = None, **knobs: objec
 
 def quantize_operand(x: Tensor, role: Role, recipe: ScalingRecipe, fmt: FP8Format
                      ) -> Quantized:
-    """Quantise the 2-D operand ``x`` with the scales ``recipe`` gives for ``role``."""
-    scale, tile = recipe.scales(x, role, fmt)
-    return quantize_tiles(x, fmt, scale, tile)
-
-
-def _wgrad_operand(x: Tensor, role: Role, recipe: ScalingRecipe, fmt: FP8Format,
-                   reuse: Quantized) -> Quantized:
-    got = recipe.wgrad_scales(x, role, fmt)
-    return reuse if got is None else quantize_tiles(x, fmt, *got)
+    """Quantise the 2-D operand ``x`` as ``recipe`` does for ``role``."""
+    return recipe.quantize(x, role, fmt)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -411,7 +423,7 @@ class _FP8Linear(torch.autograd.Function):
             y = fp8_matmul(qx, qw, gemm)
             if bias is not None:
                 y = y + bias.float()
-            qx_wgrad = _wgrad_operand(x2, "input", recipe, E4M3, qx)
+            qx_wgrad = recipe.quantize_wgrad(x2, "input", E4M3, qx)
         ctx.recipe, ctx.grad_fmt, ctx.defer, ctx.gemm = recipe, grad_fmt, defer, gemm
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -427,10 +439,11 @@ class _FP8Linear(torch.autograd.Function):
         with torch.autocast(gy2.device.type, enabled=False):
             qgy = quantize_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt)
             if ctx.needs_input_grad[0]:
-                grad_x = fp8_matmul(qgy, ctx.qw.t(), ctx.gemm).to(ctx.x_dtype)
+                qw_t = ctx.recipe.weight_for_grad_input(weight, ctx.qw)
+                grad_x = fp8_matmul(qgy, qw_t, ctx.gemm).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                qgy_w = _wgrad_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt, qgy)
+                qgy_w = ctx.recipe.quantize_wgrad(gy2, "grad_output", ctx.grad_fmt, qgy)
                 qx_w = ctx.qx_wgrad
                 deferred = ctx.defer is not None and ctx.defer(
                     weight, qx_w.dequantize(), qgy_w.dequantize())

@@ -1,41 +1,49 @@
-"""The matrix product of every linear layer: plain, with a split backward, or in FP8.
+"""The matrix product of every linear layer: plain, with a split backward, or in low precision.
 
 A block's linear layers are built with one :class:`LinearMode`: zero-bubble pipelines give them
-a shared :class:`WeightGradStore` (the weight gradient can be deferred), FP8 runs give each its
-own :class:`FP8Options` (a scaling recipe object of its own: delayed scaling keeps per-layer
-amax history). Embeddings, norms and the loss never take part; the output layer may defer its
-weight gradient but stays in high precision.
+a shared :class:`WeightGradStore` (the weight gradient can be deferred), FP8/FP4 runs give each
+its own low-precision options (:mod:`meshtron.precision.recipes`: a scaling recipe object of
+its own, since delayed scaling keeps per-layer amax history; the per-layer policy may keep a
+block in high precision). Embeddings, norms and the loss never take part; the output layer may
+defer its weight gradient but stays in high precision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from meshtron.parallel.tensor.weight_grad import LinearSplitBackward, WeightGradStore
-from meshtron.precision.fp8 import ScalingRecipe, fp8_linear
+from meshtron.precision.recipes import FP8Options, LayerPolicy, LowPrecision
 
-
-@dataclass
-class FP8Options:
-    recipe: ScalingRecipe
-    grad_format: str = "e5m2"
+__all__ = ["PLAIN", "FP8Options", "LinearMode", "linear"]
 
 
 @dataclass(frozen=True)
 class LinearMode:
     """How the linear layers of a model compute, fixed when they are built."""
 
-    fp8: Callable[[], FP8Options] | None = None
-    """Makes one layer's FP8 options (called once per layer); None: no FP8."""
+    fp8: Callable[[], LowPrecision | None] | None = None
+    """Makes one layer's low-precision options (called once per layer; a
+    :class:`LayerPolicy` is asked by the block's index); None: high precision."""
     grad_store: WeightGradStore | None = None
     """Where weight gradients are put aside while the store is deferring (zero-bubble)."""
+    layer: int | None = None
+    """The global index of the block whose layers this mode builds (:meth:`for_layer`)."""
 
-    def layer_fp8(self) -> FP8Options | None:
-        return self.fp8() if self.fp8 is not None else None
+    def for_layer(self, layer: int) -> LinearMode:
+        """This mode for the linear layers of block ``layer``."""
+        return replace(self, layer=layer)
+
+    def layer_fp8(self) -> LowPrecision | None:
+        if self.fp8 is None:
+            return None
+        if isinstance(self.fp8, LayerPolicy):
+            return self.fp8.options(self.layer)
+        return self.fp8()
 
 
 PLAIN = LinearMode()
@@ -44,12 +52,11 @@ PLAIN = LinearMode()
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            store: WeightGradStore | None = None,
-           fp8: FP8Options | None = None) -> torch.Tensor:
-    """``x W^T + b``; FP8 when ``fp8`` is given; the weight gradient deferred to ``store``
-    while it is deferring."""
+           fp8: LowPrecision | None = None) -> torch.Tensor:
+    """``x W^T + b``; in FP8 or FP4 when ``fp8`` (a layer's low-precision options) is given;
+    the weight gradient deferred to ``store`` while it is deferring."""
     if fp8 is not None:
-        defer = store.defer if store is not None else None
-        return fp8_linear(x, weight, bias, fp8.recipe, fp8.grad_format, defer)
+        return fp8.apply(x, weight, bias, store.defer if store is not None else None)
     if store is None:
         return F.linear(x, weight, bias)
     return LinearSplitBackward.apply(x, weight, bias, store)

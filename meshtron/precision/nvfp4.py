@@ -1,0 +1,261 @@
+"""NVFP4: E2M1 elements, an E4M3 scale per 16 elements and one fp32 scale per tensor.
+
+Quantising a tensor (torchao's ``nvfp4_quantize`` with a per-tensor scale, bit for bit; see
+tests/test_mx_formats.py): the per-tensor scale is ``amax / (448 * 6)`` (1 for an all-zero
+tensor); each block's scale is ``block_amax / 6 / per_tensor_scale`` rounded to E4M3 (clamped
+to [2**-6, 448]); an element is ``x * ((1 / per_tensor_scale) / block_scale)`` clamped to +-6
+and rounded to E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives). Dequantising multiplies
+the E2M1 value by ``per_tensor_scale * block_scale``.
+
+The training recipe of NVIDIA's NVFP4 pre-training report, as :func:`nvfp4_linear` runs it:
+
+* activations and output gradients in 1 x 16 blocks along the reduction dimension; weights in
+  16 x 16 blocks (2-D scaling), so the forward's quantised weight, transposed, is the input
+  gradient's operand (one quantisation, both layouts);
+* the weight-gradient product's operands (``x`` and ``grad_y``, reduced over tokens) pass a
+  random Hadamard transform first: each run of 16 tokens times ``diag(signs) @ H16 / 4``, an
+  orthogonal matrix, so ``(H dy)^T (H x) = dy^T x`` and the transform only spreads outliers
+  over the blocks (tokens are zero-padded to a multiple of 16);
+* output gradients are rounded stochastically (unbiased), activations and weights to nearest.
+
+Stochastic rounding draws each element's uniform number from a hash of (the layer's seed, the
+product, the element's token index, its own fp32 bits), not from a generator's stream: the
+draw is deterministic given the seed and independent of how tensor parallelism splits the
+features or pipeline and data parallelism split the work (the parity contract). Equal values
+in the same token row draw the same number; each rounding is still unbiased on its own.
+Per-tensor amaxes are agreed across the ranks holding parts of a tensor (``reduce_amax``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from meshtron.errors import MeshtronError
+from meshtron.precision.fp8 import E4M3, WeightGradHook, expand_tiles, tile_amax
+from meshtron.precision.mx import check_finite_amax
+
+FP4_MAX = 6.0
+NVFP4_BLOCK = 16
+E4M3_TINY = 2.0**-6
+"""The smallest normal E4M3 value, the floor of a block scale."""
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+ROUND_DOWN_TIES = (0.25, 1.25, 2.5, 5.0)
+"""Midpoints whose lower neighbour has the even code (round-to-nearest-even keeps it)."""
+ROUND_UP_TIES = (0.75, 1.75, 3.5)
+NAN_ROUNDING = (1 - 127 << 23) + (1 << 21) - 1
+"""torchao's exponent rebias and rounding bias of E2M1's normal branch, which its NaNs also
+take: their code comes from their fp32 bits (1.5, 2 or 3 for the usual payloads)."""
+
+AmaxReduce = Callable[[Tensor], Tensor]
+
+
+def e2m1_codes(v: Tensor, uniform: Tensor | None = None) -> Tensor:
+    """4-bit E2M1 codes (uint8, sign in bit 3) of fp32 ``v``, saturating at +-6: to nearest
+    (ties to even), or stochastically when ``uniform`` (numbers in [0, 1), ``v``'s shape)
+    is given: up with probability (|v| - lower) / (upper - lower)."""
+    a = v.abs()
+    if uniform is None:
+        code = sum((a > t).to(torch.uint8) for t in ROUND_DOWN_TIES)
+        code = code + sum((a >= t).to(torch.uint8) for t in ROUND_UP_TIES)
+    else:
+        grid = torch.tensor(E2M1_GRID + (FP4_MAX,), device=v.device)
+        low = sum((a >= g).to(torch.uint8) for g in E2M1_GRID[1:])
+        lo, hi = grid[low.long()], grid[low.long() + 1]
+        frac = torch.where(hi > lo, (a - lo) / (hi - lo), 0.0)
+        code = low + (uniform < frac).to(torch.uint8)
+    bits = v.view(torch.int32)
+    code = torch.where(torch.isnan(v), _nan_code(bits & 0x7FFFFFFF), code).to(torch.uint8)
+    return code | ((bits < 0).to(torch.uint8) << 3)
+
+
+def _nan_code(bits: Tensor) -> Tensor:
+    """The code torchao's round-to-nearest bit arithmetic gives a NaN with these (sign-less)
+    fp32 bits, so non-finite inputs quantise alike too."""
+    return (bits + NAN_ROUNDING + (bits >> 22 & 1)) >> 22 & 0xFF
+
+
+def e2m1_values(codes: Tensor) -> Tensor:
+    """fp32 values of E2M1 ``codes`` (code 8 is -0.0)."""
+    table = torch.tensor(E2M1_GRID + tuple(-g for g in E2M1_GRID), device=codes.device)
+    return table[codes.long()]
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding [0, 2**32);
+    the multipliers stay below 2**31 so no product leaves int64."""
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & 0xFFFFFFFF
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def hashed_uniform(v: Tensor, rows: Tensor, seed: int) -> Tensor:
+    """A number in [0, 1) (24 random bits) per element of fp32 ``v``, from ``seed``, the
+    element's row number (``rows``, broadcast against ``v``) and its own bits."""
+    bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    h = _mix32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64, device=v.device))
+    h = _mix32(h ^ (rows.to(torch.int64) & 0xFFFFFFFF))
+    h = _mix32(h ^ bits)
+    return (h >> 8).to(torch.float32) * 2.0**-24
+
+
+def per_tensor_scale(amax: Tensor) -> Tensor:
+    """``amax / (448 * 6)`` in fp32, so a block holding the tensor's amax gets the largest
+    E4M3 block scale; 1 for an all-zero tensor (whose block scales then clamp to 2**-6)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / (E4M3.max * FP4_MAX), 1.0)
+
+
+@dataclass
+class NVFP4Tensor:
+    """E2M1 codes (one uint8 per element, unpacked), E4M3 scales per ``tile`` and the fp32
+    per-tensor scale."""
+
+    codes: Tensor
+    block_scale: Tensor
+    tensor_scale: Tensor
+    tile: tuple[int, int]
+
+    def dequantize(self) -> Tensor:
+        """The fp32 values this tensor stands for."""
+        scale = self.tensor_scale * self.block_scale.float()
+        return e2m1_values(self.codes) * expand_tiles(scale, self.tile, self.codes.shape)
+
+
+def nvfp4_quantize(x: Tensor, tensor_scale: Tensor, tile: tuple[int, int] = (1, NVFP4_BLOCK),
+                   uniform: Tensor | None = None) -> NVFP4Tensor:
+    """The 2-D ``x`` in NVFP4 with per-tensor scale ``tensor_scale`` (:func:`per_tensor_scale`)
+    and one E4M3 scale per ``tile`` (1 x 16, or 16 x 16 for weights); rounded to nearest, or
+    stochastically with ``uniform``. ``x``'s dimensions must be whole tiles."""
+    rows, cols = x.shape
+    if rows % tile[0] or cols % tile[1]:
+        raise MeshtronError(f"nvfp4 quantisation needs a [{rows}, {cols}] tensor to be whole "
+                            f"{tile[0]} x {tile[1]} blocks; pad the model to multiples of 16")
+    xf = x.float()
+    block = tile_amax(xf, tile) / FP4_MAX
+    scale8 = torch.clamp(block / tensor_scale, E4M3_TINY, E4M3.max).to(E4M3.dtype)
+    reciprocal = (1.0 / tensor_scale) / scale8.float()
+    v = torch.clamp(xf * expand_tiles(reciprocal, tile, x.shape), -FP4_MAX, FP4_MAX)
+    return NVFP4Tensor(e2m1_codes(v, uniform), scale8, tensor_scale, tile)
+
+
+def hadamard_signs(seed: int, device: torch.device | str = "cpu") -> Tensor:
+    """16 random signs (+-1, fp32) from ``seed``: the random part of the Hadamard transform."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (NVFP4_BLOCK,), generator=g) * 2 - 1).float().to(device)
+
+
+def hadamard16(signs: Tensor) -> Tensor:
+    """``diag(signs) @ H16 / 4``: Sylvester's 16 x 16 Hadamard matrix, normalised to be
+    orthogonal, with random row signs."""
+    h = torch.ones(1, 1, device=signs.device)
+    while h.shape[0] < NVFP4_BLOCK:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return signs.unsqueeze(1) * h / 4.0
+
+
+def rht_along_rows(x: Tensor, signs: Tensor) -> Tensor:
+    """``x`` [tokens, k] -> [k, tokens'] : transposed, zero-padded to whole runs of 16 tokens,
+    each run multiplied by :func:`hadamard16` (fp32)."""
+    t = torch.nn.functional.pad(x.t().float(), (0, -x.shape[0] % NVFP4_BLOCK))
+    runs = t.reshape(t.shape[0], -1, NVFP4_BLOCK) @ hadamard16(signs)
+    return runs.reshape(t.shape)
+
+
+@dataclass
+class NVFP4Options:
+    """One linear layer's NVFP4 settings: its seed (Hadamard signs, stochastic rounding) and
+    how per-tensor amaxes are agreed across ranks (None: one rank holds whole tensors)."""
+
+    seed: int = 0
+    reduce_amax: AmaxReduce | None = None
+    hadamard: bool = True
+    stochastic: bool = True
+
+    def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+              defer: WeightGradHook | None = None) -> Tensor:
+        return nvfp4_linear(x, weight, bias, self, defer)
+
+    def agreed_scale(self, x: Tensor, what: str) -> Tensor:
+        """The per-tensor scale of ``x`` from its amax, agreed across ranks; a non-finite
+        amax is refused."""
+        amax = x.detach().abs().amax().float()
+        if self.reduce_amax is not None:
+            amax = self.reduce_amax(amax)
+        check_finite_amax(amax, what)
+        return per_tensor_scale(amax)
+
+    def quantize(self, x: Tensor, what: str, tile: tuple[int, int] = (1, NVFP4_BLOCK),
+                 salt: int | None = None) -> NVFP4Tensor:
+        """``x`` quantised with its agreed per-tensor scale; stochastically rounded (rows are
+        token numbers, or the columns when ``x`` is transposed) when ``salt`` is given."""
+        uniform = None
+        if salt is not None and self.stochastic:
+            tokens = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+            uniform = hashed_uniform(x.float().contiguous(), tokens, self.seed * 4 + salt)
+        return nvfp4_quantize(x, self.agreed_scale(x, what), tile, uniform)
+
+
+def _wgrad_operand(x: Tensor, opts: NVFP4Options) -> Tensor:
+    """``x`` [tokens, k] as the weight gradient's operand [k, tokens']: Hadamard-transformed
+    along the tokens (or only transposed and padded)."""
+    if opts.hadamard:
+        return rht_along_rows(x, hadamard_signs(opts.seed, x.device))
+    return torch.nn.functional.pad(x.t().float(), (0, -x.shape[0] % NVFP4_BLOCK))
+
+
+class _NVFP4Linear(torch.autograd.Function):
+    """y = q(x) q(W)^T + b in fp32 from NVFP4 operands (the module docstring's recipe)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,
+                defer: WeightGradHook | None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            qw = opts.quantize(weight.detach(), "weight", (NVFP4_BLOCK, NVFP4_BLOCK))
+            w = qw.dequantize()
+            y = opts.quantize(x2.detach(), "input").dequantize() @ w.t()
+            if bias is not None:
+                y = y + bias.float()
+            xt = _wgrad_operand(x2.detach(), opts)
+            ctx.qx_w = opts.quantize(xt, "input (weight-gradient layout)")
+        ctx.qw, ctx.opts, ctx.defer = qw, opts, defer
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(weight)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        (weight,) = ctx.saved_tensors
+        opts: NVFP4Options = ctx.opts
+        gy2 = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(gy2.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                qgy = opts.quantize(gy2, "output gradient", salt=1)
+                grad_x = (qgy.dequantize() @ ctx.qw.dequantize()).to(ctx.x_dtype)
+                grad_x = grad_x.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                gyt = opts.quantize(_wgrad_operand(gy2, opts), "output gradient", salt=2)
+                gy_w, x_w = gyt.dequantize(), ctx.qx_w.dequantize()
+                deferred = ctx.defer is not None and ctx.defer(weight, x_w.t(), gy_w.t())
+                if not deferred:
+                    grad_w = (gy_w @ x_w.t()).to(weight.dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_b = gy2.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def nvfp4_linear(x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,
+                 defer: WeightGradHook | None = None) -> Tensor:
+    """``x @ weight^T + bias`` with all three products in NVFP4 (emulated: dequantised
+    operands multiplied in fp32). ``weight`` [out, in] needs both dimensions multiples of 16
+    (its 16 x 16 blocks), ``x`` any leading shape. ``defer`` as in :func:`fp8_linear`."""
+    return _NVFP4Linear.apply(x, weight, bias, opts, defer)
