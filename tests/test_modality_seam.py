@@ -87,3 +87,20 @@ def test_no_modality_words_in_the_parallel_layers_or_the_trainer():
                                                MODALITY_WORDS.finditer(f.read_text())})
              for f in files}
     assert {f: words for f, words in found.items() if words} == {}
+
+
+def test_environments_are_made_by_name():
+    """The environment seam issue 49 builds on: a Gymnasium environment from its name, with the
+    observation every policy reads; an unknown name is one line naming the known ones."""
+    import gymnasium as gym
+
+    from meshtron.envs import make_env
+
+    env = make_env("tabletop", image_size=32)
+    assert isinstance(env, gym.Env)
+    obs, info = env.reset(seed=5)
+    assert obs["image"].shape == (32, 32, 3) and obs["instruction"] and "success" in info
+    assert env.action_space.shape == (3,)
+    with pytest.raises(MeshtronError, match="unknown environment 'metaworld-mt10'; the "
+                                            "environments are tabletop"):
+        make_env("metaworld-mt10")

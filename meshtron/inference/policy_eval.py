@@ -23,7 +23,7 @@ from meshtron.data.builders import row_format
 from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_data import VLATrainingData, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec
-from meshtron.envs import TabletopEnv
+from meshtron.envs import DEFAULT_ENV, make_env
 from meshtron.envs.tabletop import TabletopState, block_under
 from meshtron.models.policy_runner import PolicyRunner
 from meshtron.parallel.context.sequence import SequenceSplit
@@ -106,13 +106,13 @@ class PolicyActor:
 
 
 def rollouts(actor: PolicyActor, count: int, image_size: int, batch: int = 16,
-             keep_frames: int = 0) -> list[Episode]:
-    """``count`` episodes from seeds EVAL_SEED_BASE..; the frames of the first
-    ``keep_frames`` are kept (for videos)."""
+             keep_frames: int = 0, env_name: str = DEFAULT_ENV) -> list[Episode]:
+    """``count`` episodes of environment ``env_name`` from seeds EVAL_SEED_BASE..; the frames of
+    the first ``keep_frames`` are kept (for videos)."""
     episodes = []
     for first in range(0, count, batch):
         seeds = list(range(EVAL_SEED_BASE + first, EVAL_SEED_BASE + min(count, first + batch)))
-        envs = [TabletopEnv(image_size=image_size) for _ in seeds]
+        envs = [make_env(env_name, image_size=image_size) for _ in seeds]
         obs = [env.reset(seed=seed)[0] for env, seed in zip(envs, seeds, strict=True)]
         results = [Episode(seed, o["instruction"], False, 0, 0.0, [o["image"]])
                    for seed, o in zip(seeds, obs, strict=True)]
@@ -158,9 +158,10 @@ def action_token_accuracy(runner: PolicyRunner, data: VLATrainingData,
     return correct / counted
 
 
-def control_latency(actor: PolicyActor, image_size: int, steps: int = 20) -> float:
+def control_latency(actor: PolicyActor, image_size: int, steps: int = 20,
+                    env_name: str = DEFAULT_ENV) -> float:
     """Median seconds of one observation -> action chunk at batch 1 (after one warm-up)."""
-    env = TabletopEnv(image_size=image_size)
+    env = make_env(env_name, image_size=image_size)
     obs, _ = env.reset(seed=EVAL_SEED_BASE - 1)
     times = []
     for _ in range(steps + 1):
