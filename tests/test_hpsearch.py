@@ -242,8 +242,8 @@ def test_an_interrupted_search_resumes_from_its_study_file(data_cache, tmp_path,
     proc = subprocess.Popen([sys.executable, "-m", "meshtron", *args], cwd=tmp_path, env=env,
                             stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "hp.runs" / "hpsearch" / "0" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not metrics.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not metrics.exists():  # the trial's first step is done: nine slow ones are left
+        assert proc.poll() is None, proc.communicate()[1]
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
