@@ -18,7 +18,7 @@ def reducer_of(stage: int) -> tuple[nn.Sequential, GradReducer]:
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False))
     group = Group("dp_cp", [0], 0, None, CommStats())
     params = [set_layout(p, ParamLayout(tuple(p.shape))) for p in model.parameters()]
-    return model, GradReducer(params, group, stage=stage, bucket_bytes=2**20,
+    return model, GradReducer(params, group, zero_stage=stage, bucket_bytes=2**20,
                               dtype=torch.float32, units=[params] if stage == 3 else None)
 
 

@@ -107,7 +107,7 @@ def test_the_multiplier_reaches_zero0_groups_and_zero1_buckets():
     assert {id(p) for p in groups[1]["params"]} == set(mults)
     # the flat-bucket AdamW of ZeRO 1-3, on one rank (its chunk is the whole bucket)
     twin = build(cfg)
-    zero1 = ShardedOptimizer(twin, ParallelMesh.single(), cfg.train, stage=1, bucket_mb=0.05)
+    zero1 = ShardedOptimizer(twin, ParallelMesh.single(), cfg.train, zero_stage=1, bucket_mb=0.05)
     twin_mults = lr_multipliers(twin)
     buckets = zero1.reducer.buckets
     assert {b.lr_mult for b in buckets} == {0.5, 1.0}

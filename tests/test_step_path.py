@@ -41,7 +41,7 @@ def windows(steps: int) -> list[torch.Tensor]:
 def test_one_process_fp32_keeps_no_buckets_and_no_hooks():
     model, _, cfg = twin_models()
     optimizer = build_optimizer(model, ParallelMesh.single(), cfg.train, zero=2, bucket_mb=0.01)
-    assert isinstance(optimizer.reducer, LocalGradients) and optimizer.stage == 0
+    assert isinstance(optimizer.reducer, LocalGradients) and optimizer.zero_stage == 0
     assert all(b.grad is None and b.shard_grad is None for b in optimizer.reducer.buckets)
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     n = sum(p.numel() for p in model.parameters())

@@ -14,13 +14,13 @@ stage        parameters  gradients   optimizer state     communication per step
 ===========  ==========  ==========  ==================  ===================================
 
 With a single data-parallel rank there is nothing to shard: any stage runs as stage 0.
-fp32 parameters are their own master weights (the rank's chunk is updated in place);
+fp32 parameters are their own master weights (the rank's shard is updated in place);
 bf16/fp16 parameters (2N) always get fp32 master weights (4N, sharded like the moments), so
 stage 0 then runs the same flat-buffer AdamW as the sharded stages, on whole buckets.
 
 Two classes behind one interface: :class:`ReplicatedOptimizer` (torch's fused AdamW on the
 whole model: stage 0 in fp32 or fp64) and :class:`ShardedOptimizer` (flat buffers of which each
-rank updates its chunk: every other case). :func:`build_optimizer` picks one. Both say what they
+rank updates its shard: every other case). :func:`build_optimizer` picks one. Both say what they
 hold through :meth:`DataParallelOptimizer.held_tensors`, which is all a checkpoint reads. A
 one-process fp32 run has nothing to reduce: its gradients stay in ``.grad``
 (:class:`LocalGradients`, no buckets and no hooks), with the same numbers.
@@ -69,13 +69,13 @@ class DataParallelOptimizer(ABC):
     """Gradient buckets reduced over the data-parallel ranks, the global grad norm, clipping,
     and an AdamW step on what this rank owns."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, stage: int,
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zero_stage: int,
                  bucket_mb: float, reduce_dtype: torch.dtype | None,
                  on_event: Callable[[str, int], None] | None, local: bool = False):
         """``local``: gradients stay in ``.grad`` (:class:`LocalGradients`, one process)."""
         self.mesh = mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.stage = stage
+        self.zero_stage = zero_stage
         self._update_fence: Callable[[], None] | None = None
         dtype = reduce_dtype or self.params[0].dtype
         self.reducer: GradReducer | LocalGradients
@@ -83,8 +83,8 @@ class DataParallelOptimizer(ABC):
             self.reducer = LocalGradients(self.params, mesh.dp_cp, dtype=dtype)
         else:
             self.reducer = GradReducer(
-                self.params, mesh.dp_cp, stage=stage, bucket_bytes=int(bucket_mb * 2**20),
-                dtype=dtype, units=self._units(model) if stage == 3 else None,
+                self.params, mesh.dp_cp, zero_stage=zero_stage, bucket_bytes=int(bucket_mb * 2**20),
+                dtype=dtype, units=self._units(model) if zero_stage == 3 else None,
                 on_event=on_event, lr_mults=lr_multipliers(model),
             )
 
@@ -130,7 +130,7 @@ class DataParallelOptimizer(ABC):
         Sharded, every element lives on exactly one rank of the world.
         """
         dense, experts = self.reducer.grad_norm_squared()
-        if self.stage > 0:
+        if self.zero_stage > 0:
             return all_reduce(dense + experts, self.mesh.world).sqrt()
         experts = all_reduce(experts, self.mesh.ep)
         if self.mesh.layout.expert_folded_tp > 1:
@@ -197,7 +197,7 @@ class ReplicatedOptimizer(DataParallelOptimizer):
     def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *,
                  bucket_mb: float, reduce_dtype: torch.dtype | None = None,
                  on_event: Callable[[str, int], None] | None = None, local: bool = False):
-        super().__init__(model, mesh, t, stage=0, bucket_mb=bucket_mb,
+        super().__init__(model, mesh, t, zero_stage=0, bucket_mb=bucket_mb,
                          reduce_dtype=reduce_dtype, on_event=on_event, local=local)
         self.adamw = build_adamw(model, t, fused=True)  # one pass per tensor, not ~6
 
@@ -248,19 +248,19 @@ class ReplicatedOptimizer(DataParallelOptimizer):
 
 
 class ShardedOptimizer(DataParallelOptimizer):
-    """Flat parameter buffers per gradient bucket, each rank updating its chunk with fp32
+    """Flat parameter buffers per gradient bucket, each rank updating its shard with fp32
     masters and moments (ZeRO 1-3; and ZeRO-0 for bf16/fp16 parameters, on whole buckets)."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, stage: int,
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zero_stage: int,
                  bucket_mb: float, reduce_dtype: torch.dtype | None = None,
                  on_event: Callable[[str, int], None] | None = None):
-        super().__init__(model, mesh, t, stage=stage, bucket_mb=bucket_mb,
+        super().__init__(model, mesh, t, zero_stage=zero_stage, bucket_mb=bucket_mb,
                          reduce_dtype=reduce_dtype, on_event=on_event)
-        self.flats = [FlatParams(b, sharded=stage == 3, whole=stage == 0)
+        self.flats = [FlatParams(b, sharded=zero_stage == 3, whole=zero_stage == 0)
                       for b in self.reducer.buckets]
         self.adamw = ShardedAdamW(self.reducer, self.flats, t)
         self.units = (ShardedUnits(model, model.blocks(), self.flats, self.reducer)
-                      if stage == 3 else None)
+                      if zero_stage == 3 else None)
 
     def hold_shared_parameters(self) -> None:
         """ZeRO-3 under a pipeline schedule: keep the parameters outside the blocks (embedding,
@@ -286,8 +286,8 @@ class ShardedOptimizer(DataParallelOptimizer):
 
     def masters_from_params(self) -> None:
         for flat, master in zip(self.flats, self.adamw.master):
-            if master is not flat.chunk:
-                master.copy_(flat.chunk)
+            if master is not flat.shard:
+                master.copy_(flat.shard)
 
     def memory_bytes(self) -> dict[str, int]:
         params = sum(flat.nbytes() for flat in self.flats)
@@ -296,17 +296,17 @@ class ShardedOptimizer(DataParallelOptimizer):
     def held_tensors(self, model: nn.Module) -> list[HeldState]:
         out: list[HeldState] = []
         whole = list(model.parameters())
-        if self.units is not None:  # ZeRO-3: each rank holds its chunk of the parameters
+        if self.units is not None:  # ZeRO-3: each rank holds its shard of the parameters
             for flat in self.flats:
-                out += _bucket_ranges("param", flat.bucket, flat.chunk, flat.start, False)
+                out += _bucket_ranges("param", flat.bucket, flat.shard, flat.start, False)
             whole = [p for p in whole if not p.requires_grad]  # not in the buckets
         out += [_whole("param", p, p.data) for p in whole]
         for flat, master, moments in zip(self.flats, self.adamw.master, self.adamw.moments):
             states = dict(moments)
-            if master.dtype != flat.chunk.dtype:
+            if master.dtype != flat.shard.dtype:
                 states["master"] = master
-            for kind, chunk in states.items():
-                out += _bucket_ranges(kind, flat.bucket, chunk, flat.start, self.stage == 0)
+            for kind, shard in states.items():
+                out += _bucket_ranges(kind, flat.bucket, shard, flat.start, self.zero_stage == 0)
         return out
 
 
@@ -319,18 +319,18 @@ def _whole(kind: str, param: nn.Parameter, tensor: torch.Tensor) -> HeldState:
     return HeldState(kind, param, tuple(tensor.shape), tensor.view(-1), 0, True)
 
 
-def _bucket_ranges(kind: str, bucket: Bucket, chunk: torch.Tensor, chunk_start: int,
+def _bucket_ranges(kind: str, bucket: Bucket, shard: torch.Tensor, shard_start: int,
                    replicated: bool) -> list[HeldState]:
-    """Per parameter of ``bucket``: the part of this rank's chunk (bucket elements
-    chunk_start.. chunk_start + len(chunk)) that belongs to it."""
+    """Per parameter of ``bucket``: the part of this rank's shard (bucket elements
+    shard_start.. shard_start + len(shard)) that belongs to it."""
     out = []
-    chunk_end = chunk_start + chunk.numel()
+    shard_end = shard_start + shard.numel()
     for i, param in enumerate(bucket.params):
-        lo = max(chunk_start, bucket.offsets[i])
-        hi = min(chunk_end, bucket.offsets[i] + bucket.shapes[i].numel())
+        lo = max(shard_start, bucket.offsets[i])
+        hi = min(shard_end, bucket.offsets[i] + bucket.shapes[i].numel())
         if lo < hi:
             out.append(HeldState(kind, param, tuple(bucket.shapes[i]),
-                                 chunk[lo - chunk_start : hi - chunk_start],
+                                 shard[lo - shard_start : hi - shard_start],
                                  lo - bucket.offsets[i], replicated))
     return out
 
@@ -346,12 +346,12 @@ def build_optimizer(model: nn.Module, mesh: ParallelMesh, t: TrainConfig, *, zer
     exercises the same bucket path as the multi-rank runs it is compared with. So do runs
     that round gradients to another ``reduce_dtype``, or that watch bucket events
     (``on_event``)."""
-    stage = zero if mesh.dp_cp.size > 1 else 0
+    zero_stage = zero if mesh.dp_cp.size > 1 else 0
     dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
-    if stage == 0 and at_least_fp32(dtype) == dtype:
+    if zero_stage == 0 and at_least_fp32(dtype) == dtype:
         local = (mesh.layout.world_size == 1 and dtype == torch.float32
                  and reduce_dtype in (None, dtype) and on_event is None)
         return ReplicatedOptimizer(model, mesh, t, bucket_mb=bucket_mb,
                                    reduce_dtype=reduce_dtype, on_event=on_event, local=local)
-    return ShardedOptimizer(model, mesh, t, stage=stage, bucket_mb=bucket_mb,
+    return ShardedOptimizer(model, mesh, t, zero_stage=zero_stage, bucket_mb=bucket_mb,
                             reduce_dtype=reduce_dtype, on_event=on_event)

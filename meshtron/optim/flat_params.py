@@ -1,8 +1,8 @@
-"""The parameters of one gradient bucket as a flat buffer, of which each dp rank owns a chunk.
+"""The parameters of one gradient bucket as a flat buffer, of which each dp rank owns a shard.
 
 Under ZeRO-1/2 the full buffer persists and the parameters are views into it; after the
-optimizer updates this rank's chunk, an all-gather refreshes the rest. Under ZeRO-3 only the
-chunk persists: the full buffer is gathered just before its parameters are used and freed
+optimizer updates this rank's shard, an all-gather refreshes the rest. Under ZeRO-3 only the
+shard persists: the full buffer is gathered just before its parameters are used and freed
 after, and the parameters point at an empty tensor in between.
 
 Freeing empties the full buffer's storage (``resize_(0)``) rather than dropping the tensor, and
@@ -33,17 +33,17 @@ class FlatParams:
         full = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
         for i, param in enumerate(bucket.params):
             bucket.view(full, i).copy_(param.data)
-        self.start, self.end = (0, bucket.padded) if whole else bucket.chunk_range()
+        self.start, self.end = (0, bucket.padded) if whole else bucket.shard_range()
         self.full: torch.Tensor | None = None
         self.work: dist.Work | None = None
         if sharded:
-            self.chunk = full[self.start : self.end].clone()
+            self.shard = full[self.start : self.end].clone()
             self.buffer = full
             """The full buffer, its storage emptied while the parameters are not gathered."""
             self.free()
         else:
             self.full = full
-            self.chunk = full[self.start : self.end]
+            self.shard = full[self.start : self.end]
             self._point_params()
 
     def _point_params(self) -> None:
@@ -51,13 +51,13 @@ class FlatParams:
             param.data = self.bucket.view(self.full, i)
 
     def start_gather(self) -> None:
-        """Begin rebuilding the full buffer from every rank's chunk (ZeRO-3)."""
+        """Begin rebuilding the full buffer from every rank's shard (ZeRO-3)."""
         if self.full is not None or self.work is not None:
             return
         storage = self.buffer.untyped_storage()
         storage.resize_(self.bucket.padded * self.buffer.element_size())
         full = self.buffer.data  # an alias with its own version counter (see the module)
-        full[self.start : self.end].copy_(self.chunk)
+        full[self.start : self.end].copy_(self.shard)
         self.work = start_all_gather(full, self.group)
         self._pending = full
 
@@ -78,19 +78,19 @@ class FlatParams:
         if self.work is not None:
             self.work.wait()
             self.work = self._pending = None
-        empty = torch.empty(0, dtype=self.chunk.dtype, device=self.chunk.device)
+        empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
         for param in self.bucket.params:
             param.data = empty
         self.buffer.untyped_storage().resize_(0)
         self.full = None
 
     def after_update(self) -> dist.Work | None:
-        """The chunk changed: refresh the full buffer everywhere (ZeRO-1/2; a no-op for 3)."""
+        """The shard changed: refresh the full buffer everywhere (ZeRO-1/2; a no-op for 3)."""
         if self.sharded or self.whole:
             return None
         return start_all_gather(self.full, self.group)
 
     def nbytes(self) -> int:
-        """Bytes kept between steps: the full buffer (ZeRO-1/2) or only the chunk (ZeRO-3)."""
-        kept = self.chunk if self.sharded else self.full
+        """Bytes kept between steps: the full buffer (ZeRO-1/2) or only the shard (ZeRO-3)."""
+        kept = self.shard if self.sharded else self.full
         return kept.numel() * kept.element_size()

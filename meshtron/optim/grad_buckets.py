@@ -9,9 +9,9 @@ overlaps the rest of the backward pass.
 What the reduction is depends on the ZeRO stage:
 
 - stage 0: all-reduce (sum) of the whole bucket; every rank keeps every gradient.
-- stage 1: reduce-scatter in place; each rank keeps the summed gradient of its 1/dp chunk. The
+- stage 1: reduce-scatter in place; each rank keeps the summed gradient of its 1/dp shard. The
   full buffer persists, so micro-batches accumulate locally and only the last one communicates.
-- stage 2: as stage 1, but after every micro-batch, accumulating into a chunk-sized buffer;
+- stage 2: as stage 1, but after every micro-batch, accumulating into a shard-sized buffer;
   the full bucket buffer exists only from its last gradient to its reduction's completion.
 - stage 3: as stage 2, with buckets cut along the units whose parameters are gathered together
   (one transformer block each), so a unit can be freed as soon as its gradients are out.
@@ -25,13 +25,13 @@ Stages 2 and 3 also hold no gradient memory a step has not produced yet, as FSDP
 a bucket keeps the gradients autograd made until its last one arrives and only then copies
 them into its flat buffer (a bucket full-size from its first gradient held, under ZeRO-3,
 the embedding's slot of the root unit's bucket through the whole backward), and the rank's
-reduced chunk is made by the bucket's first reduce-scatter of the step and dropped by
+reduced shard is made by the bucket's first reduce-scatter of the step and dropped by
 :meth:`GradReducer.zero_grad` (it lives from the end of one backward to the start of the next
 step, not through the forward and backward where the peak is).
 
 Buckets never mix parameters with different weight decay, learning-rate multiplier (muP),
 replication, gradient-sync group or data-parallel group, so the optimizer and the grad norm
-can treat a bucket's chunk as one flat tensor, and a tied embedding's two pipeline copies sit
+can treat a bucket's shard as one flat tensor, and a tied embedding's two pipeline copies sit
 alone in identically shaped buckets.
 A parameter's data-parallel group is dp x cp, or its layout's ``data_parallel`` where it has one
 (the expert-data-parallel group of MoE experts, which different ep ranks do not share); a bucket
@@ -121,7 +121,7 @@ class Bucket:
     grad: torch.Tensor | None = None
     """Flat gradient buffer [padded] while it exists."""
     shard_grad: torch.Tensor | None = None
-    """Stage 2/3: the summed gradient of this rank's chunk, from the step's first reduction of
+    """Stage 2/3: the summed gradient of this rank's shard, from the step's first reduction of
     the bucket to the next ``zero_grad``."""
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list, repr=False)
     """Stage 2/3: gradients (parameter index, gradient) that arrived before the bucket's last."""
@@ -135,8 +135,8 @@ class Bucket:
         shape = self.shapes[i]
         return flat[self.offsets[i] : self.offsets[i] + shape.numel()].view(shape)
 
-    def chunk_range(self) -> tuple[int, int]:
-        """This rank's chunk of the flat buffer (ZeRO shards over the bucket's group)."""
+    def shard_range(self) -> tuple[int, int]:
+        """This rank's ZeRO shard of the flat buffer (one of the bucket group's)."""
         size = self.padded // self.group.size
         return self.group.rank * size, (self.group.rank + 1) * size
 
@@ -175,13 +175,13 @@ class GradReducer:
     """Owns the gradient buffers of ``params`` and their reduction over ``group`` (dp x cp), or
     each parameter's own ``data_parallel`` group."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group, *, stage: int,
+    def __init__(self, params: list[nn.Parameter], group: Group, *, zero_stage: int,
                  bucket_bytes: int, dtype: torch.dtype,
                  units: list[list[nn.Parameter]] | None = None,
                  on_event: Callable[[str, int], None] | None = None,
                  lr_mults: dict[int, float] | None = None):
         self.group = group
-        self.stage = stage
+        self.zero_stage = zero_stage
         self.dtype = dtype
         self.on_event = on_event
         self.on_launch: Callable[[Bucket], None] | None = None
@@ -201,7 +201,7 @@ class GradReducer:
             for i, param in enumerate(bucket.params):
                 self._where[id(param)] = (bucket, i)
                 param.register_post_accumulate_grad_hook(self._on_grad)
-            if stage <= 1:
+            if zero_stage <= 1:
                 bucket.grad = torch.zeros(bucket.padded, dtype=dtype,
                                           device=bucket.params[0].device)
         self.sync = True
@@ -212,7 +212,7 @@ class GradReducer:
 
     def begin_micro_batch(self, last: bool) -> None:
         """Stage 0/1 communicate only on the last micro-batch of a step; 2/3 on every one."""
-        self.sync = last or self.stage >= 2
+        self.sync = last or self.zero_stage >= 2
         for bucket in self.buckets:
             bucket.arrived = 0
             bucket.launched = False
@@ -221,7 +221,7 @@ class GradReducer:
         if param.grad is None:  # a backward that deferred this weight's gradient (zb-h1)
             return
         bucket, i = self._where[id(param)]
-        if self.stage >= 2:
+        if self.zero_stage >= 2:
             bucket.pending.append((i, param.grad))  # into the flat buffer at launch
         else:
             bucket.view(bucket.grad, i).add_(param.grad)
@@ -245,19 +245,19 @@ class GradReducer:
             del grad
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.stage >= 2:
+        if self.zero_stage >= 2:
             self._flatten(bucket)
         bucket.launched = True
         if self.on_event:
             self.on_event("reduce", bucket.index)
         if self.on_launch:
             self.on_launch(bucket)
-        if self.stage >= 2:
+        if self.zero_stage >= 2:
             self._in_flight.append(bucket)
         if bucket.group.pg is not None:
-            if self.stage == 0:
+            if self.zero_stage == 0:
                 bucket.work = start_all_reduce(bucket.grad, bucket.group)
-            elif self.stage == 1:
+            elif self.zero_stage == 1:
                 bucket.work = start_reduce_scatter(bucket.grad, bucket.group)
             else:
                 bucket.scratch = torch.empty(bucket.padded // bucket.group.size,
@@ -267,12 +267,12 @@ class GradReducer:
             self._finish(self._in_flight.popleft())
 
     def _finish(self, bucket: Bucket) -> None:
-        """Stage 2/3: wait for the bucket's reduce-scatter, add this rank's summed chunk into
+        """Stage 2/3: wait for the bucket's reduce-scatter, add this rank's summed shard into
         its persistent gradient and free the full-size buffer."""
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
-        start, end = bucket.chunk_range()
+        start, end = bucket.shard_range()
         summed = bucket.scratch if bucket.scratch is not None else bucket.grad[start:end]
         if bucket.shard_grad is None:  # the step's first reduction of this bucket
             bucket.shard_grad = summed
@@ -300,22 +300,22 @@ class GradReducer:
         """Stage 0/1 zero their persistent buffers; 2/3 drop every gradient (the next
         backward makes them again)."""
         for bucket in self.buckets:
-            if self.stage >= 2:
+            if self.zero_stage >= 2:
                 bucket.grad = bucket.shard_grad = None
                 bucket.pending = []
             elif bucket.grad is not None:
                 bucket.grad.zero_()
 
     def local_grad(self, bucket: Bucket) -> torch.Tensor:
-        """The reduced gradient this rank owns: the whole bucket (stage 0) or its chunk."""
-        if self.stage == 0:
+        """The reduced gradient this rank owns: the whole bucket (stage 0) or its shard."""
+        if self.zero_stage == 0:
             return bucket.grad
-        if self.stage >= 2:
+        if self.zero_stage >= 2:
             if bucket.shard_grad is None:  # no reduction since zero_grad: a zero gradient
                 bucket.shard_grad = torch.zeros(bucket.padded // bucket.group.size,
                                                 dtype=self.dtype, device=bucket.params[0].device)
             return bucket.shard_grad
-        start, end = bucket.chunk_range()
+        start, end = bucket.shard_range()
         return bucket.grad[start:end]
 
     def sync_replicated(self) -> None:
@@ -323,7 +323,7 @@ class GradReducer:
         under sequence parallelism): the part of each that lies in this rank's gradient."""
         pieces: dict[int, tuple[Group, list[torch.Tensor]]] = {}
         for bucket in self.buckets:
-            start, end = (0, bucket.padded) if self.stage == 0 else bucket.chunk_range()
+            start, end = (0, bucket.padded) if self.zero_stage == 0 else bucket.shard_range()
             local = self.local_grad(bucket)
             for i, param in enumerate(bucket.params):
                 group = layout_of(param).grad_sync
@@ -362,9 +362,9 @@ class GradReducer:
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage kept between steps on this rank: the whole buckets
-        (stage 0/1) or this rank's chunks (2/3, which exist from the end of a backward to the
+        (stage 0/1) or this rank's shards (2/3, which exist from the end of a backward to the
         next ``zero_grad``, so counted whether or not they exist now)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        if self.stage >= 2:
+        if self.zero_stage >= 2:
             return sum(b.padded // b.group.size for b in self.buckets) * element
         return sum(b.grad.numel() for b in self.buckets if b.grad is not None) * element

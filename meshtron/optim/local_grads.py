@@ -31,7 +31,7 @@ class LocalGradients:
         if group.pg is not None:
             raise ValueError("local gradients are for a data-parallel group of one rank")
         self.group = group
-        self.stage = 0
+        self.zero_stage = 0
         self.dtype = dtype
         self.params = params
         self.buckets: list[Bucket] = assign_buckets(list(reversed(params)), 2**62, group,

@@ -74,6 +74,6 @@ class ShardedUnits:
             flat.free()
 
     def free_all(self) -> None:
-        """Free every unit, dropping prefetches (called after the optimizer changed chunks)."""
+        """Free every unit, dropping prefetches (called after the optimizer changed shards)."""
         for unit in range(len(self.units)):
             self.free(unit)

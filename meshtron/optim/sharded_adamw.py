@@ -1,9 +1,9 @@
-"""AdamW over this rank's chunk of every gradient bucket (the distributed optimizer, ZeRO-1/2/3).
+"""AdamW over this rank's shard of every gradient bucket (the distributed optimizer, ZeRO-1/2/3).
 
 A rank keeps fp32 master weights (fp64 in fp64 runs) and both Adam moments only for its 1/dp
-chunk of each bucket's flat parameters (:class:`FlatParams`), updates that chunk from its
+shard of each bucket's flat parameters (:class:`FlatParams`), updates that shard from its
 reduce-scattered gradient, and hands it back to the flat parameters (which all-gather it under
-ZeRO-1/2). Parameters already in the master dtype are their own master: the chunk is updated in
+ZeRO-1/2). Parameters already in the master dtype are their own master: the shard is updated in
 place, with no second copy (FSDP2 keeps none either). The update is element for element the
 one of ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments), at the scheduled
 rate times each bucket's ``lr_mult`` (muP; a bucket never mixes multipliers), as torch's param
@@ -30,8 +30,8 @@ class ShardedAdamW:
         self.flats = flats
         self.t = t
         self.steps = 0
-        self.master = [flat.chunk if flat.chunk.dtype == at_least_fp32(flat.chunk.dtype)
-                       else flat.chunk.to(at_least_fp32(flat.chunk.dtype), copy=True)
+        self.master = [flat.shard if flat.shard.dtype == at_least_fp32(flat.shard.dtype)
+                       else flat.shard.to(at_least_fp32(flat.shard.dtype), copy=True)
                        for flat in flats]
         self.moments = [{k: torch.zeros_like(m) for k in MOMENTS} for m in self.master]
 
@@ -54,8 +54,8 @@ class ShardedAdamW:
             exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
             denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(t.eps)
             master.addcdiv_(exp_avg, denom, value=-rate / bias1)
-            if master is not flat.chunk:
-                flat.chunk.copy_(master)
+            if master is not flat.shard:
+                flat.shard.copy_(master)
             works.append(flat.after_update())
         for work in works:
             if work is not None:
@@ -67,6 +67,6 @@ class ShardedAdamW:
         """Bytes of optimizer state on this rank: fp32 master weights kept beside the
         parameters, and the two moments."""
         moments = [m for ms in self.moments for m in ms.values()]
-        masters = [m for m, flat in zip(self.master, self.flats) if m is not flat.chunk]
+        masters = [m for m, flat in zip(self.master, self.flats) if m is not flat.shard]
         return {"master": sum(t.numel() * t.element_size() for t in masters),
                 "optimizer": sum(t.numel() * t.element_size() for t in moments)}

@@ -97,7 +97,7 @@ def state_line(cfg: Config, optimizer: DataParallelOptimizer, local_params: int)
     params = max(1, local_params)
     parts = ", ".join(f"{kind} {b / 2**20:.1f} MiB ({b / params:.2f} B/param)"
                       for kind, b in optimizer.memory_bytes().items())
-    return f"state per rank ({cfg.precision.dtype}, zero {optimizer.stage}): {parts}"
+    return f"state per rank ({cfg.precision.dtype}, zero {optimizer.zero_stage}): {parts}"
 
 
 def fp8_line(pc: PrecisionConfig, device: torch.device) -> str | None:

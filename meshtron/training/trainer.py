@@ -148,7 +148,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.mesh, cfg.train, zero=p.zero,
                                          bucket_mb=p.bucket_mb,
                                          reduce_dtype=self.precision.reduce_dtype)
-        if p.zero and not self.optimizer.stage:
+        if p.zero and not self.optimizer.zero_stage:
             self.log(f"parallel.zero={p.zero} with a single data-parallel rank: nothing to "
                      "shard, running as zero 0")
         self.micro_batch = plan.micro_batch
