@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import yaml
 from meshtron.cli import main
 from tests.parity import run_training, test_overrides
 from tests.test_bad_input import one_error_line
+from tests.test_bad_input_unseen import end_a_blocked_read
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,6 @@ def generate(run: Path, *args: str) -> list[str]:
 def test_generate_refuses_bytes_and_empty_stops_before_loading(tmp_path, capsys, args, message):
     assert main(generate(tmp_path / "no-such-run", *args)) == 2  # refused before the path
     assert message in one_error_line(capsys)
-
-
-def end_a_blocked_read(fifo: Path) -> None:
-    """Should a reader open ``fifo`` (the bug), let its read end after a few seconds instead
-    of hanging the suite (it then fails on the message)."""
-    for _ in range(40):
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while nobody reads
-            return
-        except OSError:
-            time.sleep(0.25)
 
 
 def test_generate_refuses_a_prompt_file_that_is_a_fifo(run, tmp_path, capsys):

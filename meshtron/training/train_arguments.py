@@ -5,20 +5,28 @@ and the config (an unknown key or a bad value is said at once); :mod:`.train_com
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import textwrap
 
 from meshtron.config import load_config, split_overrides
-from meshtron.config.docs import config_reference
+from meshtron.config.checks import inert_settings
+from meshtron.config.docs import config_reference, help_width
+from meshtron.config.parse import OnceAction
 from meshtron.errors import MeshtronError
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model (resumes from the newest checkpoint)",
-        description="Train a model. Settings come from the defaults, then --config, then "
-        "--section.field=value overrides.",
+        description=textwrap.fill("Train a model. Settings come from the defaults, then "
+                                  "--config, then --section.field=value overrides.",
+                                  help_width()),
         epilog=config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="YAML file with config sections")
+    p.add_argument("--config", action=OnceAction,
+                   help="YAML file with config sections (once; change its values with "
+                   "--section.field=value)")
     p.add_argument("--nproc", type=int, default=1, help="number of local processes (default 1)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="when a rank fails, restart every rank from the newest checkpoint, up "
@@ -40,6 +48,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         raise MeshtronError(f"--min-nproc {args.min_nproc} needs 1 <= it <= --nproc "
                             f"{args.nproc} and --max-restarts above 0 (restarts on fewer ranks)")
     cfg = load_config(args.config, split_overrides(extra))  # before torch: errors are instant
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get("MESHTRON_LAUNCHER_PID"):
+        for note in inert_settings(cfg):  # said once: by the launcher or a lone process
+            print(f"note: {note}", file=sys.stderr)
     if args.max_restarts and not (cfg.checkpoint.resume and (cfg.checkpoint.every or
                                                              cfg.checkpoint.every_seconds)):
         raise MeshtronError(

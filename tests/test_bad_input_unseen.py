@@ -1,0 +1,141 @@
+"""Unseen inputs of issue 51 that ended badly (a traceback, a hang, a silent wrong success or
+a misleading line): config values and files. Each now ends in one `meshtron: error:` line
+before anything runs, or in the right success."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from meshtron.cli import main
+from meshtron.config import load_config
+from meshtron.config.checks import inert_settings
+from meshtron.errors import MeshtronError
+from tests.test_bad_input import one_error_line
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("--train.seed=18446744073709551616", "train.seed must fit in 64 bits"),
+    ("--train.seed=-9223372036854775809", "train.seed must fit in 64 bits"),
+    ("--run.dir=" + "x" * 5000, "run.dir is 5,000 bytes long; a path may have at most 4,095"),
+    ("--run.dir=runs/" + "x" * 300, "run.dir has a name of 300 bytes"),
+    ("--checkpoint.dir=" + "y" * 256, "checkpoint.dir has a name of 256 bytes"),
+    ("--run.dir=", "run.dir is empty"),
+    ("--checkpoint.dir=", "checkpoint.dir is empty"),
+    ("--data.cache_dir=", "data.cache_dir is empty"),
+    ("--parallel.tp_comm_chunks=0", "parallel.tp_comm_chunks must be a positive integer"),
+    ("--data.vocab_size=1000000000", "data.vocab_size=1000000000 is beyond any model"),
+])
+def test_unseen_config_values_are_refused(override, message):
+    with pytest.raises(MeshtronError, match=message):
+        load_config(overrides=[override])
+
+
+def test_the_largest_seeds_are_accepted():
+    assert load_config(overrides=[f"--train.seed={2**64 - 1}"]).train.seed == 2**64 - 1
+    assert load_config(overrides=[f"--train.seed={-(2**63)}"]).train.seed == -(2**63)
+
+
+def test_an_empty_run_dir_trains_nothing_into_the_current_folder(tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--run.dir="]) == 2
+    assert "run.dir is empty" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sequence_parallelism_at_tp_1_is_said_to_do_nothing():
+    assert inert_settings(load_config(overrides=["--parallel.sp=true"])) == [
+        "parallel.sp=true has no effect at parallel.tp=1 (sequence parallelism splits the "
+        "residual stream over tp ranks)"]
+    assert inert_settings(load_config(overrides=["--parallel.sp=true", "--parallel.tp=2"])) == []
+
+
+def test_train_says_the_note_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--parallel.sp=true", "--max-restarts=1",  # refused after the note
+                 "--checkpoint.every=0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("note: parallel.sp=true has no effect at parallel.tp=1 (sequence "
+                      "parallelism splits the residual stream over tp ranks)")
+    assert len(err) == 2 and err[1].startswith("meshtron: error: --max-restarts needs")
+
+
+def test_two_config_files_are_refused_not_half_dropped(tmp_path, capsys):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("train:\n  steps: 3\n")
+    b.write_text("train:\n  lr: 0.01\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", str(a), "--config", str(b)])
+    assert exit_.value.code == 2
+    line = one_error_line(capsys)
+    assert f"--config: given twice ({a}, then {b})" in line
+
+
+def end_a_blocked_read(fifo: Path) -> None:
+    """Should a reader open ``fifo`` (the bug), let its read end after a few seconds instead
+    of hanging the suite (the test then fails on the message)."""
+    for _ in range(40):
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while nobody reads
+            return
+        except OSError:
+            time.sleep(0.25)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_a_config_that_is_not_a_regular_file_says_so(tmp_path, kind):
+    # /dev/null stands for /dev/zero (the same check), which a bug would read until memory ends
+    path = {"fifo": tmp_path / "pipe.yaml", "device": Path("/dev/null"),
+            "directory": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)  # no writer: reading it would block forever
+        threading.Thread(target=end_a_blocked_read, args=(path,), daemon=True).start()
+    what = "is a directory" if kind == "directory" else "is not a regular file"
+    with pytest.raises(MeshtronError, match=f"config file {path} {what}"):
+        load_config(path)
+
+
+def test_a_yaml_merge_key_merges(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train: &base\n  steps: 3\n  lr: 0.01\n"
+                    "checkpoint:\n  every: 2\n"
+                    "run:\n  <<: {progress: false, plot: false}\n  plot: true\n")
+    cfg = load_config(path)
+    assert cfg.train.steps == 3 and cfg.run.progress is False and cfg.run.plot is True
+    path.write_text("run:\n  <<: {progress: false}\n  plot: true\n  plot: false\n")
+    with pytest.raises(MeshtronError, match="key 'plot' given twice"):
+        load_config(path)
+
+
+def test_a_data_file_with_a_comma_in_its_name(tmp_path):
+    cfg = load_config(overrides=[r"--data.path=a\,b.txt,0.5:c.txt"])
+    assert cfg.data.path == ["a,b.txt", "0.5:c.txt"]
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  path:\n    - a,b.txt\n")
+    assert load_config(path).data.path == ["a,b.txt"]
+
+
+def test_caches_follow_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert load_config().data.cache_dir == str(tmp_path / "xdg" / "meshtron")
+    assert load_config(overrides=["--data.cache_dir=/c"]).data.cache_dir == "/c"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: ignored, as XDG says
+    assert load_config().data.cache_dir == "~/.cache/meshtron"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert load_config().data.cache_dir == "~/.cache/meshtron"
+
+
+def test_train_help_wraps_to_the_terminal_and_ends_with_examples(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "72")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out.rstrip().splitlines()
+    examples = out.index("examples:")
+    assert all(len(line) <= 72 for line in out[:examples]), max(out[:examples], key=len)
+    assert out[-1].lstrip().startswith(("meshtron train", "torchrun"))
+    assert any("--parallel.tp=" in line for line in out[examples:])
