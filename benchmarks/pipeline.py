@@ -103,16 +103,17 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import harness
+import pipeline_bound
 import pipeline_idle
 import pipeline_report
 import torch
 import torch.distributed as dist
+from pipeline_shape import Shape
 from torch import nn
 from torch.distributed import pipelining
 
 # meshtron: used in the "competitors" section, steps_task (the executors' trace) and bench_pp
 # (the schedules handed to pipeline_idle) only
-from meshtron.config import Config, load_config
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.adamw import build_adamw
@@ -124,33 +125,6 @@ from meshtron.parallel.pipeline.schedules import Schedule, build_schedule
 from meshtron.plan import RunPlan, plan_run
 from meshtron.precision.policy import Precision
 from meshtron.training.step import train_step
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int = 8
-    hidden: int = 256
-    heads: int = 8
-    kv_heads: int = 4
-    ffn: int = 768
-    vocab: int = 4096
-    seq: int = 128
-    global_batch: int = 16
-    micro_batch: int = 2
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // self.micro_batch
-
-    def config(self, *extra: str) -> Config:
-        return load_config(overrides=[
-            "--model.preset=tiny", f"--model.num_layers={self.layers}",
-            f"--model.hidden_size={self.hidden}", f"--model.num_heads={self.heads}",
-            f"--model.num_kv_heads={self.kv_heads}", f"--model.ffn_hidden_size={self.ffn}",
-            f"--model.vocab_size={self.vocab}", f"--train.seq_len={self.seq}",
-            f"--train.global_batch={self.global_batch}", f"--train.micro_batch={self.micro_batch}",
-            *extra,
-        ])
 
 
 @dataclass(frozen=True)
@@ -374,8 +348,7 @@ def bench_pp(pp: int, args: Any, s: Shape) -> dict[str, Any]:
     """All rounds for one pipeline size; every figure of its tables."""
     names = [n for n in args.configs if not (SETUPS[n].vpp > 1 and s.layers % (pp * 2))]
     halves = None
-    if any(SETUPS[n].split == "halves" for n in names):  # (imported here: it imports Shape)
-        import pipeline_bound
+    if any(SETUPS[n].split == "halves" for n in names):
         halves = pipeline_bound.half_layer_splits(s, pp)
     dropped: dict[str, str] = {}
     runs: list[list[dict[str, Any]]] = []

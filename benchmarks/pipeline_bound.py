@@ -45,7 +45,7 @@ from dataclasses import asdict
 
 import harness
 import torch
-from pipeline import Shape
+from pipeline_shape import Shape
 
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
