@@ -40,11 +40,11 @@ def test_balanced_split_charges_the_output_layer():
     assert balanced_counts(4, 4, layer_cost=1.0, head_cost=9.0) == [1, 1, 1, 1]
 
 
-def test_plan_chunks_interleave_over_stages():
+def test_partition_chunks_interleave_over_stages():
     cfg = load_config(overrides=["--model.num_layers=8", "--model.vocab_size=512"]).model
-    plan = partition_layers(cfg, pp=2, vpp=2, costs=layer_and_head_cost(cfg, 64))
-    assert plan.chunks_of(0) == [[0, 1], [4, 5]]
-    assert plan.chunks_of(1) == [[2, 3], [6, 7]]
+    partition = partition_layers(cfg, pp=2, vpp=2, costs=layer_and_head_cost(cfg, 64))
+    assert partition.chunks_of(0) == [[0, 1], [4, 5]]
+    assert partition.chunks_of(1) == [[2, 3], [6, 7]]
     explicit = partition_layers(cfg, pp=2, vpp=1, costs=(1.0, 0.0), explicit=[3, 5])
     assert explicit.chunks_of(1) == [[3, 4, 5, 6, 7]]
 
@@ -119,10 +119,10 @@ def test_v_split_balances_stages_exactly():
 def test_stage_builds_only_its_layers():
     cfg = load_config(overrides=["--model.num_layers=3", "--model.vocab_size=512",
                                  "--model.tie_embeddings=true"]).model
-    plan = partition_layers(cfg, pp=1, vpp=1, costs=(1.0, 0.0), explicit=[3])
+    partition = partition_layers(cfg, pp=1, vpp=1, costs=(1.0, 0.0), explicit=[3])
     from meshtron.models.transformer import ModelOptions, Transformer
 
-    model = Transformer(cfg, options=ModelOptions(stage=plan.stage_layers(0)))
+    model = Transformer(cfg, options=ModelOptions(stage=partition.stage_layers(0)))
     assert sorted(model.layers) == ["0", "1", "2"] and model.has_embedding and model.has_head
 
 

@@ -324,7 +324,7 @@ class OnlineTuner:
                 prices[size] = cost.step_time(self.plans[size].config)
             return prices[size]
 
-        running = layout_of(self.plans[micro_batch].config)
+        running = layout_fields(self.plans[micro_batch].config)
 
         def propose() -> tuple[Overrides, float] | None:
             return next(((o, s) for o, s in cost.layouts(cfg)
@@ -353,7 +353,7 @@ class OnlineTuner:
         return self.plans[self.retuner.micro_batch]
 
 
-def layout_of(cfg: Config) -> Overrides:
+def layout_fields(cfg: Config) -> Overrides:
     """The layout fields of a config, as the tuner's candidates name them."""
     fields = {f"parallel.{f.name}": getattr(cfg.parallel, f.name)
               for f in dataclasses.fields(cfg.parallel)}

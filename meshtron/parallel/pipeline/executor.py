@@ -53,15 +53,16 @@ class GradientSync(Protocol):
 
 
 class PipelineExecutor:
-    """Runs ``schedule``'s actions for this rank's stage on ``model`` (built for ``plan``,
+    """Runs ``schedule``'s actions for this rank's stage on ``model`` (built for ``partition``,
     with ``split_weight_grads`` when the schedule splits the backward)."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, plan: PipelinePartition,
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, partition: PipelinePartition,
                  schedule: Schedule, hidden_size: int):
         self.model = model
         self.mesh = mesh
-        self.plan = plan
+        self.partition = partition
         self.stage = mesh.pp.rank
+        """This rank's pipeline stage."""
         self.hidden_size = hidden_size
         self.store: WeightGradStore | None = model.grad_store
         self.use(schedule)
@@ -75,7 +76,7 @@ class PipelineExecutor:
         rebuilt for measured costs, :mod:`.measured_order`)."""
         assert (self.store is not None) == schedule.split_backward, (
             "a zero-bubble schedule needs a model built with split_weight_grads, and only it")
-        assert self.plan.vshape == schedule.vshape, (
+        assert self.partition.vshape == schedule.vshape, (
             "the partition and the schedule place chunks alike")
         self.schedule = schedule
         self.actions = schedule.stages[self.stage]
@@ -86,9 +87,9 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ messages
 
     def _tag(self, direction: str, microbatch: int, virtual_stage: int) -> int:
-        per_direction = self.schedule.microbatches * self.plan.virtual_stages
+        per_direction = self.schedule.microbatches * self.partition.virtual_stages
         return (_DIRECTIONS[direction] * per_direction
-                + microbatch * self.plan.virtual_stages + virtual_stage)
+                + microbatch * self.partition.virtual_stages + virtual_stage)
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         """Start sending to stage ``peer`` over the group of this direction alone."""
@@ -107,7 +108,7 @@ class PipelineExecutor:
 
     def _local_chunk(self, virtual_stage: int) -> int | None:
         """This stage's chunk that runs ``virtual_stage``, or None if another stage does."""
-        stage, chunk = placement_of(self.plan.pp, virtual_stage, self.plan.vshape)
+        stage, chunk = placement_of(self.partition.pp, virtual_stage, self.partition.vshape)
         return chunk if stage == self.stage else None
 
     def _device(self) -> torch.device:
@@ -134,7 +135,7 @@ class PipelineExecutor:
         """Forward and backward of every micro-batch through this stage; returns the sum of
         token losses (non-zero on the last stage only). ``loss_weight`` multiplies each
         micro-batch's loss before backward (loss scale / global token count)."""
-        plan, model = self.plan, self.model
+        partition, model = self.partition, self.model
         optimizer.hold_shared_parameters()
         dtype = next(model.parameters()).dtype
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device())
@@ -143,11 +144,11 @@ class PipelineExecutor:
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
         deferred: dict[tuple[int, int], list] = {}
         sends: dict[int, dist.Work] = {}
-        last_virtual = plan.virtual_stages - 1
+        last_virtual = partition.virtual_stages - 1
 
         for index, action in enumerate(self.actions):
             m, c = action.microbatch, action.chunk
-            vstage = plan.virtual_stage(self.stage, c)
+            vstage = partition.virtual_stage(self.stage, c)
             kind = action.kind
             started = None
             if kind == "RECV_F":
@@ -226,26 +227,26 @@ class PipelineExecutor:
     def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of token losses of forward passes only (non-zero on the last stage only):
         micro-batch by micro-batch, each through the virtual stages in order."""
-        plan, model = self.plan, self.model
+        partition, model = self.partition, self.model
         dtype = next(model.parameters()).dtype
         total = torch.zeros((), dtype=torch.float64, device=self._device())
         sends: list[dist.Work] = []
         for m, micro_batch in enumerate(micro_batches):
             out = micro_batch.tokens
-            for c in range(plan.vpp):
-                vstage = plan.virtual_stage(self.stage, c)
+            for c in range(partition.vpp):
+                vstage = partition.virtual_stage(self.stage, c)
                 if vstage == 0 or self._local_chunk(vstage - 1) is not None:
                     x = out
                 else:
-                    source = placement_of(plan.pp, vstage - 1, plan.vshape)[0]
+                    source = placement_of(partition.pp, vstage - 1, partition.vshape)[0]
                     work, x = self._post_receive(self._hidden_shape(micro_batch), dtype, source,
                                                  self._tag("F", m, vstage))
                     work.wait()
                 out = model(x, chunk=c, sequence=micro_batch.sequence, inputs=micro_batch.inputs)
-                if vstage == plan.virtual_stages - 1:
+                if vstage == partition.virtual_stages - 1:
                     total += model.loss_sum(out, micro_batch.targets).double()
                 elif self._local_chunk(vstage + 1) is None:
-                    target = placement_of(plan.pp, vstage + 1, plan.vshape)[0]
+                    target = placement_of(partition.pp, vstage + 1, partition.vshape)[0]
                     sends.append(self._send(out.to(dtype), target, self._tag("F", m, vstage + 1)))
                 else:
                     out = out.to(dtype)
