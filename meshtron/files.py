@@ -57,3 +57,14 @@ def png_path(given: str, default_name: str) -> Path:
     if path.is_dir():
         return path / default_name
     return path if path.suffix else path.with_name(path.name + ".png")
+
+
+def check_output_file(path: Path, what: str) -> None:
+    """``path`` can be written as a new or replaced file: its folder exists and is writable and
+    it is not a folder itself (checked before the work whose result it holds, not after)."""
+    if path.is_dir():
+        raise MeshtronError(f"{what} {path} is a folder; name a file")
+    folder = path.parent
+    if not folder.exists():
+        raise MeshtronError(f"{what} {path}: the folder {folder} does not exist")
+    check_writable(folder, f"{what} {path}: the folder")

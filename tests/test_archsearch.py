@@ -205,7 +205,7 @@ def test_on_a_cluster_the_time_buys_the_tokens_of_the_best_layout():
 def test_budget_flags_are_checked():
     cluster = cluster_of({"gpu": "h100-sxm", "gpus": 8})
     for flops, hours, where, words in ((None, None, None, "needs a budget"),
-                                       (1e12, 1.0, cluster, "one of them"),
+                                       (1e12, 1.0, cluster, "only one of"),
                                        (None, 1.0, None, "needs a cluster"),
                                        (-1.0, None, None, "positive"),
                                        (math.inf, None, None, "positive")):

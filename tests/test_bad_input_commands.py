@@ -62,3 +62,67 @@ def test_generate_refuses_a_run_whose_newest_checkpoint_is_another_model(run, tm
     checkpoint = next((other / "checkpoints").glob("step_*"))
     assert main(generate(checkpoint, "--json")) == 0  # named itself, it generates
     assert main(generate(run, "--json")) == 0
+
+
+TUNE = ["tune", "--model.preset=tiny", "--cluster.gpu=h100-sxm", "--cluster.gpus=8"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--top", "0"], "--top must be at least 1 (rows of the table), got 0"),
+    (["--top", "-2"], "--top must be at least 1 (rows of the table), got -2"),
+    (["--tokens", "-5"], "--tokens must be a positive number of tokens to train on, got -5"),
+    (["--tokens", "nan"], "--tokens must be a positive number"),
+    (["--output-config", "no/such/dir/x.yaml"],
+     "--output-config no/such/dir/x.yaml: the folder no/such/dir does not exist"),
+    (["--json", "."], "--json . is a folder; name a file"),
+])
+def test_tune_refuses_its_table_arguments_before_the_table(tmp_path, capsys, monkeypatch, args,
+                                                            message):
+    monkeypatch.chdir(tmp_path)
+    assert main([*TUNE, *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the table
+    assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--budget-flops", "1e12", "--budget-gpu-hours", "3"],
+     "give only one of --budget-flops and --budget-gpu-hours"),
+    (["--budget-flops", "1e40"], "--budget-flops 1e+40 is beyond any training run (at most "
+                                 "1e+30): a typo?"),
+    (["--budget-gpu-hours", "1e40", "--cluster.gpu=h100-sxm", "--cluster.gpus=8"],
+     "--budget-gpu-hours 1e+40 buys"),
+    (["--budget-flops", "1e29", "--data.vocab_size=512"],
+     "more than a run may have (1e+12); lower the budget, or give --proxy-steps or --law"),
+])
+def test_archsearch_refuses_budgets_before_any_proxy(tmp_path, capsys, args, message):
+    assert main(["archsearch", *args, f"--data.cache_dir={tmp_path / 'cache'}"]) == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "cache" / "scratch").exists()  # no proxy was started
+
+
+def test_scratch_goes_under_the_cache_and_is_removed(tmp_path, monkeypatch):
+    from meshtron.config import load_config
+    from meshtron.data.cache import scratch
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with scratch(load_config().data.cache_dir, "archsearch-") as folder:
+        assert Path(folder).parent == tmp_path / "xdg" / "meshtron" / "scratch"
+        assert Path(folder).name.startswith("archsearch-")
+    assert not Path(folder).exists()
+
+
+def test_hpsearch_plot_shows_pruned_trials(tmp_path):
+    from meshtron.hpsearch.ranking import Row, curves, plot_series
+
+    rows = [Row(0, None, {"train.lr": 1e-3}, 2.0, "complete"),
+            Row(1, None, {"train.lr": 3e-3}, 1.8, "complete"),
+            Row(2, None, {"train.lr": 1e-2}, 3.5, "pruned", steps=4),
+            Row(3, None, {"train.lr": 3e-2}, None, "failed")]
+    assert curves(rows, "train.lr", "pruned") == {"trials": [(1e-2, 3.5)]}
+    drawn = []
+    for pruned in (None, curves(rows, "train.lr", "pruned")):
+        path = tmp_path / f"{len(drawn)}.png"
+        plot_series(curves(rows, "train.lr"), path, "train.lr", "t", True, pruned=pruned)
+        drawn.append(path.read_bytes())
+    assert drawn[0] != drawn[1]  # the pruned trial is drawn

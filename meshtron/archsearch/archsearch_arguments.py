@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshtron.config.parse import OnceAction
+
 ARCHSEARCH_EPILOG = """\
 on this machine (a FLOP budget; proxies are real `meshtron train` runs of a few shapes):
   meshtron archsearch --budget-flops 2e13 --data.vocab_size=2048 --train.seq_len=128 \\
@@ -30,7 +32,8 @@ def add_archsearch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         "on the cluster with the cost model, and choose the shape with the lowest predicted "
         "loss for the budget.", epilog=ARCHSEARCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (data, batch, precision; model fields pin)")
+    p.add_argument("--config", action=OnceAction,
+                   help="YAML config (data, batch, precision; model fields pin)")
     p.add_argument("--budget-flops", type=float, help="the training budget in FLOPs (e.g. 1e21)")
     p.add_argument("--budget-gpu-hours", type=float,
                    help="the budget as GPU-hours on the cluster (instead of --budget-flops)")

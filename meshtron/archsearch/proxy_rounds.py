@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,9 @@ from meshtron.archsearch.scaling_law import Fit, ScalingLaw, fit_law, parse_law
 from meshtron.archsearch.shape_cost import MIN_STEPS, Budget, Priced
 from meshtron.archsearch.shapes import Shape, ShapeSpace, enumerate_shapes, sizes_of
 from meshtron.config import Config, validate
+from meshtron.config.checks import SANITY_LIMITS
 from meshtron.costmodel.memory_model import with_vocab
+from meshtron.data.cache import scratch as scratch_dir
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import training_flops_per_token
 from meshtron.plan import check_run
@@ -85,6 +86,11 @@ def proxy_of(cfg: Config, s: ProxySettings, budget: Budget, shape: Shape, scale:
                     // (cfg.train.global_batch * cfg.train.seq_len))
     if steps < least_steps(cfg, s):
         return f"{shape.describe()}: {steps} steps"
+    if steps > SANITY_LIMITS["train.steps"]:  # refused here, not by the proxy's own train
+        raise MeshtronError(f"the budget ({budget.describe()}) gives the proxy {shape.describe()}"
+                            f" {steps:.3g} steps, more than a run may have "
+                            f"({SANITY_LIMITS['train.steps']:.0e}); lower the budget, or give "
+                            "--proxy-steps or --law")
     return Proxy(shape, sizes_of(model).law, steps, fpt)
 
 
@@ -152,7 +158,7 @@ def fitted_law(cfg: Config, s: ProxySettings, budget: Budget, space: ShapeSpace,
         return parse_law(law_text), None, f"--law {law_text}", []
     check_settings(s, budget)
     proxies = first_round(cfg, s, budget, space)
-    with tempfile.TemporaryDirectory(prefix="meshtron-archsearch-") as scratch:
+    with scratch_dir(cfg.data.cache_dir, "archsearch-") as scratch:
         folder = Path(s.folder) if s.folder else Path(scratch)
         results = run_proxies(cfg, proxies, folder, s.nproc, s.points, s.timeout_s)
         fit, source = fit_results(results)

@@ -55,16 +55,27 @@ class Budget:
                 f"({self.seconds * c.gpus / 3600:,.4g} GPU-hours, {self.flops:.3g} FLOPs at peak)")
 
 
+MAX_BUDGET_FLOPS = 1e30
+"""About 10^4 times the largest training runs published: a budget past it is a typo, refused
+before the grid is sized for it or a proxy is started."""
+
+
 def budget_of(flops: float | None, gpu_hours: float | None, cluster: Cluster | None,
               dtype: str) -> Budget:
     """The budget from ``--budget-flops`` or ``--budget-gpu-hours``, checked."""
-    if (flops is None) == (gpu_hours is None):
+    if flops is not None and gpu_hours is not None:
+        raise MeshtronError("give only one of --budget-flops and --budget-gpu-hours (the "
+                            "other follows from the cluster's peak FLOP/s)")
+    if flops is None and gpu_hours is None:
         raise MeshtronError("archsearch needs a budget: give --budget-flops F"
-                            + (" or --budget-gpu-hours H" if cluster else "") + " (one of them)")
+                            + (" or --budget-gpu-hours H" if cluster else ""))
     value = flops if flops is not None else gpu_hours
     name = "--budget-flops" if flops is not None else "--budget-gpu-hours"
     if not (math.isfinite(value) and value > 0):
         raise MeshtronError(f"{name} must be a positive number, got {value}")
+    if flops is not None and flops > MAX_BUDGET_FLOPS:
+        raise MeshtronError(f"--budget-flops {flops:g} is beyond any training run (at most "
+                            f"{MAX_BUDGET_FLOPS:g}): a typo?")
     if cluster is None:
         if gpu_hours is not None:
             raise MeshtronError("--budget-gpu-hours needs a cluster (--cluster.gpu=NAME "
@@ -72,6 +83,10 @@ def budget_of(flops: float | None, gpu_hours: float | None, cluster: Cluster | N
         return Budget(value)
     peak = cluster.gpus * cluster.profile.peak(dtype)
     seconds = value / peak if flops is not None else value * 3600 / cluster.gpus
+    if seconds * peak > MAX_BUDGET_FLOPS:
+        raise MeshtronError(f"{name} {value:g} buys {seconds * peak:.3g} FLOPs on "
+                            f"{cluster.gpus} x {cluster.profile.name}, beyond any training run "
+                            f"(at most {MAX_BUDGET_FLOPS:g}): a typo?")
     return Budget(seconds * peak, seconds, cluster)
 
 

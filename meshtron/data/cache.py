@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,3 +76,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
                             "space or set data.cache_dir to another folder") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def scratch(cache_dir: str | Path, prefix: str) -> tempfile.TemporaryDirectory:
+    """A temporary folder for runs a command starts and removes (archsearch's proxies,
+    hpsearch's and tune's trials), under ``<cache_dir>/scratch`` rather than /tmp: the
+    cache's disk is the one the user chose (data.cache_dir, else $XDG_CACHE_HOME), and /tmp is
+    often a small in-memory file system."""
+    root = make_dir(Path(os.path.expanduser(cache_dir)) / "scratch")
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=root)

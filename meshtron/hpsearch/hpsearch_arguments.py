@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshtron.config.parse import OnceAction
+
 HPSEARCH_EPILOG = """\
 the proxy run is the config (--config F and any --section.field=value, as for train); each
 trial trains it for train.steps steps and is scored by its final validation loss:
@@ -32,7 +34,8 @@ def add_hpsearch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         "the poor ones) and keep the best hyper-parameters; with model.mup=true they transfer "
         "to a wider model.", epilog=HPSEARCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config of the proxy run (the fields as for train)")
+    p.add_argument("--config", action=OnceAction,
+                   help="YAML config of the proxy run (the fields as for train)")
     p.add_argument("--trials", type=int, default=None,
                    help="parameter sets to try (default 16; with --sampler grid: the grid)")
     p.add_argument("--json", help="write the best settings and every trial to this JSON file")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import yaml
 
 from meshtron.config import split_overrides
+from meshtron.data.cache import scratch as scratch_dir
 from meshtron.errors import MeshtronError
 from meshtron.files import check_writable
 from meshtron.hpsearch.proxies import Proxy, proxies, prune_space
@@ -111,7 +111,7 @@ def run_hpsearch(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"hpsearch: {trials} trial{'s' if trials != 1 else ''}{at} over "
           f"{'; '.join(d.describe() for d in dims)} ({args.sampler} sampler, "
           f"{PRUNER_NAMES[args.pruner]})", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="meshtron-hpsearch-") as scratch:
+    with scratch_dir(runs[0].base.data.cache_dir, "hpsearch-") as scratch:
         folder = Path(args.trial_dir or (Path(args.study).with_suffix(".runs") if args.study
                                          else scratch))
         try:
@@ -145,7 +145,8 @@ def report(args: argparse.Namespace, rows: list[Row], dims: Sequence[Dimension],
         model = runs[0].base.model
         mup = "model.mup=true" if model.mup else "standard parameterisation"
         plot_series(curves(rows, x.name), Path(args.plot), x.name,
-                    f"hpsearch: loss against {x.name} ({mup})", x.log or x.name == "train.lr")
+                    f"hpsearch: loss against {x.name} ({mup})", x.log or x.name == "train.lr",
+                    pruned=curves(rows, x.name, "pruned"))
     if args.output_config:
         write_output_config(Path(args.output_config), runs[0], best)
     return 0

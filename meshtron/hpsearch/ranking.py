@@ -104,20 +104,24 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
     write_text(path, json.dumps(data, indent=2) + "\n", "--json")
 
 
-def curves(rows: Sequence[Row], x: str) -> dict[str, list[tuple[float, float]]]:
-    """Completed trials' (``x``, loss) points, one series per width."""
+def curves(rows: Sequence[Row], x: str, status: str = "complete"
+           ) -> dict[str, list[tuple[float, float]]]:
+    """The (``x``, loss) points of the trials with ``status`` (a pruned trial's loss is its
+    last, at the step it was stopped), one series per width."""
     out: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        if r.status == "complete" and r.loss is not None and x in r.params:
+        if r.status == status and r.loss is not None and x in r.params:
             label = f"width {r.width}" if r.width is not None else "trials"
             out.setdefault(label, []).append((float(r.params[x]), r.loss))
     return out
 
 
 def plot_series(series: Mapping[str, Sequence[tuple[float, float]]], path: Path, xlabel: str,
-                title: str, log_x: bool) -> None:
+                title: str, log_x: bool,
+                pruned: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> None:
     """Loss against one parameter: every point as a marker, a line through the lowest loss at
-    each value, the best point of each series ringed."""
+    each value, the best point of each series ringed; ``pruned`` trials (their last loss,
+    usually above where they would have ended) as crosses of their series' colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,6 +129,7 @@ def plot_series(series: Mapping[str, Sequence[tuple[float, float]]], path: Path,
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     try:
+        colors: dict[str, Any] = {}
         for label, points in series.items():
             if not points:
                 continue
@@ -138,6 +143,11 @@ def plot_series(series: Mapping[str, Sequence[tuple[float, float]]], path: Path,
             bx = min(xs, key=lambda x: lowest[x])
             ax.scatter([bx], [lowest[bx]], s=160, facecolors="none",
                        edgecolors=line.get_color())
+            colors[label] = line.get_color()
+        for label, points in (pruned or {}).items():
+            if points:
+                ax.scatter([p[0] for p in points], [p[1] for p in points], marker="x", s=30,
+                           color=colors.get(label), label=f"{label}, pruned (last loss)")
         if log_x:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)

@@ -26,7 +26,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from meshtron.config import Config
 from meshtron.costmodel.estimate import Estimate
 from meshtron.costmodel.profiles import ClusterProfile, builtin_profiles, load_profile, save_profile
 from meshtron.costmodel.search import apply
+from meshtron.data.cache import scratch as scratch_dir
 from meshtron.errors import MeshtronError
 from meshtron.training.metrics import read_metrics
 
@@ -242,7 +242,7 @@ def run_trials(cfg: Config, ranked: list[Estimate], k: int, nproc: int, steps: i
     measurement."""
     check_trial_arguments(k, nproc, steps, ranked)
     chosen = [e for e in ranked if e.fits][:k]
-    with tempfile.TemporaryDirectory(prefix="meshtron-trials-") as scratch:
+    with scratch_dir(cfg.data.cache_dir, "trials-") as scratch:
         folder = trial_dir or Path(scratch)
         prepare(folder, len(chosen))
         trials = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshtron.config.parse import OnceAction
+
 TUNE_EPILOG = """\
 plan (the config fields as for train; parallel.*, train.micro_batch and train.recompute pin the
 search):
@@ -33,7 +35,8 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "for the fastest layout that fits,\npriced by a cost model of time and memory; "
         "--calibrate measures this machine, --trial runs the best.",
         epilog=TUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (model, batch, precision; parallel pins)")
+    p.add_argument("--config", action=OnceAction,
+                   help="YAML config (model, batch, precision; parallel pins)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", help="write every priced candidate to this JSON file")
     p.add_argument("--output-config", help="write the winner as a config YAML for train")

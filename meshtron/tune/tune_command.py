@@ -24,6 +24,7 @@ from meshtron.costmodel.problem import Cluster, Problem, problem_of
 from meshtron.costmodel.profiles import load_profile
 from meshtron.costmodel.search import Pins, SearchResult, apply, search
 from meshtron.errors import MeshtronError
+from meshtron.files import check_output_file
 
 CLUSTER_FIELDS = ("gpu", "gpus", "gpus_per_node")
 PIN_FIELDS = {**{f"parallel.{k}": k for k in ("tp", "cp", "pp", "vpp", "schedule", "ep",
@@ -172,12 +173,26 @@ def write_config(cfg: Config, best: Estimate, path: Path, gpus: int) -> Path:
     return path
 
 
+def check_table_arguments(args: argparse.Namespace) -> None:
+    """--top, --tokens and the output files, before the search (a file that cannot be
+    written used to fail after the table was printed)."""
+    if args.top < 1:
+        raise MeshtronError(f"--top must be at least 1 (rows of the table), got {args.top}")
+    if args.tokens is not None and not (math.isfinite(args.tokens) and args.tokens > 0):
+        raise MeshtronError(f"--tokens must be a positive number of tokens to train on, got "
+                            f"{args.tokens:g}")
+    for flag, given in (("--json", args.json), ("--output-config", args.output_config)):
+        if given:
+            check_output_file(Path(given), flag)
+
+
 def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
     """The ``tune`` command, after the CLI has parsed its arguments."""
     if args.calibrate:
         from meshtron.tune.calibrate_command import run_calibrate
 
         return run_calibrate(args.nproc, Path(args.output), args.quick, not args.no_probe)
+    check_table_arguments(args)
     where, overrides = split_cluster(extra)
     cfg = load_config(args.config, overrides)
     cluster = cluster_of(where)
