@@ -126,3 +126,25 @@ def test_hpsearch_plot_shows_pruned_trials(tmp_path):
         plot_series(curves(rows, "train.lr"), path, "train.lr", "t", True, pruned=pruned)
         drawn.append(path.read_bytes())
     assert drawn[0] != drawn[1]  # the pruned trial is drawn
+
+
+def test_plot_to_a_file_that_is_not_an_image_is_refused_up_front(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    assert main(["plot", str(run), "--output", str(tmp_path / "curve.txt")]) == 2
+    assert ".txt is not an image format; use one of .png, .pdf, .svg" in one_error_line(capsys)
+    assert main(["plot", str(run), "--output", str(tmp_path / "curve.svg")]) == 0
+    assert (tmp_path / "curve.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_plot_of_losses_near_the_float_limit_draws_the_rest(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step":1,"loss":1e308}\n{"step":2,"loss":-1e308}\n'
+                                       '{"step":3,"loss":2.5}\n{"step":4,"loss":2.0}\n')
+    assert main(["plot", str(run)]) == 0
+    assert (run / "loss.png").is_file()
+    (run / "metrics.jsonl").write_text('{"step":1,"loss":1e308}\n{"step":2,"loss":-1e308}\n')
+    assert main(["plot", str(run)]) == 2
+    assert "holds no rows with an integer step and a finite loss" in one_error_line(capsys)

@@ -18,6 +18,19 @@ draws nothing, and a few points read better as points."""
 
 MAX_STEP = 2**63
 """Steps at or past this are not a training step (and overflow the plotting arrays)."""
+MAX_VALUE = 1e300
+"""Losses past this magnitude are left out like non-finite ones: the axis arithmetic
+overflows on a range such as -1e308..1e308 (no loss of a real run comes near)."""
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps", "ps", "tif", "tiff")
+"""The file types ``--output``'s extension may name (matplotlib writes each)."""
+
+
+def check_output_format(path: Path, flag: str = "--output") -> None:
+    """The extension of ``path`` names an image format, said before the runs are read."""
+    kind = path.suffix.lstrip(".").lower()
+    if kind not in PLOT_FORMATS:
+        raise MeshtronError(f"{flag} {path}: .{kind} is not an image format; use one of "
+                            f"{', '.join('.' + f for f in PLOT_FORMATS)}")
 
 
 def _number(value: Any) -> float | None:
@@ -26,7 +39,7 @@ def _number(value: Any) -> float | None:
         return None
     if isinstance(value, int) and abs(value) >= MAX_STEP:
         return None
-    return float(value) if math.isfinite(value) else None
+    return float(value) if math.isfinite(value) and abs(value) <= MAX_VALUE else None
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -26,9 +26,11 @@ def run_plot(args: argparse.Namespace, extra: list[str]) -> int:
     runs = [Path(r) for r in args.runs]
     default = runs[0] / "loss.png" if len(runs) == 1 else Path("loss.png")
     out = png_path(args.output, "loss.png") if args.output else default
+    from meshtron.training.plot import check_output_format, plot_runs
+
+    check_output_format(out)
     if all(run.is_dir() for run in runs):  # a run that is not one is plot_runs' to report
         check_writable(out.parent, f"{'--output ' if args.output else ''}{out}: the folder")
-    from meshtron.training.plot import plot_runs
 
     print(plot_runs(runs, out))
     return 0
