@@ -148,3 +148,16 @@ def test_plot_of_losses_near_the_float_limit_draws_the_rest(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"step":1,"loss":1e308}\n{"step":2,"loss":-1e308}\n')
     assert main(["plot", str(run)]) == 2
     assert "holds no rows with an integer step and a finite loss" in one_error_line(capsys)
+
+
+def test_preprocess_refuses_a_vocabulary_no_tokenizer_can_allocate(tmp_path, capsys,
+                                                                   monkeypatch):
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\nfoo bar\n")
+    out = str(tmp_path / "out" / "p")
+    assert main(["preprocess", str(text), "--output", out, "--vocab-size", "1000000000"]) == 2
+    assert "--vocab-size 1000000000 is outside what a trained tokenizer may have (257 to " \
+           "16,777,216)" in one_error_line(capsys)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # and the cache follows XDG
+    assert main(["preprocess", str(text), "--output", out, "--vocab-size", "300"]) == 0
+    assert list((tmp_path / "xdg" / "meshtron" / "tokenizers").glob("*/tokenizer.json"))
