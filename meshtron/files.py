@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -68,3 +69,13 @@ def check_output_file(path: Path, what: str) -> None:
     if not folder.exists():
         raise MeshtronError(f"{what} {path}: the folder {folder} does not exist")
     check_writable(folder, f"{what} {path}: the folder")
+
+
+def write_failure_reason(err: BaseException) -> str:
+    """A short reason for a failed write: an OS error's, or safetensors' (which reports the
+    OS error only inside its message, as ``os error 28``)."""
+    code = re.search(r"os error (\d+)", str(err))
+    if isinstance(err, OSError) or code:
+        number = err.errno if isinstance(err, OSError) else int(code.group(1))  # type: ignore
+        return os_reason(OSError(number, os.strerror(number or 0)))
+    return str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__

@@ -5,7 +5,9 @@ success."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -161,3 +163,26 @@ def test_preprocess_refuses_a_vocabulary_no_tokenizer_can_allocate(tmp_path, cap
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # and the cache follows XDG
     assert main(["preprocess", str(text), "--output", out, "--vocab-size", "300"]) == 0
     assert list((tmp_path / "xdg" / "meshtron" / "tokenizers").glob("*/tokenizer.json"))
+
+
+def test_an_export_the_file_system_refuses_is_one_line_and_leaves_nothing(run, tmp_path,
+                                                                          capsys):
+    """A real refusal by the OS: a file size limit below the weights' size (EFBIG, as a full
+    disk's ENOSPC, inside safetensors' writer); SIGXFSZ ignored so that the write fails
+    instead of the process."""
+    out = tmp_path / "out"
+    out.mkdir()
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        code = main(["convert", "--from", str(run), "--to", str(out / "hf"), "--format", "hf"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert code == 2
+    line = one_error_line(capsys)
+    assert f"writing {out / 'hf'} failed (file size limit exceeded); nothing was left" in line
+    assert list(out.iterdir()) == []  # no .tmp-hf-* folder
+    assert main(["convert", "--from", str(run), "--to", str(out / "hf"), "--format", "hf"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["hf"]

@@ -62,6 +62,7 @@ from meshtron.config import Config, ModelConfig, config_from_dict
 from meshtron.config.finetune import FINETUNE_TRAIN
 from meshtron.data import Tokenizer
 from meshtron.errors import MeshtronError
+from meshtron.files import write_failure_reason
 from meshtron.models.flops import padded_vocab_size
 from meshtron.plan import check_model
 
@@ -324,24 +325,43 @@ def export_hf(checkpoint: Path, dst: Path) -> Conversion:
     hf = to_hf(state, model_cfg)
     if model_cfg.tie_embeddings:  # as save_pretrained does: the head is the embedding
         del hf[hf_format(model_cfg).head]
-    tmp = dst.parent / f".tmp-{dst.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_safetensors(hf, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = hf_generation_dict(cfg.generation, tokenizer.eos_id if tokenizer else None)
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    files = {"config.json": json.dumps(config, indent=2) + "\n",
+             "generation_config.json": json.dumps(hf_generation_dict(
+                 cfg.generation, tokenizer.eos_id if tokenizer else None), indent=2) + "\n"}
     notes = []
     if tokenizer_path is not None and tokenizer is not None:
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                            "eos_token": tokenizer.decode([tokenizer.eos_id]),
-                            "model_max_length": model_cfg.max_seq_len}
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        files["tokenizer_config.json"] = json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tokenizer.decode([tokenizer.eos_id]),
+            "model_max_length": model_cfg.max_seq_len}, indent=2) + "\n"
     else:
         notes.append(f"checkpoint {checkpoint} has no tokenizer.json, so none was written")
-    os.replace(tmp, dst)
+    write_folder(dst, hf, files, tokenizer_path)
     return Conversion(dst, tuple(notes))
+
+
+def write_folder(dst: Path, tensors: Tensors, files: dict[str, str],
+                 tokenizer: Path | None) -> None:
+    """Write the folder beside ``dst`` under a temporary name and rename it into place; a
+    write the file system refuses (a full disk, a quota) removes the temporary folder and is
+    one line, so a failed export leaves nothing behind."""
+    tmp = dst.parent / f".tmp-{dst.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        os.replace(tmp, dst)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MeshtronError(f"writing {dst} failed ({write_failure_reason(err)}); nothing was "
+                            "left behind") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_export_state(checkpoint: Path) -> tuple[Config, Tensors, Path | None]:
