@@ -10,6 +10,7 @@ it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -95,12 +96,23 @@ def _peer_failure(err: BaseException) -> str | None:
     return peer_failure(err)
 
 
+def _check_working_folder() -> None:
+    """The current folder exists: in a deleted one, relative paths mean nothing and torch's
+    import dies in oneMKL with a "FATAL ERROR" instead of an exception."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise MeshtronError("the current folder no longer exists (deleted or moved away); cd "
+                            "to an existing folder and run the command again") from None
+
+
 def main(argv: typing.Sequence[str] | None = None) -> int:
     with stop_on_signals() as received:  # first thing: a rank may be stopped while it starts
         command = None
         try:
             args, extra = build_parser().parse_known_args(argv)
             command = args.command
+            _check_working_folder()
             code = args.func(args, extra)
         except (Stopped, KeyboardInterrupt) as err:
             code = report_stop(err, training=command == "train")

@@ -139,3 +139,12 @@ def test_train_help_wraps_to_the_terminal_and_ends_with_examples(monkeypatch, ca
     assert all(len(line) <= 72 for line in out[:examples]), max(out[:examples], key=len)
     assert out[-1].lstrip().startswith(("meshtron train", "torchrun"))
     assert any("--parallel.tp=" in line for line in out[examples:])
+
+
+def test_a_deleted_working_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert main(["train", "--train.steps=1"]) == 2
+    assert "the current folder no longer exists" in one_error_line(capsys)
