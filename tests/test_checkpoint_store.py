@@ -27,7 +27,7 @@ from meshtron.checkpoint.store import (
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
 from meshtron.models.transformer import Transformer
-from meshtron.parallel.mesh.params import ShardSpec
+from meshtron.parallel.mesh.params import SliceSpec
 
 
 def save(root, step, value=1.0, keep_last=0):
@@ -96,7 +96,7 @@ def test_flat_ranges_and_tp_slices_map_to_global_boxes():
         assert torch.equal(marked.view(-1), (torch.arange(60) >= start).float()
                            * (torch.arange(60) < end).float())
     # [gate | up] split over 2 ranks, rank 1: local rows 0-1 are global 2-3, local 2-3 global 6-7
-    spec = ShardSpec(dim=0, index=1, count=2, parts=2)
+    spec = SliceSpec(dim=0, index=1, count=2, parts=2)
     pairs = local_to_global(((0, 0), (4, 3)), spec, (8, 3))
     assert pairs == [(((0, 0), (2, 3)), ((2, 0), (2, 3))), (((2, 0), (2, 3)), ((6, 0), (2, 3)))]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
-from meshtron.parallel.mesh.params import ShardSpec, layout_of
+from meshtron.parallel.mesh.params import SliceSpec, layout_of
 from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -33,8 +33,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _load(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     with torch.no_grad():
-        shard = layout_of(param).shard
-        param.copy_(shard.take(full) if shard is not None else full)
+        tp_slice = layout_of(param).tp_slice
+        param.copy_(tp_slice.take(full) if tp_slice is not None else full)
 
 
 def _check_column(region: TPRegion, sp: bool) -> None:
@@ -47,7 +47,7 @@ def _check_column(region: TPRegion, sp: bool) -> None:
     x_full = x.clone().requires_grad_()
     x_in = (x.chunk(region.size, dim=1)[region.group.rank] if sp else x).clone().requires_grad_()
     y = column_products(region, x_in, [layer])[0]
-    spec = layout_of(layer.weight).shard
+    spec = layout_of(layer.weight).tp_slice
     # the local output columns are this rank's slice of the full output's last dim
     _close(gather_full(y.movedim(-1, 0).contiguous(), spec, region.group).movedim(0, -1),
            F.linear(x, w, b))
@@ -78,7 +78,7 @@ def _check_row(region: TPRegion, sp: bool) -> None:
     x_full, w_full = x.clone().requires_grad_(), w.clone().requires_grad_()
     b_full = b.clone().requires_grad_()
     (F.linear(x_full, w_full, b_full) * r).sum().backward()
-    _close(layer.weight.grad, layout_of(layer.weight).shard.take(w_full.grad))
+    _close(layer.weight.grad, layout_of(layer.weight).tp_slice.take(w_full.grad))
     _close(x_in.grad, x_full.grad.chunk(n, dim=-1)[rank])
     bias_grad = layer.bias.grad.clone()
     if sp:  # the replicated bias saw only this rank's positions: summed over tp
@@ -129,7 +129,7 @@ def test_layers_match_their_unsharded_twins():
 
 def test_shard_spec_slices_fused_blocks():
     full = torch.arange(16.0).view(8, 2)  # [gate (4 rows) | up (4 rows)]
-    spec = ShardSpec(dim=0, index=1, count=2, parts=2)
+    spec = SliceSpec(dim=0, index=1, count=2, parts=2)
     assert spec.take(full)[:, 0].tolist() == [4.0, 6.0, 12.0, 14.0]
     assert spec.local_shape((8, 2)) == (4, 2)
 

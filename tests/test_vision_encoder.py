@@ -133,8 +133,8 @@ def _tp_checks(rank: int, world_size: int, folder: str, hidden: torch.Tensor) ->
     for name, param in par.named_parameters():
         layout, full = layout_of(param), ref_params[name]
         assert tuple(layout.global_shape) == tuple(full.shape), name
-        split += layout.shard is not None
-        expected = layout.shard.take(full.grad) if layout.shard is not None else full.grad
+        split += layout.tp_slice is not None
+        expected = layout.tp_slice.take(full.grad) if layout.tp_slice is not None else full.grad
         grads.append(_rel(param.grad, expected))
     results["grad"], results["split_params"] = max(grads), split
     with torch.no_grad():

@@ -5,7 +5,7 @@ A *box* is an (offset, size) pair of equal-length tuples: the elements
 tensor, whatever layout wrote it; a rank loading under another layout asks for its own boxes
 and copies the overlaps.
 
-Two things produce boxes: tensor parallelism (a :class:`ShardSpec` takes ``parts`` blocks along
+Two things produce boxes: tensor parallelism (a :class:`SliceSpec` takes ``parts`` blocks along
 one dimension, so a tp-local tensor is one box per part) and ZeRO (a rank holds a flat range of
 a tp-local tensor's row-major elements, which is a few boxes: a partial first row, whole rows,
 a partial last row, recursively).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from meshtron.parallel.mesh.params import ShardSpec
+from meshtron.parallel.mesh.params import SliceSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -51,7 +51,7 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     return boxes
 
 
-def local_to_global(box: Box, spec: ShardSpec | None,
+def local_to_global(box: Box, spec: SliceSpec | None,
                     global_shape: tuple[int, ...]) -> list[tuple[Box, Box]]:
     """Map a box of a tp-local tensor to (local box, global box) pairs, split where the local
     tensor's ``parts`` blocks meet."""

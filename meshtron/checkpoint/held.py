@@ -51,9 +51,9 @@ class Held:
     def boxes(self) -> list[tuple[Box, Box]]:
         """(local box, global box) pairs that together cover ``flat``."""
         out = []
-        shard = layout_of(self.param).shard
+        tp_slice = layout_of(self.param).tp_slice
         for box in flat_range_boxes(self.local_shape, self.start, self.start + self.flat.numel()):
-            out += local_to_global(box, shard, self.global_shape)
+            out += local_to_global(box, tp_slice, self.global_shape)
         return out
 
     def view(self, local_box: Box) -> torch.Tensor:

@@ -4,7 +4,7 @@ Reads a local folder as ``save_pretrained`` writes it (``config.json`` + safeten
 ``SiglipVisionModel`` or a whole ``SiglipModel`` (its ``vision_config`` and ``vision_model.``
 tensors; the text tower is not read). Tensors map by one table of
 :class:`~meshtron.models.architecture.TensorRule` (several HF tensors concatenated into one
-of ours: [q | k | v]); each rank keeps the slice its parameter's ``ShardSpec`` says, so any
+of ours: [q | k | v]); each rank keeps the slice its parameter's ``SliceSpec`` says, so any
 tp layout loads the same global weights. The pooling head is not read (the encoder has none)
 and the projector, which HF towers lack, keeps its initial values.
 
@@ -234,6 +234,6 @@ def load_hf_vision(folder: Path, encoder: VisionEncoder) -> None:
         if name.startswith(("projector.", "readout.")):
             continue
         full = tensors[name]
-        shard = layout_of(param).shard
-        param.copy_(shard.take(full) if shard is not None else full)
+        tp_slice = layout_of(param).tp_slice
+        param.copy_(tp_slice.take(full) if tp_slice is not None else full)
 

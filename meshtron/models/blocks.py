@@ -37,7 +37,7 @@ from meshtron.parallel.tensor.layers import (
     column_products,
     entered_products,
     replicated,
-    sharded,
+    sliced,
 )
 from meshtron.parallel.tensor.linear import LinearMode
 
@@ -87,8 +87,8 @@ def head_norm(cfg: ModelConfig, arch: Architecture, region: TPRegion) -> nn.Modu
     tp."""
     norm = arch.norm(cfg.head_size, cfg.norm_eps)
     for param in norm.parameters():
-        sharded(param, tuple(param.shape), None, region.size,
-                region.group if region.size > 1 else None)
+        sliced(param, tuple(param.shape), None, region.size,
+               region.group if region.size > 1 else None)
     return norm
 
 

@@ -122,4 +122,4 @@ def initialize(model: nn.Module, *, seed: int, std: float, num_layers: int) -> N
         layout = layout_of(param)
         full = initial_value(layout.global_name or name, layout.global_shape, seed=seed,
                              std=std, num_layers=num_layers, width_mult=width_mult)
-        param.copy_(layout.shard.take(full) if layout.shard is not None else full)
+        param.copy_(layout.tp_slice.take(full) if layout.tp_slice is not None else full)

@@ -50,7 +50,7 @@ from meshtron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPRegion,
-    sharded,
+    sliced,
 )
 from meshtron.parallel.tensor.linear import LinearMode
 
@@ -72,7 +72,7 @@ default, whatever the model's ``rms_norm_eps``."""
 def whole_norm(width: int, region: TPRegion) -> RMSNorm:
     """A latent's RMSNorm: whole on every tp rank, its gradient summed over tp."""
     norm = RMSNorm(width, LATENT_NORM_EPS)
-    sharded(norm.weight, (width,), None, region.size, region.group if region.size > 1 else None)
+    sliced(norm.weight, (width,), None, region.size, region.group if region.size > 1 else None)
     return norm
 
 

@@ -37,9 +37,9 @@ from meshtron.config import ModelConfig, MoEConfig
 from meshtron.parallel.experts.dispatch import Dispatch
 from meshtron.parallel.experts.grouped import grouped_matmul
 from meshtron.parallel.mesh.groups import Group, ParallelMesh
-from meshtron.parallel.mesh.params import ShardSpec
+from meshtron.parallel.mesh.params import SliceSpec
 from meshtron.parallel.tensor.collectives import all_gather, all_reduce, gather_to_tp, split_to_tp
-from meshtron.parallel.tensor.layers import TPRegion, sharded
+from meshtron.parallel.tensor.layers import TPRegion, sliced
 from meshtron.precision.policy import at_least_fp32
 
 TIE_GRID = 2.0**20
@@ -83,13 +83,13 @@ class Router(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.moe = moe
-        self.weight = sharded(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
-                              (moe.num_experts, cfg.hidden_size), None, region.size,
-                              region.group if tokens_split else None)
+        self.weight = sliced(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size)),
+                             (moe.num_experts, cfg.hidden_size), None, region.size,
+                             region.group if tokens_split else None)
         self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
         """Aux-loss-free balancing: added to the scores for selection only; a training state
         (checkpointed like a weight) moved by :meth:`update_bias`, never by the optimizer."""
-        sharded(self.expert_bias, (moe.num_experts,), None, region.size)
+        sliced(self.expert_bias, (moe.num_experts,), None, region.size)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [n, h] -> (logits [n, E], probabilities [n, E], experts [n, k], weights [n, k])."""
@@ -147,11 +147,11 @@ class Expert(nn.Module):
         ffn, h = cfg.moe.expert_ffn_size, cfg.hidden_size
         self.gated = gated
         up_rows = 2 * ffn if gated else ffn
-        up = sharded(nn.Parameter(torch.empty(up_rows // tp, h)), (up_rows, h),
-                     ShardSpec(0, rank, tp, parts=2 if gated else 1) if tp > 1 else None,
-                     data_parallel=data_parallel)
-        down = sharded(nn.Parameter(torch.empty(h, ffn // tp)), (h, ffn),
-                       ShardSpec(1, rank, tp) if tp > 1 else None, data_parallel=data_parallel)
+        up = sliced(nn.Parameter(torch.empty(up_rows // tp, h)), (up_rows, h),
+                    SliceSpec(0, rank, tp, parts=2 if gated else 1) if tp > 1 else None,
+                    data_parallel=data_parallel)
+        down = sliced(nn.Parameter(torch.empty(h, ffn // tp)), (h, ffn),
+                      SliceSpec(1, rank, tp) if tp > 1 else None, data_parallel=data_parallel)
         if gated:
             self.gate_up = ExpertWeight(up)
         else:

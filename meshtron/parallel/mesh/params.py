@@ -22,7 +22,7 @@ _ATTRIBUTE = "meshtron_layout"
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class SliceSpec:
     """The slice of a global tensor held by one rank.
 
     The tensor is viewed as ``parts`` equal blocks along ``dim`` (fused projections such as
@@ -52,7 +52,7 @@ class ParamLayout:
 
     global_shape: tuple[int, ...]
     """Shape of the full tensor."""
-    shard: ShardSpec | None = None
+    tp_slice: SliceSpec | None = None
     """The slice held here; None when the parameter is not split."""
     replicas: int = 1
     """Tensor-parallel ranks holding an identical copy (counted once in grad norms, written
@@ -84,7 +84,7 @@ class ParamLayout:
         return self.global_name is not None
 
     def local_shape(self) -> tuple[int, ...]:
-        return self.global_shape if self.shard is None else self.shard.local_shape(
+        return self.global_shape if self.tp_slice is None else self.tp_slice.local_shape(
             self.global_shape)
 
 

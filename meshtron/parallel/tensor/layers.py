@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.parallel.mesh.groups import Group
-from meshtron.parallel.mesh.params import ParamLayout, ShardSpec, set_layout
+from meshtron.parallel.mesh.params import ParamLayout, SliceSpec, set_layout
 from meshtron.parallel.tensor.collectives import (
     all_gather,
     copy_to_tp,
@@ -64,19 +64,20 @@ class TPRegion:
         return reduce_from_tp(partial, self.group)
 
 
-def sharded(param: nn.Parameter, global_shape: tuple[int, ...], shard: ShardSpec | None,
-            replicas: int = 1, grad_sync: Group | None = None,
-            data_parallel: Group | None = None) -> nn.Parameter:
-    """Give ``param`` (the slice ``shard`` of a ``global_shape`` tensor) its layout."""
-    return set_layout(param, ParamLayout(tuple(global_shape), shard, replicas, grad_sync,
+def sliced(param: nn.Parameter, global_shape: tuple[int, ...], tp_slice: SliceSpec | None,
+           replicas: int = 1, grad_sync: Group | None = None,
+           data_parallel: Group | None = None) -> nn.Parameter:
+    """Give ``param`` (the tensor-parallel slice ``tp_slice`` of a ``global_shape`` tensor)
+    its layout."""
+    return set_layout(param, ParamLayout(tuple(global_shape), tp_slice, replicas, grad_sync,
                                          data_parallel))
 
 
 def replicated(param: nn.Parameter, region: TPRegion) -> nn.Parameter:
     """A parameter every tp rank holds whole; under SP each rank sees only part of the
     sequence, so its gradient must be summed over tp."""
-    return sharded(param, tuple(param.shape), None, region.size,
-                   region.group if region.sequence_parallel else None)
+    return sliced(param, tuple(param.shape), None, region.size,
+                  region.group if region.sequence_parallel else None)
 
 
 def _split(n: int, count: int, what: str) -> int:
@@ -99,15 +100,15 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         pieces = pieces or region.size
         index = region.group.rank * pieces // region.size
-        spec = ShardSpec(dim=0, index=index, count=pieces, parts=parts) if pieces > 1 else None
+        spec = SliceSpec(dim=0, index=index, count=pieces, parts=parts) if pieces > 1 else None
         local_out = _split(out_features, pieces, "output features")
         replicas = region.size // pieces
-        self.weight = sharded(nn.Parameter(torch.empty(local_out, in_features)),
-                              (out_features, in_features), spec, replicas, share_group)
+        self.weight = sliced(nn.Parameter(torch.empty(local_out, in_features)),
+                             (out_features, in_features), spec, replicas, share_group)
         self.bias = None
         if bias:
-            self.bias = sharded(nn.Parameter(torch.empty(local_out)), (out_features,), spec,
-                                replicas, share_group)
+            self.bias = sliced(nn.Parameter(torch.empty(local_out)), (out_features,), spec,
+                               replicas, share_group)
         self.grad_store = mode.grad_store
         self.fp8 = mode.layer_fp8()
 
@@ -123,10 +124,10 @@ class RowParallelLinear(nn.Module):
                  mode: LinearMode = PLAIN):
         super().__init__()
         self.region = region
-        spec = ShardSpec(1, region.group.rank, region.size) if region.size > 1 else None
+        spec = SliceSpec(1, region.group.rank, region.size) if region.size > 1 else None
         local_in = _split(in_features, region.size, "input features")
-        self.weight = sharded(nn.Parameter(torch.empty(out_features, local_in)),
-                              (out_features, in_features), spec)
+        self.weight = sliced(nn.Parameter(torch.empty(out_features, local_in)),
+                             (out_features, in_features), spec)
         self.bias = replicated(nn.Parameter(torch.empty(out_features)), region) if bias else None
         self.grad_store = mode.grad_store
         self.fp8 = mode.layer_fp8()
@@ -168,8 +169,8 @@ class VocabParallelEmbedding(nn.Module):
         self.region = region
         local = _split(padded_vocab, region.size, "padded vocabulary")
         self.start = region.group.rank * local
-        spec = ShardSpec(0, region.group.rank, region.size) if region.size > 1 else None
-        self.weight = sharded(nn.Parameter(torch.empty(local, dim)), (padded_vocab, dim), spec)
+        spec = SliceSpec(0, region.group.rank, region.size) if region.size > 1 else None
+        self.weight = sliced(nn.Parameter(torch.empty(local, dim)), (padded_vocab, dim), spec)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.region.size == 1:
@@ -182,7 +183,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def gather_full(local: torch.Tensor, spec: ShardSpec | None, group: Group) -> torch.Tensor:
+def gather_full(local: torch.Tensor, spec: SliceSpec | None, group: Group) -> torch.Tensor:
     """Rebuild the global tensor from every tp rank's slice (inverse of ``spec.take``)."""
     if spec is None:
         return local
