@@ -1,10 +1,15 @@
 """``meshtron train``: the start-up checks, the run's lock, then the ranks (launched here with
 ``--nproc``, or this process being one of them) and the trainer.
 
-Everything a user can get wrong is refused with one line before any process group or worker
-exists: the layout (the plan's checks), the run and checkpoint directories, the training
-state's memory, ``train.autotune_profile``. Under torchrun every rank makes the same checks and
-rank 0 alone says what failed."""
+Each check runs once per process, in the first process that sees the config, before any
+process group or worker exists (:func:`preflight`): the layout (the plan's checks before the
+tokenizer exists), the run and checkpoint directories, the training state's memory,
+``train.autotune_profile``. That process is the ``--nproc`` launcher (which then starts the
+ranks), a lone process, or, under plain torchrun, each rank (rank 0 alone says what failed).
+A rank that meshtron's launcher started makes none of them here: its launcher made them on
+the same config and world size, and the trainer checks the directory and the memory itself
+(a restart's chosen layout included). The plan is built once per training process, by the
+trainer, once the tokenizer gives the vocabulary."""
 
 from __future__ import annotations
 
@@ -44,29 +49,35 @@ def run_train(args: argparse.Namespace, extra: list[str], cfg: Config) -> int:
     """The command once its flags and config are read (:mod:`.train_arguments`)."""
     info = process_info()
     launching = (args.nproc > 1 or args.max_restarts > 0) and not info.distributed
+    launched = bool(os.environ.get(LAUNCHER_ENV))  # a rank meshtron's launcher started
     cfg = with_chosen_layout(cfg)  # train.autotune=layout: what an earlier start chose
-    if cfg.train.autotune == "layout" and not (launching or os.environ.get(LAUNCHER_ENV)):
+    if cfg.train.autotune == "layout" and not (launching or launched):
         raise MeshtronError("train.autotune=layout starts the ranks again in the new layout "
                             "through meshtron's launcher: run meshtron train --nproc N")
-    try:  # before any process group
-        world_size = args.nproc if launching else info.world_size
-        check_run(cfg, world_size)
-        check_run_dir(cfg)
-        _check_state_fits(cfg, world_size)
-        running_prices(cfg, world_size)  # train.autotune_profile loads
-    except MeshtronError:
-        if info.distributed and info.rank != 0:
-            return 2  # every rank sees the same config and files: rank 0 says it once
-        raise
+    if not launched:
+        try:
+            preflight(cfg, args.nproc if launching else info.world_size)
+        except MeshtronError:
+            if info.distributed and info.rank != 0:
+                return 2  # every rank sees the same config and files: rank 0 says it once
+            raise
     holder = not info.distributed or info.rank == 0  # the launcher, or rank 0 under torchrun
     with run_lock(Path(cfg.run.dir), cfg.checkpoint_dir) if holder else contextlib.nullcontext():
-        return _launch_or_train(args, extra, cfg, info, launching)
+        if launching:
+            forwarded = (["--config", args.config] if args.config else []) + extra
+            return launcher.launch_local(args.nproc, forwarded, args.max_restarts,
+                                         args.min_nproc, fits=lambda n: _layout_fits(cfg, n))
+        return _train(cfg, info, checked=not launched)
 
 
-def _check_state_fits(cfg: Config, world_size: int) -> None:
-    """The model's training state fits this machine's memory (before any process starts)."""
+def preflight(cfg: Config, world_size: int) -> None:
+    """What the config asks for can work on ``world_size`` ranks here, or one line saying why
+    not; before any process group, worker or tokenizer exists."""
+    check_run(cfg, world_size)
+    check_run_dir(cfg)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     check_state_fits(cfg, MeshLayout.of(cfg.parallel, world_size), device)
+    running_prices(cfg, world_size)  # train.autotune_profile loads
 
 
 def _layout_fits(cfg: Config, world_size: int) -> bool:
@@ -78,18 +89,14 @@ def _layout_fits(cfg: Config, world_size: int) -> bool:
     return True
 
 
-def _launch_or_train(args: argparse.Namespace, extra: list[str], cfg: Config,
-                     info: ProcessInfo, launching: bool) -> int:
-    if launching:
-        forwarded = (["--config", args.config] if args.config else []) + extra
-        return launcher.launch_local(args.nproc, forwarded, args.max_restarts, args.min_nproc,
-                                     fits=lambda world: _layout_fits(cfg, world))
+def _train(cfg: Config, info: ProcessInfo, checked: bool) -> int:
+    """This process's rank of the run; ``checked``: :func:`preflight` ran in this process."""
     from meshtron.training.trainer import train  # the launcher itself never trains
 
     die_with_launcher()
     init_process_group(info, cfg.run.timeout_s)
     mesh = ParallelMesh(MeshLayout.of(cfg.parallel, info.world_size), info.rank)
-    result = train(cfg, mesh, device=device_for(info))
+    result = train(cfg, mesh, device=device_for(info), checked=checked)
     if result.relayout is not None:  # train.autotune=layout: the launcher starts us again
         return launcher.RELAYOUT_EXIT_CODE
     if info.rank == 0:
@@ -109,4 +116,3 @@ def _summary(result: TrainResult) -> None:
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")
     print(f"run directory: {result.run_dir}")
-

@@ -108,10 +108,12 @@ class Trainer:
 
     The run follows the plan of ``cfg`` on the mesh's world size (``mesh`` must have the
     layout the plan gives), made once the tokenizer is known: ``self.cfg`` is the planned
-    config, with the model's vocabulary resolved."""
+    config, with the model's vocabulary resolved.
+    ``checked``: the caller made the start-up checks (the run directory, the training
+    state's memory) in this process already."""
 
     def __init__(self, cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, *, checked: bool = False):
         self.mesh = mesh or ParallelMesh.single()
         self.is_rank0 = self.mesh.global_rank == 0
         self.log = log if self.is_rank0 else _quiet
@@ -119,7 +121,8 @@ class Trainer:
             lambda message: self.log(f"warning: {message}"))
         self.device = device or torch.device("cpu")
         self.run_dir = Path(cfg.run.dir)
-        check_run_dir(cfg)
+        if not checked:  # else the train command did, before any process group
+            check_run_dir(cfg)
         torch.manual_seed(cfg.train.seed)
 
         self.data = self._build_data(cfg)
@@ -137,7 +140,8 @@ class Trainer:
             self.mesh.pp.rank,
             fp8=(lambda: fp8_options(pc, self.mesh)) if pc.fp8 != "none" else None,
             aux_loss_weight=lambda: self.precision.loss_scale / plan.tokens_per_step)
-        check_state_fits(cfg, self.mesh.layout, self.device)
+        if not checked:
+            check_state_fits(cfg, self.mesh.layout, self.device)
         self.model = Transformer(cfg.model, self.mesh, options)
         initialize(self.model, seed=cfg.train.seed, std=cfg.model.init_std,
                    num_layers=cfg.model.num_layers)
@@ -483,9 +487,10 @@ def _layout_text(sizes: dict) -> str:
 
 
 def train(cfg: Config, mesh: ParallelMesh | None = None, log: Log = print,
-          device: torch.device | None = None) -> TrainResult:
+          device: torch.device | None = None, *,
+          checked: bool = False) -> TrainResult:
     """Train per ``cfg`` (resuming when a checkpoint exists) and return a summary."""
-    trainer = Trainer(cfg, mesh, log, device)
+    trainer = Trainer(cfg, mesh, log, device, checked=checked)
     result = trainer.run()
     sys.stdout.flush()
     return result
