@@ -94,18 +94,16 @@ class MeshtronSide:
     """A trained model and optimizer, a fresh pair to load into, and meshtron's savers."""
 
     def __init__(self, cfg: Any, setup: Setup, rank: int, root: Path):
-        import torch
 
         from meshtron.checkpoint.saver import CheckpointSaver
         from meshtron.parallel.mesh import MeshLayout, ParallelMesh
-        from meshtron.precision.policy import Precision
 
         self.cfg, self.rank, self.world = cfg, rank, setup.world
         self.mesh = ParallelMesh(MeshLayout(setup.world), rank)
-        self.model, self.optimizer = self._build(setup.zero, seed=0)
-        self.fresh, self.fresh_optimizer = self._build(setup.zero, seed=1)
-        self.fresh_optimizer.init_state()
-        self.precision = Precision("fp32", torch.device("cpu"))
+        self.parts = self._build(setup.zero, seed=0)
+        self.model, self.optimizer = self.parts.model, self.parts.optimizer
+        fresh = self._build(setup.zero, seed=1)  # its optimizer state made, as a load needs
+        self.fresh, self.fresh_optimizer = fresh.model, fresh.optimizer
         self.savers = {mode: CheckpointSaver(root, rank, setup.world, mode, keep_last=0,
                                              asynchronous=mode == "async")
                        for mode in ("sync", "async")}
@@ -113,25 +111,20 @@ class MeshtronSide:
         self.finished: float | None = None
         self.update_wait = 0.0
 
-    def _build(self, zero: int, seed: int) -> tuple[Any, Any]:
-        from meshtron.models.init import initialize
-        from meshtron.models.transformer import Transformer
-        from meshtron.optim.data_parallel import build_optimizer
+    def _build(self, zero: int, seed: int) -> Any:
+        from dataclasses import replace
 
-        model = Transformer(self.cfg.model, self.mesh)
-        initialize(model, seed=seed, std=self.cfg.model.init_std,
-                   num_layers=self.cfg.model.num_layers)
-        model.train()
-        return model, build_optimizer(model, self.mesh, self.cfg.train, zero=zero,
-                                      bucket_mb=25.0)
+        from meshtron.plan import plan_run
+        from meshtron.rank import build_rank
+
+        cfg = replace(self.cfg, train=replace(self.cfg.train, seed=seed),
+                      parallel=replace(self.cfg.parallel, zero=zero, bucket_mb=25.0))
+        return build_rank(plan_run(cfg, self.world), self.mesh)
 
     def train(self, batch: Any) -> None:
         from meshtron.training.step import train_step
 
-        mine = batch[self.rank : self.rank + 1]
-        train_step(self.model, self.optimizer, mine, self.mesh, global_tokens=self.world * SEQ,
-                   micro_batch=1, lr=LR, grad_clip=self.cfg.train.grad_clip,
-                   precision=self.precision)
+        train_step(self.parts, batch[self.rank : self.rank + 1], LR)
 
     def save(self, step: int, mode: str) -> tuple[Path, dict[str, float]]:
         """Save as the trainer does. sync: the host tensors themselves, until written and past
@@ -259,7 +252,7 @@ class DcpSide:
         from meshtron.models.transformer import Transformer
         from meshtron.optim.adamw import build_adamw, set_learning_rate
 
-        model = Transformer(self.cfg.model)
+        model = Transformer(self.cfg.model)  # the peer's own: torch's DDP and AdamW
         initialize(model, seed=seed, std=self.cfg.model.init_std,
                    num_layers=self.cfg.model.num_layers)
         model.train()

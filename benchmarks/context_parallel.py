@@ -97,12 +97,9 @@ def attention_task(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
 def build_steps(rank: int, world: int, seq: int) -> dict[str, Any]:
     """One training step per algorithm on this rank, through the run plan."""
     from meshtron.config import load_config
-    from meshtron.models.init import initialize
-    from meshtron.models.transformer import Transformer
-    from meshtron.optim.data_parallel import build_optimizer
     from meshtron.parallel.mesh import ParallelMesh
     from meshtron.plan import plan_run
-    from meshtron.precision.policy import Precision
+    from meshtron.rank import build_rank
     from meshtron.training.step import train_step
 
     steps = {}
@@ -112,18 +109,10 @@ def build_steps(rank: int, world: int, seq: int) -> dict[str, Any]:
             f"--train.seq_len={seq}", "--train.global_batch=1", f"--parallel.cp={world}",
             f"--parallel.cp_comm={algorithm}"])
         plan = plan_run(cfg, world)
-        mesh = ParallelMesh(plan.layout, rank)
-        model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
-        initialize(model, seed=cfg.train.seed, std=cfg.model.init_std,
-                   num_layers=cfg.model.num_layers)
-        optimizer = build_optimizer(model.train(), mesh, cfg.train, zero=0, bucket_mb=25.0)
-        precision = Precision("fp32", torch.device("cpu"))
+        parts = build_rank(plan, ParallelMesh(plan.layout, rank))
 
-        def step(batch: torch.Tensor, model=model, optimizer=optimizer, mesh=mesh,
-                 plan=plan, cfg=cfg, precision=precision) -> float:
-            return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
-                              micro_batch=1, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
-                              precision=precision).loss
+        def step(batch: torch.Tensor, parts=parts, lr=cfg.train.lr) -> float:
+            return train_step(parts, batch, lr).loss
 
         steps[algorithm] = step
     return steps

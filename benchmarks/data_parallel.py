@@ -141,36 +141,29 @@ def build(setup: Setup, rank: int, bucket_mb: float, lr: float
         return mine[:, :-1], mine[:, 1:]
 
     if setup.family == "meshtron":
-        from meshtron.optim.data_parallel import build_optimizer
+        from dataclasses import replace
+
         from meshtron.parallel.mesh import ParallelMesh
         from meshtron.plan import plan_run
-        from meshtron.precision.policy import Precision
+        from meshtron.rank import build_rank
         from meshtron.training.step import train_step
 
+        cfg = replace(cfg, parallel=replace(cfg.parallel, zero=setup.zero, bucket_mb=bucket_mb))
         plan = plan_run(cfg, WORLD)
-        mesh = ParallelMesh(plan.layout, rank)
-        model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
-        initialize(model, seed=cfg.train.seed, std=cfg.model.init_std,
-                   num_layers=cfg.model.num_layers)
-        model.train()
-        info["numel"] = sum(p.numel() for p in model.parameters())
-        optimizer = build_optimizer(model, mesh, cfg.train, zero=setup.zero,
-                                    bucket_mb=bucket_mb)
-        precision = Precision("fp32", torch.device("cpu"))
+        parts = build_rank(plan, ParallelMesh(plan.layout, rank))
+        optimizer = parts.optimizer
+        info["numel"] = parts.local_params
         info["padded"] = sum(b.padded for b in optimizer.reducer.buckets)
         info["buckets"] = len(optimizer.reducer.buckets)
 
         def step(batch: torch.Tensor) -> float:
-            mine = batch[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
-            out = train_step(model, optimizer, mine, mesh, global_tokens=global_tokens,
-                             micro_batch=MICRO_BATCH, lr=lr, grad_clip=cfg.train.grad_clip,
-                             precision=precision)
+            out = train_step(parts, batch[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH], lr)
             return out.loss / WORLD  # train_step returns the global mean; keep rank shares
 
         info["memory_bytes"] = lambda: optimizer.memory_bytes()
         return step, info
 
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model)  # the peers: torch DDP, FSDP2, DeepSpeed own the rest
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std,
                num_layers=cfg.model.num_layers)
     model.train()

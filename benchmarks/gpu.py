@@ -14,7 +14,7 @@ current directory); ``tests/test_gpu_benchmark.py`` runs the smoke mode.
 The model (1.26B parameters): 24 layers, hidden 2048, 16 heads, 8 kv heads, ffn 5632, vocab
 32000, untied embeddings, sequence 2048. It runs through meshtron's own training stack, built as
 ``meshtron/training/trainer.py`` does (the run plan, ``Transformer`` on a single-process mesh
-with ``ModelOptions(fp8=...)`` from the trainer's ``fp8_options``,
+with ``ModelOptions(fp8=...)`` from ``meshtron.rank.fp8_options``,
 ``Precision.cast_parameters``, ``build_optimizer`` with fp32 master weights, ``train_step``), on
 random token batches.
 Modes: ``bf16`` (bf16 parameters and activations) and ``tensorwise``, ``delayed`` and
@@ -70,9 +70,9 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import E4M3, E5M2, GEMMS, check_gemm, scaled_mm_supported
 from meshtron.precision.policy import Precision
+from meshtron.rank import fp8_options, rank_of
 from meshtron.training.hardware import peak_flops
 from meshtron.training.step import train_step
-from meshtron.training.trainer import fp8_options
 
 COMPILED = ("--train.compile=true",)
 MODES: dict[str, tuple[str, ...]] = {
@@ -154,18 +154,17 @@ def build_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.devi
         return opts
 
     fp8 = options if cfg.precision.fp8 != "none" else None
+    # its own assembly: the fp8 GEMM forced per mode, the weights given
     model = Transformer(plan.model, mesh, plan.model_options(0, fp8=fp8))
     model.load_state_dict(initial)
     model.to(device).train()
     precision = Precision(cfg.precision.dtype, device)
     precision.cast_parameters(model)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
-    mb = plan.micro_batch
+    parts = rank_of(plan, model, optimizer, mesh, precision)
 
     def step(batch: torch.Tensor) -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
-                          micro_batch=mb, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
-                          precision=precision).loss
+        return train_step(parts, batch, cfg.train.lr).loss
 
     return step
 

@@ -123,7 +123,7 @@ from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.pipeline.measured_order import MeasuredOrder
 from meshtron.parallel.pipeline.schedules import Schedule, build_schedule
 from meshtron.plan import RunPlan, plan_run
-from meshtron.precision.policy import Precision
+from meshtron.rank import rank_of
 from meshtron.training.step import train_step
 
 
@@ -220,7 +220,7 @@ def _stages(s: Shape, mesh: ParallelMesh, vpp: int, schedule: str, split: str = 
     plan = _plan(s, mesh.pp.size, vpp, schedule, split, halves)
     cfg = plan.config
     options = plan.model_options(mesh.pp.rank)
-    model = Transformer(plan.model, mesh,
+    model = Transformer(plan.model, mesh,  # its own assembly: torch stages want ours=False
                         options if ours else replace(options, split_weight_grads=False))
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     return plan, model.train()
@@ -236,14 +236,11 @@ def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: Halves | 
     schedule = _schedule(setup, s, mesh.pp.size, halves)
     executor = PipelineExecutor(model, mesh, plan.partition, schedule, cfg.model.hidden_size)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
-    precision = Precision("fp32", torch.device("cpu"))
+    parts = rank_of(plan, model, optimizer, mesh, pipeline=executor)  # the schedule under test
     reorder = MeasuredOrder(warmup, setup.ahead) if setup.measured else None
 
     def step(batch: torch.Tensor) -> float:
-        loss = train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
-                          micro_batch=plan.micro_batch, lr=cfg.train.lr,
-                          grad_clip=cfg.train.grad_clip, precision=precision,
-                          pipeline=executor).loss
+        loss = train_step(parts, batch, cfg.train.lr).loss
         if reorder is not None:
             reorder.after_step(executor, mesh)
         return loss

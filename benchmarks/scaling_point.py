@@ -44,11 +44,10 @@ from meshtron.costmodel.candidate import Candidate
 from meshtron.costmodel.memory_model import stage_params, state_bytes, transient_bytes
 from meshtron.models.arch import architecture_of
 from meshtron.models.flops import model_size, padded_vocab_size, training_flops_per_token
-from meshtron.models.init import initialize
-from meshtron.models.transformer import ModelOptions, Transformer
-from meshtron.optim.data_parallel import build_optimizer
+from meshtron.models.transformer import Transformer
 from meshtron.parallel.mesh.groups import ParallelMesh
-from meshtron.precision.policy import Precision
+from meshtron.plan import plan_run
+from meshtron.rank import build_rank
 from meshtron.training.memory import measure_saved_bytes
 from meshtron.training.step import train_step
 
@@ -144,22 +143,20 @@ def formulas(shape: Shape) -> dict[str, float]:
 
 def build_step(shape: Shape) -> tuple[Transformer, torch.Tensor, Callable[[], float]]:
     """The model, the step's batch and one training step (returning its loss)."""
-    cfg = load_config(overrides=(*shape.model, f"--train.seq_len={shape.seq}"))
-    mesh = ParallelMesh.single()
-    model = Transformer(cfg.model, mesh, ModelOptions(recompute=shape.recompute))
-    initialize(model, seed=0, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
-    optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=cfg.parallel.bucket_mb)
-    precision = Precision("fp32", torch.device("cpu"))
     rows = shape.micro_batch * shape.micro_batches
+    cfg = load_config(overrides=(*shape.model, f"--train.seq_len={shape.seq}",
+                                 f"--train.global_batch={rows}",
+                                 f"--train.micro_batch={shape.micro_batch}",
+                                 f"--train.recompute={shape.recompute}", "--train.seed=0",
+                                 "--train.grad_clip=1.0"))
+    rank = build_rank(plan_run(cfg, 1), ParallelMesh.single())
     batch = torch.randint(0, cfg.model.vocab_size, (rows, shape.seq + 1),
                           generator=torch.Generator().manual_seed(0))
 
     def step() -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=shape.tokens,
-                          micro_batch=shape.micro_batch, lr=1e-4, grad_clip=1.0,
-                          precision=precision).loss
+        return train_step(rank, batch, 1e-4).loss
 
-    return model, batch, step
+    return rank.model, batch, step
 
 
 def measure_time(shape: Shape, steps: int, warmup: int) -> dict[str, Any]:

@@ -95,7 +95,7 @@ def build_steps(shape: Shape, compiled: bool = False
     with ``compiled`` also ``meshtron+compile`` and ``hf+compile``), on the same batch and
     weights; a step returns its loss."""
     cfg = load_config(overrides=shape.overrides)
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model)  # the model alone, in the same plain loop as HF
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
 

@@ -100,13 +100,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 # meshtron: used in the "variants" section only (and _label_collectives wraps its collectives)
 from meshtron.config import Config, ModelConfig, load_config
-from meshtron.models.init import initial_value, initialize
-from meshtron.models.transformer import Transformer
+from meshtron.models.init import initial_value
 from meshtron.optim.adamw import build_adamw
-from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.plan import plan_run
-from meshtron.precision.policy import Precision
+from meshtron.rank import build_rank
 from meshtron.training.step import train_step
 
 TP = 2
@@ -141,22 +139,12 @@ def build_meshtron(rank: int, s: Shape, sp: bool, tp: int = TP,
                    *extra: str) -> tuple[nn.Module, Callable[[], float]]:
     """meshtron's model and step on ``tp`` ranks (``extra``: more config overrides)."""
     plan = plan_run(s.config(f"--parallel.tp={tp}", f"--parallel.sp={sp}", *extra), tp)
-    cfg = plan.config
-    mesh = ParallelMesh(plan.layout, rank)
-    model = Transformer(cfg.model, mesh, plan.model_options(mesh.pp.rank))
-    initialize(model, seed=cfg.train.seed, std=cfg.model.init_std, num_layers=cfg.model.num_layers)
-    model.train()
-    optimizer = build_optimizer(model, mesh, cfg.train, zero=0,
-                                bucket_mb=cfg.parallel.bucket_mb)
-    batch, precision = _tokens(s), Precision("fp32", torch.device("cpu"))
+    parts, batch = build_rank(plan, ParallelMesh(plan.layout, rank)), _tokens(s)
 
     def step() -> float:
-        return train_step(model, optimizer, batch, mesh, global_tokens=plan.tokens_per_step,
-                          micro_batch=plan.micro_batch, lr=cfg.train.lr,
-                          grad_clip=cfg.train.grad_clip,
-                          precision=precision).loss
+        return train_step(parts, batch, plan.config.train.lr).loss
 
-    return model, step
+    return parts.model, step
 
 
 def build_dtensor(rank: int, s: Shape, sp: bool, per_linear: bool = False,

@@ -29,10 +29,8 @@ from torch import nn
 
 from meshtron.checkpoint.hf_mapping import hf_config_kwargs, to_hf
 from meshtron.config import TrainConfig, load_config
-from meshtron.models.flops import training_flops_per_token
 from meshtron.models.transformer import Transformer
 from meshtron.optim.lr_schedule import learning_rate
-from meshtron.training.hardware import peak_flops
 from meshtron.training.step import train_step
 from meshtron.training.trainer import Trainer
 
@@ -54,22 +52,16 @@ def trainer_call(trainer: Trainer, parts: dict[str, list[float]]) -> Callable[[]
     """One step of ``Trainer.run``'s loop, as far as its metrics row; appends the seconds of
     each part (fetch, train_step, row) to ``parts``; returns the loss."""
     t = trainer.cfg.train
-    tokens = trainer.plan.tokens_per_step
-    flops = training_flops_per_token(trainer.cfg.model, t.seq_len) * tokens
-    peak = peak_flops(trainer.device, t.peak_flops)
 
     def step() -> float:
         started = time.perf_counter()
         lr = learning_rate(trainer.step, t)
         batch = trainer.local_share(trainer.data.train_batch(trainer.step, t.global_batch))
         fetched = time.perf_counter()
-        out = train_step(trainer.model, trainer.optimizer, batch, trainer.mesh,
-                         global_tokens=tokens, micro_batch=trainer.micro_batch, lr=lr,
-                         grad_clip=t.grad_clip, precision=trainer.precision,
-                         pipeline=trainer.pipeline, split=trainer.split)
+        out = train_step(trainer.rank, batch, lr)
         stepped = time.perf_counter()
         trainer.step += 1
-        trainer._metrics_row(out, lr, stepped - started, tokens, flops, peak)
+        trainer._row(out, lr, stepped - started)
         parts["fetch"].append(fetched - started)
         parts["train_step"].append(stepped - fetched)
         parts["row"].append(time.perf_counter() - stepped)
@@ -126,7 +118,7 @@ def bench_user_path(steps: int, warmup: int, data_cache: str | None) -> dict[str
         hf = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(**hf_config_kwargs(model_cfg), attn_implementation="sdpa"))
         hf.load_state_dict(to_hf(state, model_cfg))
-        twin = Transformer(model_cfg)
+        twin = Transformer(model_cfg)  # the model alone, for the plain loop: no rank
         twin.load_state_dict(state)
         parts: dict[str, list[float]] = {"fetch": [], "train_step": [], "row": []}
         calls = {"trainer": trainer_call(trainer, parts),

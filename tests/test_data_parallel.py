@@ -122,6 +122,7 @@ def record_backward_events(rank: int, world_size: int, cache_dir: str) -> dict:
     from meshtron.optim.data_parallel import build_optimizer
 
     cfg = load_config(overrides=test_overrides(cache_dir, "unused") + ["--model.vocab_size=512"])
+    # its own assembly: an optimizer that reports its bucket events (build_optimizer's on_event)
     model = Transformer(cfg.model)
     initialize(model, seed=0, std=0.02, num_layers=cfg.model.num_layers)
     events: list[tuple[str, int]] = []

@@ -222,6 +222,7 @@ def parallel_decode(rank: int, world_size: int, paths: list[str]) -> list:
         cfg = config_of(shape, f"--parallel.tp={tp}", f"--parallel.pp={pp}")
         plan = plan_generation(cfg, tp * pp)
         mesh = ParallelMesh(MeshLayout(world_size, tp=tp, pp=pp), rank)
+        # a rank that only generates (no optimizer), its weights loaded in fp64
         model = Transformer(plan.model, mesh, plan.model_options(mesh.pp.rank))
         Precision("fp64", torch.device("cpu")).cast_parameters(model)
         load_weights(Path(path), model)

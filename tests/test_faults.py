@@ -17,12 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from torch.distributed import HashStore
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.mesh.process import round_key
+from meshtron.plan import plan_run
+from meshtron.rank import build_rank
 from meshtron.training import trainer as trainer_module
 from meshtron.training.faults import Fault, FaultPlan, parse_faults
 from meshtron.training.step import StepResult, train_step
@@ -73,6 +77,33 @@ def test_fault_specs_are_parsed_and_bad_ones_refused(monkeypatch, capsys, data_c
         assert message in one_error_line(capsys)
 
 
+def test_injected_faults_wrap_the_loss_and_the_optimizer_of_their_step_only():
+    """The step itself knows no faults: ``nan`` poisons the first loss of its step and ``slow``
+    makes the step's last micro-batch end later (after its gradient reduction); other steps
+    get the rank as it is, and the model's own loss is back after the step."""
+    cfg = load_config(overrides=["--model.preset=tiny", "--model.vocab_size=256",
+                                 "--model.num_layers=1", "--train.seq_len=8"])
+    rank = build_rank(plan_run(cfg, 1), ParallelMesh.single())
+    faults = FaultPlan(0, {"MESHTRON_FAULTS": "nan:step=2;slow:step=2:seconds=0.2"})
+    window = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    with faults.injected(1, rank) as clean:
+        assert clean is rank
+    with faults.injected(2, rank) as faulty:
+        mb = faulty.split(window)
+        losses = [float(faulty.model.loss_sum(faulty.model(mb.tokens), mb.targets).detach())
+                  for _ in range(2)]
+        seconds = []
+        for last in (False, True):
+            started = time.perf_counter()
+            faulty.optimizer.begin_micro_batch(last=last)
+            faulty.optimizer.end_micro_batch()
+            seconds.append(time.perf_counter() - started)
+    assert seconds[1] >= 0.2 > seconds[0] and faulty.model is rank.model
+    assert faulty.optimizer.memory_bytes() == rank.optimizer.memory_bytes()  # its own otherwise
+    assert math.isnan(losses[0]) and math.isfinite(losses[1])
+    assert "loss_sum" not in vars(rank.model)
+
+
 def test_max_restarts_needs_checkpoints_to_restart_from(data_cache, tmp_path, capsys):
     args = test_overrides(data_cache, str(tmp_path / "run"), 2)  # resume=false
     assert main(["train", "--max-restarts", "1", *args]) == 2
@@ -105,10 +136,13 @@ def test_a_nan_step_leaves_the_state_of_a_run_without_that_step(monkeypatch, tin
     with_nan = Trainer(cfg, log=lambda m: None)
     nan_result = with_nan.run()
 
-    def never_computed(*args, poison: bool = False, precision, **kwargs):
-        if not poison:
-            return train_step(*args, poison=poison, precision=precision, **kwargs)
-        precision.scaler.update(overflow=True)
+    monkeypatch.delenv("MESHTRON_FAULTS")
+    steps = iter(range(1, 4))
+
+    def never_computed(rank, batch, lr):
+        if next(steps) != 2:
+            return train_step(rank, batch, lr)
+        rank.precision.scaler.update(overflow=True)
         return StepResult(math.nan, math.nan, skipped=True)
 
     monkeypatch.setattr(trainer_module, "train_step", never_computed)

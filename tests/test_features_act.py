@@ -148,7 +148,7 @@ def test_a_background_capture_holds_back_only_the_next_update(tmp_path, monkeypa
 
     cfg = load_config(overrides=["--model.preset=tiny", "--model.num_layers=1",
                                  "--model.vocab_size=64"])
-    mesh = ParallelMesh.single()
+    mesh = ParallelMesh.single()  # an optimizer alone (its update fence), no rank to train
     optimizer = build_optimizer(Transformer(cfg.model, mesh), mesh, cfg.train, zero=0,
                                 bucket_mb=1.0)
     optimizer.step = lambda lr: events.append(f"update {lr}")  # what the fence guards

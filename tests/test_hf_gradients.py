@@ -18,7 +18,9 @@ from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
+from meshtron.plan import plan_run
 from meshtron.precision.policy import Precision
+from meshtron.rank import rank_of
 from meshtron.training.step import train_step
 
 transformers = pytest.importorskip("transformers")
@@ -36,7 +38,9 @@ def twins(*overrides: str):
     cfg = load_config(overrides=["--model.vocab_size=300", "--model.hidden_size=64",
                                  "--model.num_heads=4", "--model.ffn_hidden_size=96",
                                  "--model.num_layers=2", "--train.weight_decay=0.1",
-                                 "--train.grad_clip=1.0", f"--train.lr={LR}", *overrides])
+                                 "--train.grad_clip=1.0", f"--train.lr={LR}",
+                                 f"--train.global_batch={BATCH}", f"--train.seq_len={SEQ}",
+                                 f"--train.micro_batch={BATCH}", *overrides])
     ours = Transformer(cfg.model)
     initialize(ours, seed=11, std=0.02, num_layers=cfg.model.num_layers)
     config_class = (transformers.LlamaConfig if cfg.model.arch == "llama"
@@ -99,14 +103,14 @@ def test_three_adamw_steps_give_the_same_weights(case, dtype, atol):
     precision.cast_parameters(ours)
     theirs.to(precision.param_dtype)
     optimizer = build_optimizer(ours, mesh, t, zero=0, bucket_mb=25.0)
+    rank = rank_of(plan_run(cfg, 1), ours, optimizer, mesh, precision)  # transformers' twin
     decay = [p for p in theirs.parameters() if p.dim() >= 2]
     no_decay = [p for p in theirs.parameters() if p.dim() < 2]
     reference = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=LR,
                                   betas=(t.beta1, t.beta2), eps=t.eps)
     for window in windows(3):
-        out = train_step(ours, optimizer, window, mesh, global_tokens=BATCH * SEQ,
-                         micro_batch=BATCH, lr=LR, grad_clip=t.grad_clip, precision=precision)
+        out = train_step(rank, window, LR)
         reference.zero_grad()
         loss = hf_loss(theirs, window)
         loss.backward()

@@ -15,7 +15,8 @@ from meshtron.models.transformer import Transformer
 from meshtron.optim.adamw import build_adamw
 from meshtron.optim.data_parallel import ShardedOptimizer, build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
-from meshtron.precision.policy import Precision
+from meshtron.plan import plan_run
+from meshtron.rank import Rank, build_rank, rank_of
 from meshtron.training.step import train_step
 from tests.distributed import run_distributed
 from tests.parity import assert_layouts_match, run_layouts
@@ -28,7 +29,8 @@ def make_cfg(width: int, *extra: str):
     return load_config(overrides=[
         f"--model.vocab_size={VOCAB}", f"--model.hidden_size={width}", "--model.num_heads=4",
         f"--model.ffn_hidden_size={3 * width}", "--model.num_layers=2",
-        f"--train.seq_len={SEQ}", "--train.weight_decay=0.1", *extra])
+        f"--train.seq_len={SEQ}", f"--train.global_batch={BATCH}",
+        f"--train.micro_batch={BATCH}", "--train.seed=0", "--train.weight_decay=0.1", *extra])
 
 
 def build(cfg, seed: int = 0) -> Transformer:
@@ -42,19 +44,14 @@ def windows(steps: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def train(model, optimizer, cfg, steps: int, lr: float | None = None) -> list[float]:
-    mesh, precision = ParallelMesh.single(), Precision("fp32", torch.device("cpu"))
-    return [train_step(model, optimizer, window, mesh, global_tokens=BATCH * SEQ,
-                       micro_batch=BATCH, lr=lr or cfg.train.lr, grad_clip=cfg.train.grad_clip,
-                       precision=precision).loss
+def train(rank: Rank, steps: int, lr: float | None = None) -> list[float]:
+    return [train_step(rank, window, lr or rank.plan.config.train.lr).loss
             for window in windows(steps)]
 
 
-def run(cfg, steps: int, zero: int = 0) -> tuple[Transformer, list[float]]:
-    model = build(cfg)
-    optimizer = build_optimizer(model, ParallelMesh.single(), cfg.train, zero=zero,
-                                bucket_mb=25.0)
-    return model, train(model, optimizer, cfg, steps)
+def run(cfg, steps: int) -> tuple[Transformer, list[float]]:
+    rank = build_rank(plan_run(cfg, 1), ParallelMesh.single())
+    return rank.model, train(rank, steps)
 
 
 def test_mup_false_is_the_default_bit_for_bit():
@@ -113,8 +110,9 @@ def test_the_multiplier_reaches_zero0_groups_and_zero1_buckets():
     assert {b.lr_mult for b in buckets} == {0.5, 1.0}
     for bucket in buckets:  # never mixed
         assert {twin_mults.get(id(p), 1.0) for p in bucket.params} == {bucket.lr_mult}
-    losses0 = train(model, zero0, cfg, 3)
-    losses1 = train(twin, zero1, cfg, 3)
+    plan = plan_run(cfg, 1)  # twin models, one optimizer kind each
+    losses0 = train(rank_of(plan, model, zero0), 3)
+    losses1 = train(rank_of(plan, twin, zero1), 3)
     assert losses1 == pytest.approx(losses0, rel=1e-6)
     with torch.no_grad():  # the same update up to rounding (Adam magnifies last bits)
         for (name, x), y in zip(model.named_parameters(), twin.parameters()):
@@ -157,9 +155,8 @@ def coordinate_change(width: int, mup: bool, steps: int = 3, lr: float = 1e-2
     Adam steps at ``lr`` (muP's base width 64)."""
     cfg = make_cfg(width, f"--model.mup={str(mup).lower()}", "--model.mup_base_width=64",
                    "--train.weight_decay=0.0", "--train.grad_clip=0")
-    model = build(cfg)
-    optimizer = build_optimizer(model, ParallelMesh.single(), cfg.train, zero=0,
-                                bucket_mb=25.0)
+    rank = build_rank(plan_run(cfg, 1), ParallelMesh.single())
+    model = rank.model
     probe = windows(1, seed=1)[0][:, :-1]
     seen: dict[str, torch.Tensor] = {}
     model.layers["0"].register_forward_hook(lambda m, i, out: seen.__setitem__("h", out))
@@ -170,7 +167,7 @@ def coordinate_change(width: int, mup: bool, steps: int = 3, lr: float = 1e-2
         return logits, seen["h"]
 
     logits0, hidden0 = coordinates()
-    train(model, optimizer, cfg, steps, lr)
+    train(rank, steps, lr)
     logits1, hidden1 = coordinates()
     return (float((logits1 - logits0).abs().mean()), float((hidden1 - hidden0).abs().mean()))
 

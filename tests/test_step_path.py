@@ -16,7 +16,8 @@ from meshtron.optim.local_grads import LocalGradients
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.mesh.params import ParamLayout, set_layout
-from meshtron.precision.policy import Precision
+from meshtron.plan import plan_run
+from meshtron.rank import rank_of
 from meshtron.training.step import micro_batches, train_step
 from tests.parity import test_overrides
 
@@ -24,7 +25,9 @@ BATCH, SEQ = 4, 32
 
 
 def twin_models(dtype: torch.dtype = torch.float32) -> tuple[Transformer, Transformer, object]:
-    cfg = load_config(overrides=test_overrides("unused", "unused") + ["--model.vocab_size=512"])
+    cfg = load_config(overrides=test_overrides("unused", "unused") + [
+        "--model.vocab_size=512", f"--train.global_batch={BATCH}",
+        f"--train.micro_batch={BATCH // 2}"])
     models = []
     for _ in range(2):
         model = Transformer(cfg.model)
@@ -83,11 +86,10 @@ def test_local_gradients_equal_the_buckets_element_for_element():
     norms = [float(o.grad_norm()) for o in (local, bucketed)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-6)
 
-    precision = Precision("fp32", torch.device("cpu"))
+    plan = plan_run(cfg, 1)  # twin models, one per gradient path: each a rank of one plan
+    ranks = [rank_of(plan, m, o) for m, o in ((local_model, local), (bucket_model, bucketed))]
     for window in windows(3):
-        out = [train_step(m, o, window, mesh, global_tokens=BATCH * SEQ, micro_batch=BATCH // 2,
-                          lr=3e-3, grad_clip=cfg.train.grad_clip, precision=precision)
-               for m, o in ((local_model, local), (bucket_model, bucketed))]
+        out = [train_step(rank, window, lr=3e-3) for rank in ranks]
         assert out[0].loss == pytest.approx(out[1].loss, rel=1e-6)
         assert out[0].grad_norm == pytest.approx(out[1].grad_norm, rel=1e-6)
     with torch.no_grad():  # Adam magnifies last-bit differences of near-zero gradients

@@ -110,6 +110,7 @@ def optimizer_accounting(preset: str, dtype: str, zero: int, mesh: ParallelMesh,
         f"--model.preset={preset}", "--model.vocab_size=500", "--model.num_layers=2",
         f"--precision.dtype={dtype}", f"--parallel.zero={zero}", "--parallel.bucket_mb=0.25",
         *extra])
+    # its own assembly: the optimizer's accounting of shapes no plan need accept, no weights drawn
     model = Transformer(cfg.model, mesh)
     precision = Precision(dtype, torch.device("cpu"), reduce_dtype=cfg.precision.reduce_dtype)
     precision.cast_parameters(model)

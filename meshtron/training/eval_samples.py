@@ -9,12 +9,16 @@ keep no routing statistics in eval mode, so the training numbers are unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshtron.data.tokenizer import Tokenizer
 from meshtron.models.generation import GREEDY, Generator
 from meshtron.models.transformer import Transformer
 from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.training.metrics import MetricsWriter
+from meshtron.training.observers import Observer, StepReport
 
 PROMPT_TOKENS = 16
 PROMPTS = 2
@@ -32,3 +36,22 @@ def eval_samples(model: Transformer, mesh: ParallelMesh, valid_batch: torch.Tens
         model.train(was_training)
     return [(tokenizer.decode(prompt), tokenizer.decode(done.tokens))
             for prompt, done in zip(prompts, completions)]
+
+
+class EvalSamples(Observer):
+    """At each evaluation, ``new_tokens`` greedy tokens after each prompt of ``valid_batch``,
+    generated on every rank (the engine's collectives), logged once and written to
+    TensorBoard."""
+
+    def __init__(self, valid_batch: torch.Tensor, new_tokens: int, tokenizer: Tokenizer,
+                 log: Callable[[str], None], writer: MetricsWriter | None):
+        self.valid_batch, self.new_tokens, self.tokenizer = valid_batch, new_tokens, tokenizer
+        self.log, self.writer = log, writer
+
+    def on_eval(self, report: StepReport) -> None:
+        samples = eval_samples(report.rank.model, report.rank.mesh, self.valid_batch,
+                               self.new_tokens, self.tokenizer)
+        for i, (prompt, text) in enumerate(samples):
+            self.log(f"sample {i + 1} at step {report.step}: {prompt!r} -> {text!r}")
+            if self.writer:
+                self.writer.write_text(f"samples/{i + 1}", f"{prompt} ▸ {text}", report.step)

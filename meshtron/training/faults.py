@@ -11,6 +11,10 @@ Set ``MESHTRON_FAULTS`` to ``;``-separated faults, each ``kind[:key=value...]``:
                                written, the checkpoint not yet complete
 
 A fault without ``rank`` applies to every rank; without ``step`` (slow only), to every step.
+The training step knows nothing of faults: :meth:`FaultPlan.injected` wraps the parts of the
+rank it runs with, the loss (a ``nan`` step's first micro-batch loss is NaN) and the optimizer
+(a ``slow`` rank's last micro-batch ends later: inside the step's compute time, after its
+gradient reduction was waited for, so the other ranks do not wait for it there).
 ``kill``, ``stall`` and ``save`` fire only in the first attempt of an elastic run (a restarted group
 would otherwise meet them again at the same step). Faults are read once, when the trainer
 starts; an unknown kind or key is refused with one line.
@@ -18,14 +22,21 @@ starts; an unknown kind or key is refused with one line.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import signal
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from meshtron.errors import MeshtronError
+from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.mesh.process import ATTEMPT_ENV, restart_count
+from meshtron.rank import Rank
 
 ENV = "MESHTRON_FAULTS"
 KINDS = ("kill", "stall", "nan", "slow", "save")
@@ -98,6 +109,25 @@ class FaultPlan:
             if fault.kind in ("kill", "stall") and fault.applies(self.rank, step):
                 os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
+    @contextlib.contextmanager
+    def injected(self, step: int, rank: Rank) -> Iterator[Rank]:
+        """Fire ``step``'s faults on this rank: a kill or stall now; the rank to train the step
+        with, its optimizer slowed (``slow``) and its model's loss poisoned (``nan``) for the
+        step. The loss is restored on leaving."""
+        self.before_step(step)
+        seconds = self.slow_seconds(step)
+        if seconds > 0:
+            rank = dataclasses.replace(rank, optimizer=_Slowed(rank.optimizer, seconds))
+        if not self.poison_loss(step):
+            yield rank
+            return
+        model = rank.model
+        model.loss_sum = _poisoned(model.loss_sum)  # an instance attribute over the method
+        try:
+            yield rank
+        finally:
+            del model.loss_sum
+
     def in_save(self, step: int) -> None:
         """Called by the saver between this rank's shard and the checkpoint's completion."""
         if self.first_attempt and any(f.kind == "save" and f.applies(self.rank, step)
@@ -111,3 +141,36 @@ class FaultPlan:
         """Extra compute time of a straggler at ``step`` (spent inside the step's compute)."""
         return sum(f.seconds for f in self.faults if f.kind == "slow" and f.applies(self.rank,
                                                                                      step))
+
+
+class _Slowed:
+    """The rank's optimizer, whose step's last micro-batch ends ``seconds`` later (a
+    straggler's compute); everything else is the optimizer's own."""
+
+    def __init__(self, optimizer: DataParallelOptimizer, seconds: float):
+        self._optimizer, self._seconds, self._last = optimizer, seconds, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._optimizer, name)
+
+    def begin_micro_batch(self, last: bool) -> None:
+        self._last = last
+        self._optimizer.begin_micro_batch(last=last)
+
+    def end_micro_batch(self) -> None:
+        self._optimizer.end_micro_batch()
+        if self._last and self._seconds:
+            time.sleep(self._seconds)
+            self._seconds = 0.0
+
+
+def _poisoned(loss_sum: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``loss_sum`` whose first result is NaN (this rank's first micro-batch of the step)."""
+    calls = [0]
+
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        loss = loss_sum(*args, **kwargs)
+        calls[0] += 1
+        return loss * float("nan") if calls[0] == 1 else loss
+
+    return poisoned

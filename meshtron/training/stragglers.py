@@ -13,12 +13,15 @@ groups a rank's compute includes waits for its peers, which blurs who is slow am
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.training.metrics import MetricsWriter
+from meshtron.training.observers import Observer, StepReport
 
 
 @dataclass(frozen=True)
@@ -68,3 +71,18 @@ class StragglerWatch:
             if others > 0 and t > self.factor * others:
                 stragglers.append(Straggler(rank, t, others))
         return stragglers
+
+
+class Stragglers(Observer):
+    """``run.straggler_every``: names the stragglers of each window as a warning and as a
+    ``straggler`` event in ``metrics.jsonl``."""
+
+    def __init__(self, watch: StragglerWatch, warn: Callable[[str], None],
+                 writer: MetricsWriter | None):
+        self.watch, self.warn, self.writer = watch, warn, writer
+
+    def on_step(self, report: StepReport) -> None:
+        for straggler in self.watch.add(report.step, report.out.compute_s):
+            self.warn(straggler.line(report.step))
+            if self.writer:
+                self.writer.write_event(straggler.row(report.step))
