@@ -122,43 +122,39 @@ def plot_series(series: Mapping[str, Sequence[tuple[float, float]]], path: Path,
     """Loss against one parameter: every point as a marker, a line through the lowest loss at
     each value, the best point of each series ringed; ``pruned`` trials (their last loss,
     usually above where they would have ended) as crosses of their series' colour."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))  # not pyplot: no global figure registry to close it from
+    ax = fig.add_subplot()
+    colors: dict[str, Any] = {}
+    for label, points in series.items():
+        if not points:
+            continue
+        lowest: dict[float, float] = {}
+        for x, y in points:
+            lowest[x] = min(y, lowest.get(x, math.inf))
+        xs = sorted(lowest)
+        (line,) = ax.plot(xs, [lowest[x] for x in xs], marker="o", label=label)
+        ax.scatter([p[0] for p in points], [p[1] for p in points], color=line.get_color(),
+                   s=12)
+        bx = min(xs, key=lambda x: lowest[x])
+        ax.scatter([bx], [lowest[bx]], s=160, facecolors="none",
+                   edgecolors=line.get_color())
+        colors[label] = line.get_color()
+    for label, points in (pruned or {}).items():
+        if points:
+            ax.scatter([p[0] for p in points], [p[1] for p in points], marker="x", s=30,
+                       color=colors.get(label), label=f"{label}, pruned (last loss)")
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("final validation loss")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
     try:
-        colors: dict[str, Any] = {}
-        for label, points in series.items():
-            if not points:
-                continue
-            lowest: dict[float, float] = {}
-            for x, y in points:
-                lowest[x] = min(y, lowest.get(x, math.inf))
-            xs = sorted(lowest)
-            (line,) = ax.plot(xs, [lowest[x] for x in xs], marker="o", label=label)
-            ax.scatter([p[0] for p in points], [p[1] for p in points], color=line.get_color(),
-                       s=12)
-            bx = min(xs, key=lambda x: lowest[x])
-            ax.scatter([bx], [lowest[bx]], s=160, facecolors="none",
-                       edgecolors=line.get_color())
-            colors[label] = line.get_color()
-        for label, points in (pruned or {}).items():
-            if points:
-                ax.scatter([p[0] for p in points], [p[1] for p in points], marker="x", s=30,
-                           color=colors.get(label), label=f"{label}, pruned (last loss)")
-        if log_x:
-            ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("final validation loss")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        try:
-            fig.savefig(path, dpi=110)
-        except OSError as err:
-            raise MeshtronError(f"cannot write --plot {path} ({os_reason(err)})") from None
-    finally:
-        plt.close(fig)
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise MeshtronError(f"cannot write --plot {path} ({os_reason(err)})") from None
+
