@@ -21,9 +21,9 @@ from meshtron.archsearch.shapes import (
     Sizes,
     default_grid,
     enumerate_shapes,
-    pins_of,
     rounded_ffn,
     shape_config,
+    shape_pins_of,
     sizes_of,
 )
 from meshtron.cli import main
@@ -121,7 +121,7 @@ def test_grid_enumeration_divides_and_pins_stay_fixed():
         s.hidden_size == 96 and s.num_heads == 3 and s.num_kv_heads != 3 for s in shapes)
     assert len(shapes) == len(set(shapes)) == 2 * (4 + 3 + 4)
     pinned = ShapeSpace(layers=(2, 4), widths=(64, 128), head_dims=(16,),
-                        pins=pins_of({"model.num_layers": 3, "model.num_kv_heads": 2,
+                        pins=shape_pins_of({"model.num_layers": 3, "model.num_kv_heads": 2,
                                       "model.preset": "tiny"}))
     assert {s.num_layers for s in enumerate_shapes(pinned)} == {3}
     assert {s.num_kv_heads for s in enumerate_shapes(pinned)} == {2}

@@ -111,6 +111,6 @@ def test_ring_collectives_follow_the_alpha_beta_closed_form(kind, steps):
     steps x (n - 1) / n of the buffer at the link's bandwidth."""
     profile, n, nbytes = load_profile("h100-sxm"), 8, 2.0**30
     link = profile.inter_node
-    seconds = comms.collective_seconds(profile, kind, comms.Group(n, True), nbytes)
+    seconds = comms.collective_seconds(profile, kind, comms.PricedGroup(n, True), nbytes)
     expected = steps * (n - 1) * link.latency + steps * (n - 1) / n * nbytes / link.bandwidth
     assert seconds == pytest.approx(expected, rel=1e-12)

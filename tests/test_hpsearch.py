@@ -18,7 +18,7 @@ import pytest
 from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
-from meshtron.hpsearch.proxies import Proxy
+from meshtron.hpsearch.proxies import WidthProxy
 from meshtron.hpsearch.space import Dimension, default_space, parse_dimension, parse_space
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_batch_search_keeps_the_token_budget_and_lr_keeps_the_floor_ratio():
     base = load_config(overrides=["--train.global_batch=8", "--train.steps=40",
                                   "--train.warmup_steps=4", "--train.lr=0.004",
                                   "--train.min_lr=0.0004"])
-    proxy = Proxy(None, ("--train.global_batch=8", "--train.steps=40",
+    proxy = WidthProxy(None, ("--train.global_batch=8", "--train.steps=40",
                          "--train.warmup_steps=4", "--train.lr=0.004",
                          "--train.min_lr=0.0004"), base, width=128)
     cfg = proxy.config({"train.global_batch": 16, "train.lr": 0.01})

@@ -30,7 +30,7 @@ from meshtron.archsearch.shapes import (
     base_ratios,
     default_grid,
     enumerate_shapes,
-    pins_of,
+    shape_pins_of,
 )
 from meshtron.config import Config, load_config, parse_override
 from meshtron.costmodel.memory_model import with_vocab
@@ -40,10 +40,10 @@ from meshtron.tune.tune_command import (
     check_pins,
     cluster_of,
     given_fields,
+    layout_pins_of,
     planning_defaults,
     split_cluster,
 )
-from meshtron.tune.tune_command import pins_of as layout_pins_of
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
          "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -105,7 +105,7 @@ def space_of(args: argparse.Namespace, cfg: Config, budget: Budget,
         top_k=numbers(args.top_k, "--top-k") or (m.moe.top_k,),
         expert_ratio=expert_ratio,
         aspect=None if layers and widths else (16.0, 192.0),
-        pins=pins_of(given))
+        pins=shape_pins_of(given))
 
 
 def priced_space(pricer: Pricer, space: ShapeSpace) -> tuple[list[Priced], dict[str, float]]:

@@ -110,7 +110,7 @@ def rounded_ffn(ratio: float, hidden: int) -> int:
     return max(multiple, math.ceil(ratio * hidden / multiple) * multiple)
 
 
-def pins_of(given: Mapping[str, object]) -> dict[str, int]:
+def shape_pins_of(given: Mapping[str, object]) -> dict[str, int]:
     """The shape fields the config file or command line set (``model.moe`` given as a mapping
     counts field by field)."""
     flat: dict[str, object] = {}

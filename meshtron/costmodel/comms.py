@@ -23,25 +23,25 @@ RING_STEPS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_
 
 
 @dataclass(frozen=True)
-class Group:
+class PricedGroup:
     """A process group of a layout: its size and whether it reaches across nodes."""
 
     size: int
     crosses_nodes: bool
 
 
-def group_of(size: int, stride: int, gpus_per_node: int) -> Group:
-    return Group(size, size > 1 and stride * size > gpus_per_node)
+def priced_group(size: int, stride: int, gpus_per_node: int) -> PricedGroup:
+    return PricedGroup(size, size > 1 and stride * size > gpus_per_node)
 
 
 @dataclass(frozen=True)
 class LayoutGroups:
-    tp: Group
-    cp: Group
-    dp: Group
+    tp: PricedGroup
+    cp: PricedGroup
+    dp: PricedGroup
     """The dense parameters' gradient group: dp x cp ranks (cp ranks hold the same weights)."""
-    ep: Group
-    expert_dp: Group
+    ep: PricedGroup
+    expert_dp: PricedGroup
     pp_crosses_nodes: bool
 
 
@@ -51,15 +51,16 @@ def layout_groups(c: Candidate, gpus_per_node: int) -> LayoutGroups:
     ep_stride = 1 if c.etp == 1 else c.tp
     expert_dp = c.dp * c.cp * folded_tp // c.ep
     return LayoutGroups(
-        tp=group_of(c.tp, 1, gpus_per_node),
-        cp=group_of(c.cp, c.tp, gpus_per_node),
-        dp=group_of(c.dp * c.cp, c.tp, gpus_per_node),
-        ep=group_of(c.ep, ep_stride, gpus_per_node),
-        expert_dp=group_of(expert_dp, ep_stride * c.ep, gpus_per_node),
+        tp=priced_group(c.tp, 1, gpus_per_node),
+        cp=priced_group(c.cp, c.tp, gpus_per_node),
+        dp=priced_group(c.dp * c.cp, c.tp, gpus_per_node),
+        ep=priced_group(c.ep, ep_stride, gpus_per_node),
+        expert_dp=priced_group(expert_dp, ep_stride * c.ep, gpus_per_node),
         pp_crosses_nodes=c.pp > 1 and c.tp * c.cp * c.dp >= gpus_per_node)
 
 
-def collective_seconds(profile: ClusterProfile, kind: str, group: Group, nbytes: float) -> float:
+def collective_seconds(profile: ClusterProfile, kind: str, group: PricedGroup,
+                       nbytes: float) -> float:
     """Time of one collective of ``kind`` whose per-rank buffer is ``nbytes`` (the tensor of an
     all-reduce, the gathered output of an all-gather, the input of a reduce-scatter or an
     all-to-all)."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshtron.costmodel.candidate import Candidate
-from meshtron.costmodel.comms import Group, collective_seconds, layout_groups, send_seconds
+from meshtron.costmodel.comms import PricedGroup, collective_seconds, layout_groups, send_seconds
 from meshtron.costmodel.problem import Problem
 from meshtron.models.arch import architecture_of
 
 
-def overlapped_seconds(pr: Problem, kind: str, group: Group, nbytes: float, gemm: float,
+def overlapped_seconds(pr: Problem, kind: str, group: PricedGroup, nbytes: float, gemm: float,
                        overlaps: bool) -> float:
     """Exposed seconds of a ``kind`` collective of ``nbytes`` cut into ``pr.tp_comm_chunks``
     pieces beside a product of ``gemm`` seconds (the formula of the module docstring)."""
@@ -30,7 +30,7 @@ def overlapped_seconds(pr: Problem, kind: str, group: Group, nbytes: float, gemm
     return piece + (k - 1) * max(piece, gemm / k) + gemm / k - gemm
 
 
-def _sp_region(pr: Problem, group: Group, activation: float, entry_gemm: float,
+def _sp_region(pr: Problem, group: PricedGroup, activation: float, entry_gemm: float,
                exit_gemm: float, overlapped: bool, overlaps: bool) -> float:
     """One region's all-gather in and reduce-scatter out (forward; backward swaps them over
     the same products), whole or overlapped with the products beside them."""

@@ -22,7 +22,7 @@ from meshtron.config import split_overrides
 from meshtron.data.cache import scratch as scratch_dir
 from meshtron.errors import MeshtronError
 from meshtron.files import check_writable
-from meshtron.hpsearch.proxies import Proxy, proxies, prune_space
+from meshtron.hpsearch.proxies import WidthProxy, proxies, prune_space
 from meshtron.hpsearch.ranking import (
     Row,
     best_by_width,
@@ -126,7 +126,7 @@ def run_hpsearch(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def report(args: argparse.Namespace, rows: list[Row], dims: Sequence[Dimension],
-           runs: Sequence[Proxy], x: Dimension | None) -> int:
+           runs: Sequence[WidthProxy], x: Dimension | None) -> int:
     """The table, the per-width bests, and the files asked for."""
     names = [d.name for d in dims]
     print("\n".join(table(rows, names)))
@@ -156,10 +156,10 @@ def settings_text(params: dict[str, Any]) -> str:
     return ", ".join(f"{k}={format_value(v)}" for k, v in params.items())
 
 
-def write_output_config(path: Path, proxy: Proxy, best: Row) -> None:
+def write_output_config(path: Path, proxy: WidthProxy, best: Row) -> None:
     """The user's config (its own model, not the proxy's width) with the best settings and
     what follows from them (a batch's steps, the schedule's floor)."""
-    target = Proxy(proxy.config_path, proxy.overrides, proxy.base, None, proxy.nproc)
+    target = WidthProxy(proxy.config_path, proxy.overrides, proxy.base, None, proxy.nproc)
     cfg = target.config(best.params)
     width = f" at width {best.width}" if best.width else ""
     header = (f"# meshtron hpsearch: best of the search (loss {best.loss:.4f}{width}): "

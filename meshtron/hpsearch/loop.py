@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from meshtron.errors import MeshtronError
-from meshtron.hpsearch.proxies import Proxy
+from meshtron.hpsearch.proxies import WidthProxy
 from meshtron.hpsearch.ranking import Row
 from meshtron.hpsearch.space import Dimension, format_value
 from meshtron.hpsearch.study import (
@@ -42,7 +42,7 @@ from meshtron.hpsearch.watch import Outcome, Reporter, run_watched
 class Search:
     """The studies of one search (one per width) and how to run their trials."""
 
-    def __init__(self, runs: Sequence[Proxy], dims: Sequence[Dimension], trials: int,
+    def __init__(self, runs: Sequence[WidthProxy], dims: Sequence[Dimension], trials: int,
                  args: argparse.Namespace, grid: Mapping[str, Sequence[Any]] | None):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.runs, self.trials = list(runs), trials
@@ -110,14 +110,14 @@ class Search:
                 if t.number not in have:
                     self._replay(study, proxy, t.number, t.params, folder)
 
-    def _replay(self, study: optuna.Study, proxy: Proxy, source: int,
+    def _replay(self, study: optuna.Study, proxy: WidthProxy, source: int,
                 params: Mapping[str, Any], folder: Path) -> None:
         with fixed(study, params):
             trial = study.ask(self.distributions)
         trial.set_user_attr("source", source)
         self._run(study, proxy, trial, folder)
 
-    def _run(self, study: optuna.Study, proxy: Proxy, trial: optuna.Trial,
+    def _run(self, study: optuna.Study, proxy: WidthProxy, trial: optuna.Trial,
              folder: Path) -> None:
         """One trial: its config, its run (pruned by the study's pruner), its result told."""
         here = folder / study.study_name
@@ -165,7 +165,7 @@ def first_rung(steps: int, warmup: int, factor: int) -> int:
     return max(1, math.ceil(steps / factor**2), min(warmup, steps // factor))
 
 
-def study_name(proxy: Proxy) -> str:
+def study_name(proxy: WidthProxy) -> str:
     return f"hpsearch-width-{proxy.width}" if proxy.width else "hpsearch"
 
 
@@ -176,7 +176,7 @@ def row_of(t: FrozenTrial, width: int | None) -> Row:
                a.get("planned_steps"), a.get("error"), a.get("seconds"))
 
 
-def progress_line(number: int, proxy: Proxy, params: Mapping[str, Any], outcome: Outcome,
+def progress_line(number: int, proxy: WidthProxy, params: Mapping[str, Any], outcome: Outcome,
                   planned: int | None, seconds: float) -> str:
     at = f" at width {proxy.width}" if proxy.width else ""
     text = ", ".join(f"{k}={format_value(v)}" for k, v in params.items())

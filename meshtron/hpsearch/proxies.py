@@ -34,7 +34,7 @@ WIDTH_FIELDS = ("model.hidden_size", "model.ffn_hidden_size", "model.head_dim",
 
 
 @dataclass(frozen=True)
-class Proxy:
+class WidthProxy:
     """The user's run (``config_path`` + ``overrides``, resolved as ``base``) at ``width``
     (None: as configured) on ``nproc`` ranks."""
 
@@ -122,10 +122,10 @@ def as_overrides(values: Mapping[str, Any]) -> list[str]:
 
 
 def proxies(config_path: str | None, overrides: Sequence[str], widths: Sequence[int],
-            nproc: int) -> list[Proxy]:
+            nproc: int) -> list[WidthProxy]:
     """One proxy per width (or the config's own model), each checked before any trial."""
     base = load_config(config_path, overrides)
-    out = [Proxy(config_path, tuple(overrides), base, w, nproc) for w in widths or [None]]
+    out = [WidthProxy(config_path, tuple(overrides), base, w, nproc) for w in widths or [None]]
     for proxy in out:
         try:
             proxy.config({})
@@ -135,7 +135,7 @@ def proxies(config_path: str | None, overrides: Sequence[str], widths: Sequence[
     return out
 
 
-def prune_space(dims: Sequence[Dimension], runs: Sequence[Proxy]
+def prune_space(dims: Sequence[Dimension], runs: Sequence[WidthProxy]
                 ) -> tuple[list[Dimension], list[str]]:
     """Drop the choices no proxy can run, saying why; a range whose ends cannot run, or a
     dimension with no choice left, is one error line."""
@@ -164,7 +164,7 @@ def prune_space(dims: Sequence[Dimension], runs: Sequence[Proxy]
     return kept, notes
 
 
-def _refusal(name: str, value: Any, runs: Sequence[Proxy]) -> str | None:
+def _refusal(name: str, value: Any, runs: Sequence[WidthProxy]) -> str | None:
     for proxy in runs:
         try:
             proxy.config({name: value})

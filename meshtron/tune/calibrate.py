@@ -273,7 +273,7 @@ def group_sizes(world: int) -> list[int]:
     return sizes + [world] if world > 1 and world not in sizes else sizes
 
 
-def group_of(n: int, world: int, rank: int) -> dist.ProcessGroup | None:
+def consecutive_group(n: int, world: int, rank: int) -> dist.ProcessGroup | None:
     """This rank's group of ``n`` consecutive ranks (None for a rank left over when ``n`` does
     not divide the world). Every rank creates every group in the same order, as
     ``new_group`` requires."""
@@ -370,7 +370,7 @@ def measure_collectives(quick: bool, world: int, rank: int,
     s = settings(quick, device.type == "cuda")
     fits: dict[str, dict[int, tuple[float, float]]] = {}
     for n in group_sizes(world):
-        group = group_of(n, world, rank)
+        group = consecutive_group(n, world, rank)
         for kind in COLLECTIVES:
             if kind == "send_recv" and n != 2:
                 continue
@@ -402,7 +402,7 @@ def with_collectives(profile: ClusterProfile, fits: dict[str, dict[int, tuple[fl
                                intra_node=link, inter_node=link, reduce_scatter_copy=copy)
 
 
-def summary(profile: ClusterProfile, output: Path) -> str:
+def profile_summary(profile: ClusterProfile, output: Path) -> str:
     """A few lines saying what was measured, for the person who ran the command."""
     curve = profile.gemm_efficiency
     peaks = ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in profile.peak_flops.items())

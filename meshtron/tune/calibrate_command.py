@@ -64,7 +64,7 @@ from meshtron.tune.calibrate import (
     RANK_TIMEOUT_S,
     measure_collectives,
     measure_process,
-    summary,
+    profile_summary,
     torch_threads,
     with_collectives,
 )
@@ -272,7 +272,7 @@ def run_calibrate(nproc: int, output: Path, quick: bool = False, probe: bool = T
         if profile is None:
             return 0
         save_profile(profile, output)
-        print(summary(profile, output), flush=True)
+        print(profile_summary(profile, output), flush=True)
     if probe:
         run_probes(output, max(nproc, info.world_size), PROBE_STEPS[quick])
     return 0

@@ -76,7 +76,7 @@ def given_fields(config_path: str | None, overrides: list[str]) -> dict[str, obj
     return given
 
 
-def pins_of(given: dict[str, object]) -> Pins:
+def layout_pins_of(given: dict[str, object]) -> Pins:
     """The layout fields the user fixed."""
     return Pins(**{field: given[name] for name, field in PIN_FIELDS.items()
                    if given.get(name) is not None})
@@ -200,7 +200,7 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
     cfg, defaults = planning_defaults(cfg, given, cluster)
     if defaults:
         print(f"planning with {', '.join(defaults)} (unset; set them for your run)")
-    pins = pins_of(given)
+    pins = layout_pins_of(given)
     check_pins(cfg, pins, cluster)
     problem = problem_of(cfg, cluster)
     result = search(problem, pins, cfg)
