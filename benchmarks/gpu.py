@@ -70,7 +70,7 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import E4M3, E5M2, GEMMS, check_gemm, scaled_mm_supported
 from meshtron.precision.policy import Precision
-from meshtron.rank import fp8_options, rank_of
+from meshtron.rank import fp8_options, rank_with
 from meshtron.training.hardware import peak_flops
 from meshtron.training.step import train_step
 
@@ -161,7 +161,7 @@ def build_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.devi
     precision = Precision(cfg.precision.dtype, device)
     precision.cast_parameters(model)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
-    parts = rank_of(plan, model, optimizer, mesh, precision)
+    parts = rank_with(plan, model, optimizer, mesh, precision)
 
     def step(batch: torch.Tensor) -> float:
         return train_step(parts, batch, cfg.train.lr).loss

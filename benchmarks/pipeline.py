@@ -123,7 +123,7 @@ from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.pipeline.measured_order import MeasuredOrder
 from meshtron.parallel.pipeline.schedules import Schedule, build_schedule
 from meshtron.plan import RunPlan, plan_run
-from meshtron.rank import rank_of
+from meshtron.rank import rank_with
 from meshtron.training.step import train_step
 
 
@@ -236,7 +236,7 @@ def build_meshtron(setup: Setup, s: Shape, mesh: ParallelMesh, halves: Halves | 
     schedule = _schedule(setup, s, mesh.pp.size, halves)
     executor = PipelineExecutor(model, mesh, plan.partition, schedule, cfg.model.hidden_size)
     optimizer = build_optimizer(model, mesh, cfg.train, zero=0, bucket_mb=25.0)
-    parts = rank_of(plan, model, optimizer, mesh, pipeline=executor)  # the schedule under test
+    parts = rank_with(plan, model, optimizer, mesh, pipeline=executor)  # the schedule under test
     reorder = MeasuredOrder(warmup, setup.ahead) if setup.measured else None
 
     def step(batch: torch.Tensor) -> float:

@@ -110,7 +110,7 @@ def build_rank(plan: RunPlan, mesh: ParallelMesh, device: torch.device | None = 
                 pipeline_of(plan, model, mesh), local_params)
 
 
-def rank_of(plan: RunPlan, model: Transformer, optimizer: DataParallelOptimizer,
+def rank_with(plan: RunPlan, model: Transformer, optimizer: DataParallelOptimizer,
             mesh: ParallelMesh | None = None, precision: Precision | None = None,
             pipeline: PipelineExecutor | None = None) -> Rank:
     """A :class:`Rank` around a model and optimizer the caller built its own way (a test that

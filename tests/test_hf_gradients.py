@@ -20,7 +20,7 @@ from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.plan import plan_run
 from meshtron.precision.policy import Precision
-from meshtron.rank import rank_of
+from meshtron.rank import rank_with
 from meshtron.training.step import train_step
 
 transformers = pytest.importorskip("transformers")
@@ -103,7 +103,7 @@ def test_three_adamw_steps_give_the_same_weights(case, dtype, atol):
     precision.cast_parameters(ours)
     theirs.to(precision.param_dtype)
     optimizer = build_optimizer(ours, mesh, t, zero=0, bucket_mb=25.0)
-    rank = rank_of(plan_run(cfg, 1), ours, optimizer, mesh, precision)  # transformers' twin
+    rank = rank_with(plan_run(cfg, 1), ours, optimizer, mesh, precision)  # transformers' twin
     decay = [p for p in theirs.parameters() if p.dim() >= 2]
     no_decay = [p for p in theirs.parameters() if p.dim() < 2]
     reference = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},

@@ -16,7 +16,7 @@ from meshtron.optim.adamw import build_adamw
 from meshtron.optim.data_parallel import ShardedOptimizer, build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.plan import plan_run
-from meshtron.rank import Rank, build_rank, rank_of
+from meshtron.rank import Rank, build_rank, rank_with
 from meshtron.training.step import train_step
 from tests.distributed import run_distributed
 from tests.parity import assert_layouts_match, run_layouts
@@ -111,8 +111,8 @@ def test_the_multiplier_reaches_zero0_groups_and_zero1_buckets():
     for bucket in buckets:  # never mixed
         assert {twin_mults.get(id(p), 1.0) for p in bucket.params} == {bucket.lr_mult}
     plan = plan_run(cfg, 1)  # twin models, one optimizer kind each
-    losses0 = train(rank_of(plan, model, zero0), 3)
-    losses1 = train(rank_of(plan, twin, zero1), 3)
+    losses0 = train(rank_with(plan, model, zero0), 3)
+    losses1 = train(rank_with(plan, twin, zero1), 3)
     assert losses1 == pytest.approx(losses0, rel=1e-6)
     with torch.no_grad():  # the same update up to rounding (Adam magnifies last bits)
         for (name, x), y in zip(model.named_parameters(), twin.parameters()):

@@ -17,7 +17,7 @@ from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.mesh.params import ParamLayout, set_layout
 from meshtron.plan import plan_run
-from meshtron.rank import rank_of
+from meshtron.rank import rank_with
 from meshtron.training.step import micro_batches, train_step
 from tests.parity import test_overrides
 
@@ -87,7 +87,7 @@ def test_local_gradients_equal_the_buckets_element_for_element():
     assert norms[0] == pytest.approx(norms[1], rel=1e-6)
 
     plan = plan_run(cfg, 1)  # twin models, one per gradient path: each a rank of one plan
-    ranks = [rank_of(plan, m, o) for m, o in ((local_model, local), (bucket_model, bucketed))]
+    ranks = [rank_with(plan, m, o) for m, o in ((local_model, local), (bucket_model, bucketed))]
     for window in windows(3):
         out = [train_step(rank, window, lr=3e-3) for rank in ranks]
         assert out[0].loss == pytest.approx(out[1].loss, rel=1e-6)
