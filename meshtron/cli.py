@@ -124,7 +124,8 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
                 print(f"meshtron: error: {err}", file=sys.stderr)
                 code = 2
             elif isinstance(err, OSError) and err.errno in OS_REASONS:
-                where = f" ({err.filename})" if err.filename else ""
+                name = str(err.filename or "")
+                where = f" ({name[:80]}{'...' if len(name) > 80 else ''})" if name else ""
                 print(f"meshtron: error: the file system refused a write or read{where}: "
                       f"{os_reason(err)}", file=sys.stderr)
                 code = 2

@@ -20,7 +20,9 @@ from meshtron.errors import MeshtronError
 REASONS = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
            errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the device",
            errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a parent is a file",
-           errno.EFBIG: "file size limit exceeded", errno.EIO: "input/output error"}
+           errno.EFBIG: "file size limit exceeded", errno.EIO: "input/output error",
+           errno.ENAMETOOLONG: "a name in the path is longer than the file system allows",
+           errno.ELOOP: "too many levels of symbolic links"}
 
 
 def os_reason(err: OSError) -> str:

@@ -148,3 +148,17 @@ def test_a_deleted_working_folder_is_one_line(tmp_path, capsys, monkeypatch):
     gone.rmdir()
     assert main(["train", "--train.steps=1"]) == 2
     assert "the current folder no longer exists" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--checkpoint", "LONG"], ["plot", "LONG"], ["convert", "--from", "LONG",
+                                                             "--to", "out"],
+    ["preprocess", "LONG", "--output", "out/p"], ["generate", "--checkpoint", ".",
+                                                   "--prompt-file", "LONG"],
+])
+def test_a_path_with_a_name_too_long_is_one_short_line(tmp_path, capsys, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    assert main([arg.replace("LONG", "z" * 5000) for arg in command]) == 2
+    line = one_error_line(capsys)
+    assert line.endswith("a name in the path is longer than the file system allows"), line
+    assert len(line) < 300
