@@ -1,20 +1,21 @@
-"""The README's commands, run as a newcomer would: in order, in one fresh working directory.
+"""The README's commands, then the docs', run as a newcomer would: in order, in one fresh
+working directory (the docs' after the README's, whose runs and files they use).
 
 Each command runs as written, but shorter: step counts (``--train.steps``,
 ``checkpoint.every``, ``checkpoint.resume_from`` and those in ``--config`` files) are divided
 by 100 (at most 3), a command that names no step count trains one step, an evaluation takes
 one batch, sequences are at most 4096 tokens long, and every run reads a 1 MB slice of the
-built-in corpus from a private cache. The user's own files the examples name (``corpus.txt``,
-``books/``, ``code.jsonl``, ``corpus/``) are made from this Python's sources.
-``cp`` copies from this environment (``.venv/`` is ``sys.prefix``).
+built-in corpus from a private cache. ``meshtron`` is this environment's (activating it,
+``. .venv/bin/activate``, is what this test's Python already is), and ``cp`` copies from it
+(``.venv/`` is ``sys.prefix``). ``meshtron sample-data`` writes 1 MB instead of 4,
 ``meshtron archsearch`` trains 4 proxies of 80 steps and refines one, ``hpsearch`` runs 3
-trials and ``evaluate`` 4 episodes.
-``make test`` is not run (it is this suite), and ``make train`` runs what the Makefile runs.
+trials and ``evaluate`` 4 episodes. ``make test`` is not run (it is this suite), and
+``make train`` runs what the Makefile runs. The docs' commands are those of their ``bash``
+and ``sh`` blocks; the few not run here are in :data:`DOCS_NOT_RUN`, each with its reason.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.readme_docs import DOCS_NOT_RUN, docs_commands, not_run_reason
 from tests.test_cli import _JOB_VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +42,11 @@ YAML_SCALED = {("train", "steps"), ("checkpoint", "every"), ("train", "eval_ever
                ("train", "log_every")}
 
 
-def readme_commands(text: str) -> list[list[str]]:
-    """Every command of the README's ``bash`` blocks, as argument lists (comments dropped,
-    continued lines joined)."""
+def readme_commands(text: str, languages: str = "bash") -> list[list[str]]:
+    """Every command of the ``bash`` (or ``languages``, a regex) blocks of a markdown text, as
+    argument lists (comments dropped, continued lines joined)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+    for block in re.findall(rf"```(?:{languages})\n(.*?)```", text, re.DOTALL):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words:
@@ -75,18 +77,6 @@ def shortened(words: list[str], cwd: Path, cache: Path) -> list[str]:
     return out[: train + 1] + inserted + out[train + 1 :]
 
 
-def user_files(cwd: Path) -> None:
-    """Small stand-ins for the files the examples name."""
-    sources = sorted(Path(json.__file__).parent.parent.glob("*.py"))
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in sources[:80]]
-    (cwd / "corpus.txt").write_text("\n".join(texts[:20]))
-    for folder, chunk in (("books", texts[20:40]), ("corpus", texts[40:60])):
-        (cwd / folder).mkdir()
-        for i in range(2):
-            (cwd / folder / f"part{i}.txt").write_text("\n".join(chunk[i::2]))
-    (cwd / "code.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[60:]))
-
-
 def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
     """The meshtron argument lists a README command stands for (None: not run here)."""
     if words == ["make", "test"]:
@@ -96,6 +86,11 @@ def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
                                                cwd, cache)],
                 ["-m", "meshtron", "generate", "--checkpoint", "runs/default", "--prompt", "def ",
                  "--max-new-tokens", "20"]]
+    if words == [".", ".venv/bin/activate"]:  # this test's Python is the environment's
+        return None
+    if words[0] == "printf":  # a file the next command reads, written by the shell
+        return [["-c", "import subprocess, sys; subprocess.run(sys.argv[1], shell=True, "
+                 "check=True)", shlex.join(words[:-2]) + " > " + shlex.quote(words[-1])]]
     if words[0] == "cp":  # copying a file the environment holds (.venv/ is this one)
         return [["-c", "import shutil, sys; shutil.copy(*sys.argv[1:])",
                  *(str(Path(sys.prefix) / w[len(".venv/"):]) if w.startswith(".venv/") else w
@@ -103,11 +98,14 @@ def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
     if words[0] == "torchrun":
         module = words.index("-m")
         return [["-m", "torch.distributed.run", *words[1:module], "-m", "meshtron",
-                 *shortened(words[module + 2 :], cwd, cache)]]
-    assert words[0] == ".venv/bin/meshtron", f"a README command that is not meshtron: {words}"
+                 *(shortened(words[module + 2 :], cwd, cache) if words[module + 2] == "train"
+                   else words[module + 2 :])]]
+    assert words[0] == "meshtron", f"a command that is not meshtron: {words}"
     rest = [FEWER.get(before, word) for before, word in zip(["", *words[1:]], words[1:])]
     if rest[0] == "archsearch":  # four proxies of the fewest steps the fit allows, one refined
         rest = [*rest, *ARCHSEARCH_SHORT]
+    if rest[0] == "sample-data":
+        rest = [*rest, "--max-mb", "1"]
     return [["-m", "meshtron", *(shortened(rest, cwd, cache) if rest[0] == "train" else rest)]]
 
 
@@ -120,6 +118,7 @@ def run_python(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 COMMANDS = readme_commands((ROOT / "README.md").read_text())
+DOCS = docs_commands(ROOT / "docs", readme_commands)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +128,6 @@ def clone(tmp_path_factory) -> tuple[Path, Path]:
     cwd = root / "clone"
     cwd.mkdir()
     shutil.copytree(ROOT / "configs", cwd / "configs")
-    user_files(cwd)
     return cwd, root / "cache"
 
 
@@ -137,10 +135,44 @@ def test_the_readme_has_its_examples():
     assert COMMANDS[:2] == [["make", "train"], ["make", "test"]] and len(COMMANDS) > 20
 
 
+def test_docs_commands_name_their_run_dir():
+    """A docs command that trains names its own run.dir (``runs/default`` is ``make train``'s,
+    and another model's run there is refused); a ``train.yaml`` that ``meshtron convert``
+    wrote names the imported model's, and ``...`` marks an incomplete example."""
+    trains = [words for _, words in DOCS if "train" in words[:6] and "meshtron" in words[:6]]
+    assert len(trains) > 10
+    for words in trains:
+        assert any(w.startswith("--run.dir=") for w in words) or "..." in words or any(
+            w.endswith("/train.yaml") for w in words), f"no --run.dir: {' '.join(words)}"
+
+
+def test_every_docs_command_not_run_is_listed_once():
+    """Each entry of DOCS_NOT_RUN names commands the docs still hold (none stale)."""
+    for key in DOCS_NOT_RUN:
+        assert any(not_run_reason(doc, words) == DOCS_NOT_RUN[key] and doc == key[0]
+                   and " ".join(words).startswith(key[1]) for doc, words in DOCS), key
+    assert sum(not_run_reason(doc, words) is None for doc, words in DOCS) > 15
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("words", COMMANDS, ids=[f"{i:02d}-{w[1]}" for i, w in enumerate(COMMANDS)])
 def test_readme_command(words, clone):
     """One command (tests run in file order, so each finds what the earlier ones left)."""
+    run_in_clone(words, clone)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc, words", DOCS,
+                         ids=[f"{doc[:-3]}-{i:02d}-{w[0]}" for i, (doc, w) in enumerate(DOCS)])
+def test_docs_command(doc, words, clone):
+    """One docs command, after the README's (their runs and files are there)."""
+    if (reason := not_run_reason(doc, words)) is not None:
+        pytest.skip(reason)
+    run_in_clone(words, clone)
+
+
+def run_in_clone(words: list[str], clone: tuple[Path, Path]) -> None:
+    """Run what ``words`` stands for in the clone; it must succeed without a traceback."""
     cwd, cache = clone
     for args in argv(words, cwd, cache) or []:
         started = time.monotonic()
