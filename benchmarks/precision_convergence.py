@@ -1,0 +1,111 @@
+"""Low-precision recipes against bf16 on CPU: the final validation loss of each, side by side.
+
+Trains one small model from the same seed and data with each recipe (bf16, FP8 tensor-wise,
+FP8 block-wise, MXFP8, NVFP4; the FP8/FP4 products emulated exactly on CPU), evaluates the
+validation loss at intervals and prints a table of final validation losses and their gap to
+bf16, and writes the curves (JSON and a PNG) for docs/precision.md.
+
+    .venv/bin/python benchmarks/precision_convergence.py --steps 150 --out runs/precision
+
+Each run goes through the trainer (``meshtron.training.trainer.Trainer``), as
+``meshtron train`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+RECIPES = {
+    "bf16": [],
+    "fp8 blockwise": ["--precision.fp8=blockwise", "--precision.fp8_block=32"],
+    "mxfp8": ["--precision.fp8=mxfp8"],
+    "nvfp4": ["--precision.fp4=nvfp4"],
+    "fp8 tensorwise": ["--precision.fp8=tensorwise"],
+}
+"""bf16 first (the baseline); tensor-wise FP8 last: on CPU its products go through
+``torch._scaled_mm``'s CPU kernel, many times slower than the emulation the others use."""
+
+MODEL = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_heads=4",
+         "--model.num_kv_heads=4", "--model.ffn_hidden_size=128", "--model.max_seq_len=64",
+         "--data.vocab_size=512", "--data.corpus_max_mb=0.3", "--train.seq_len=32",
+         "--train.global_batch=8", "--train.lr=0.003", "--train.min_lr=0.0003",
+         "--train.warmup_steps=10", "--train.eval_batches=4", "--train.peak_flops=1e12",
+         "--run.progress=false", "--run.plot=false", "--checkpoint.resume=false",
+         "--checkpoint.every=0", "--precision.dtype=bf16"]
+"""The test suite's 2-layer, 64-wide model (tests/parity.py) in bf16."""
+
+
+def run(name: str, knobs: list[str], steps: int, root: Path, cache: str) -> dict:
+    """One recipe's training: per-step losses, validation losses and seconds."""
+    from meshtron.config import load_config
+    from meshtron.training.trainer import Trainer
+
+    every = max(1, steps // 4)
+    run_dir = root / name.replace(" ", "-")
+    cfg = load_config(overrides=MODEL + knobs + [
+        f"--train.steps={steps}", f"--train.eval_every={every}", f"--train.log_every={every}",
+        f"--data.cache_dir={cache}", f"--run.dir={run_dir}"])
+    start = time.perf_counter()
+    result = Trainer(cfg, log=lambda message: None).run()
+    seconds = time.perf_counter() - start
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    return {"recipe": name, "overrides": knobs, "losses": result.losses, "val": val,
+            "final_val_loss": result.val_loss, "seconds": seconds}
+
+
+def table(results: list[dict]) -> str:
+    """Markdown rows: recipe, final validation loss, gap to bf16, seconds."""
+    base = results[0]["final_val_loss"]
+    lines = ["| recipe | final val loss | gap vs bf16 | seconds |", "| --- | --- | --- | --- |"]
+    for r in results:
+        gap = (r["final_val_loss"] - base) / base
+        lines.append(f"| {r['recipe']} | {r['final_val_loss']:.4f} | {gap:+.2%} | "
+                     f"{r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Training and validation loss curves of every recipe side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        train_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["recipe"], lw=1)
+        val_ax.plot(*zip(*r["val"]), marker="o", label=r["recipe"], lw=1)
+    train_ax.set(title="training loss", xlabel="step", ylabel="loss")
+    val_ax.set(title="validation loss", xlabel="step")
+    val_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--out", type=Path, default=Path("runs/precision-convergence"))
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help="comma-separated subset of: " + ", ".join(RECIPES))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache = tempfile.mkdtemp(prefix="meshtron-precision-")
+    names = args.recipes.split(",")
+    results = []
+    for name in names:
+        results.append(run(name, RECIPES[name], args.steps, args.out, cache))
+        print(f"{name}: final validation loss {results[-1]['final_val_loss']:.4f} "
+              f"({results[-1]['seconds']:.0f} s)", flush=True)
+    (args.out / "curves.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "curves.png")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
