@@ -164,7 +164,7 @@ class Expert(nn.Module):
 
 
 @dataclass
-class RowPlan:
+class RowRouting:
     """Which token copies a rank sends to the experts, and in what order."""
 
     routed: torch.Tensor
@@ -179,8 +179,8 @@ class RowPlan:
 
     @classmethod
     def build(cls, experts: torch.Tensor, weights: torch.Tensor | None,
-              moe: MoEConfig) -> RowPlan:
-        """The plan for token copies ``experts`` [n, k] with routing ``weights`` (needed only
+              moe: MoEConfig) -> RowRouting:
+        """The routing of token copies ``experts`` [n, k] with routing ``weights`` (needed only
         with a capacity)."""
         num_experts, flat = moe.num_experts, experts.reshape(-1)
         routed = torch.bincount(flat, minlength=num_experts)
@@ -203,8 +203,8 @@ class RowPlan:
         return cls(routed, order, torch.full_like(routed, capacity),
                    capacity * sorted_experts + position)
 
-    def share(self, experts: torch.Tensor, batch: int, index: int, count: int) -> RowPlan:
-        """The part of this plan (made for ``experts`` [batch * seq, k] of whole sequences)
+    def share(self, experts: torch.Tensor, batch: int, index: int, count: int) -> RowRouting:
+        """The part of this routing (made for ``experts`` [batch * seq, k] of whole sequences)
         that falls in sequence chunk ``index`` of ``count``, numbered as that chunk's tokens."""
         k = experts.shape[-1]
         seq = len(experts) // batch
@@ -222,7 +222,7 @@ class RowPlan:
             in_expert = torch.arange(len(order), device=order.device) - start[sorted_experts]
             rows = capacity * sorted_experts + in_expert
             rows_per_expert = self.rows_per_expert
-        return RowPlan(self.routed, local_copy, rows_per_expert, rows)
+        return RowRouting(self.routed, local_copy, rows_per_expert, rows)
 
 
 class MoE(nn.Module):
@@ -271,7 +271,7 @@ class MoE(nn.Module):
         else:  # expert tensor parallel = tp: the whole micro-batch, each rank a slice of experts
             weights = self.region.enter(weights.view(b, s_mine, k)).reshape(-1, k)
             tokens = self.region.enter(x).reshape(-1, h)
-            routed = self._routed(tokens, self._plan(chosen, weights.detach()), weights)
+            routed = self._routed(tokens, self._route(chosen, weights.detach()), weights)
             out = self.region.exit(routed.view(b, -1, h))
         if self.shared is not None:
             out = out + self.shared(x)
@@ -285,39 +285,40 @@ class MoE(nn.Module):
     def _whole_experts(self, mine: torch.Tensor, chosen: torch.Tensor,
                        weights: torch.Tensor) -> torch.Tensor:
         """Expert tensor parallel 1: this rank's tokens ``mine`` [b, s/tp, h] through whole
-        experts, planned over the whole micro-batch (``chosen``), output gathered back over tp
+        experts, routed over the whole micro-batch (``chosen``), output gathered back over tp
         unless the stream is sequence-parallel."""
         group, (b, s_mine, h) = self.region.group, mine.shape
         every_weight = None
         if self.moe.capacity_factor:  # capacity is decided over the whole micro-batch
             every_weight = all_gather(weights.detach().view(b, s_mine, -1), group, dim=1)
-        plan = self._plan(chosen, every_weight).share(chosen, b, group.rank, group.size)
-        out = self._routed(mine.reshape(-1, h), plan, weights).view(b, s_mine, h)
+        routing = self._route(chosen, every_weight).share(chosen, b, group.rank, group.size)
+        out = self._routed(mine.reshape(-1, h), routing, weights).view(b, s_mine, h)
         return out if self.region.sequence_parallel else gather_to_tp(out, group)
 
     # ------------------------------------------------------------------ dispatch and experts
 
-    def _plan(self, chosen: torch.Tensor, weights: torch.Tensor | None) -> RowPlan:
-        """The row plan of the whole micro-batch; its routing statistics are recorded."""
-        plan = RowPlan.build(chosen, weights, self.moe)
+    def _route(self, chosen: torch.Tensor, weights: torch.Tensor | None) -> RowRouting:
+        """The row routing of the whole micro-batch; its routing statistics are recorded."""
+        routing = RowRouting.build(chosen, weights, self.moe)
         if self.training and not in_backward():
-            self.stats.load += plan.routed.double().cpu()
+            self.stats.load += routing.routed.double().cpu()
             self.stats.routed += chosen.numel()
-            self.stats.dropped += chosen.numel() - len(plan.order)
-        return plan
+            self.stats.dropped += chosen.numel() - len(routing.order)
+        return routing
 
-    def _routed(self, tokens: torch.Tensor, plan: RowPlan, weights: torch.Tensor) -> torch.Tensor:
-        """Σ_k weight_k · expert_k(token) for every row of ``tokens`` (copies per ``plan``)."""
-        source = plan.order // self.moe.top_k
+    def _routed(self, tokens: torch.Tensor, routing: RowRouting,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Σ_k weight_k · expert_k(token) for every row of ``tokens`` (copies per ``routing``)."""
+        source = routing.order // self.moe.top_k
         send = tokens[source]
-        if plan.rows is not None:
-            send = send.new_zeros(int(plan.rows_per_expert.sum()), send.shape[1]).index_copy(
-                0, plan.rows, send)
-        dispatch = Dispatch(plan.rows_per_expert, self.ep)
+        if routing.rows is not None:
+            send = send.new_zeros(int(routing.rows_per_expert.sum()), send.shape[1]).index_copy(
+                0, routing.rows, send)
+        dispatch = Dispatch(routing.rows_per_expert, self.ep)
         out = dispatch.back(self._experts(dispatch.send(send), dispatch.expert_counts))
-        if plan.rows is not None:
-            out = out[plan.rows]
-        out = out * weights.reshape(-1)[plan.order].to(out.dtype).unsqueeze(1)
+        if routing.rows is not None:
+            out = out[routing.rows]
+        out = out * weights.reshape(-1)[routing.order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, source, out)
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
