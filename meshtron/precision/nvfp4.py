@@ -19,11 +19,12 @@ The training recipe of NVIDIA's NVFP4 pre-training report, as :func:`nvfp4_linea
 * output gradients are rounded stochastically (unbiased), activations and weights to nearest.
 
 Stochastic rounding draws each element's uniform number from a hash of (the layer's seed, the
-product, the element's token index, its own fp32 bits), not from a generator's stream: the
-draw is deterministic given the seed and independent of how tensor parallelism splits the
-features or pipeline and data parallelism split the work (the parity contract). Equal values
-in the same token row draw the same number; each rounding is still unbiased on its own.
-Per-tensor amaxes are agreed across the ranks holding parts of a tensor (``reduce_amax``).
+product, the element's token number in its micro-batch, its global output-feature number, the
+top 20 bits of its value), not from a generator's stream: the draw is deterministic given the
+seed and the same however tensor parallelism splits the features or pipeline and data
+parallelism split the work (the parity contract); the low bits that another summation order
+changes are left out, and a value that changes (the next step) draws anew. Per-tensor amaxes
+are agreed across the ranks holding parts of a tensor (``reduce_amax``).
 """
 
 from __future__ import annotations
@@ -95,13 +96,16 @@ def _mix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
-def hashed_uniform(v: Tensor, rows: Tensor, seed: int) -> Tensor:
-    """A number in [0, 1) (24 random bits) per element of fp32 ``v``, from ``seed``, the
-    element's row number (``rows``, broadcast against ``v``) and its own bits."""
-    bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+def hashed_uniform(v: Tensor, tokens: Tensor, features: Tensor, seed: int) -> Tensor:
+    """A number in [0, 1) (24 random bits) per element of fp32 ``v`` from ``seed``, the
+    element's token and global feature numbers (broadcast against ``v``) and its value's top
+    20 bits: the same element draws the same number in every layout, a last-bit difference
+    from another summation order almost never changes the draw, a new value draws anew."""
+    coarse = (v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 12
     h = _mix32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64, device=v.device))
-    h = _mix32(h ^ (rows.to(torch.int64) & 0xFFFFFFFF))
-    h = _mix32(h ^ bits)
+    h = _mix32(h ^ (tokens.to(torch.int64) & 0xFFFFFFFF))
+    h = _mix32(h ^ (features.to(torch.int64) & 0xFFFFFFFF))
+    h = _mix32(h ^ coarse)
     return (h >> 8).to(torch.float32) * 2.0**-24
 
 
@@ -179,8 +183,8 @@ class NVFP4Options:
     stochastic: bool = True
 
     def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
-              defer: WeightGradHook | None = None) -> Tensor:
-        return nvfp4_linear(x, weight, bias, self, defer)
+              defer: WeightGradHook | None = None, features: Tensor | None = None) -> Tensor:
+        return nvfp4_linear(x, weight, bias, self, defer, features)
 
     def agreed_scale(self, x: Tensor, what: str) -> Tensor:
         """The per-tensor scale of ``x`` from its amax, agreed across ranks; a non-finite
@@ -192,13 +196,18 @@ class NVFP4Options:
         return per_tensor_scale(amax)
 
     def quantize(self, x: Tensor, what: str, tile: tuple[int, int] = (1, NVFP4_BLOCK),
-                 salt: int | None = None) -> NVFP4Tensor:
-        """``x`` quantised with its agreed per-tensor scale; stochastically rounded (rows are
-        token numbers, or the columns when ``x`` is transposed) when ``salt`` is given."""
+                 salt: int | None = None, tokens: Tensor | None = None,
+                 features: Tensor | None = None) -> NVFP4Tensor:
+        """``x`` quantised with its agreed per-tensor scale; with ``salt``, stochastically
+        rounded, each element's draw keyed by its ``tokens`` and global ``features`` numbers
+        (broadcast against ``x``; by default its row and column)."""
         uniform = None
         if salt is not None and self.stochastic:
-            tokens = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
-            uniform = hashed_uniform(x.float().contiguous(), tokens, self.seed * 4 + salt)
+            rows, cols = x.shape
+            tokens = torch.arange(rows, device=x.device)[:, None] if tokens is None else tokens
+            features = torch.arange(cols, device=x.device) if features is None else features
+            uniform = hashed_uniform(x.float().contiguous(), tokens, features,
+                                     self.seed * 4 + salt)
         return nvfp4_quantize(x, self.agreed_scale(x, what), tile, uniform)
 
 
@@ -215,7 +224,7 @@ class _NVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,
-                defer: WeightGradHook | None) -> Tensor:
+                defer: WeightGradHook | None, features: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             qw = opts.quantize(weight.detach(), "weight", (NVFP4_BLOCK, NVFP4_BLOCK))
@@ -226,6 +235,8 @@ class _NVFP4Linear(torch.autograd.Function):
             xt = _wgrad_operand(x2.detach(), opts)
             ctx.qx_w = opts.quantize(xt, "input (weight-gradient layout)")
         ctx.qw, ctx.opts, ctx.defer = qw, opts, defer
+        ctx.features = torch.arange(weight.shape[0], device=weight.device) \
+            if features is None else features
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(weight)
@@ -238,24 +249,30 @@ class _NVFP4Linear(torch.autograd.Function):
         gy2 = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = grad_b = None
         with torch.autocast(gy2.device.type, enabled=False):
+            features = ctx.features
             if ctx.needs_input_grad[0]:
-                qgy = opts.quantize(gy2, "output gradient", salt=1)
+                qgy = opts.quantize(gy2, "output gradient", salt=1, features=features)
                 grad_x = (qgy.dequantize() @ ctx.qw.dequantize()).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                gyt = opts.quantize(_wgrad_operand(gy2, opts), "output gradient", salt=2)
+                gyt = _wgrad_operand(gy2, opts)
+                tokens = torch.arange(gyt.shape[1], device=gyt.device)
+                gyt = opts.quantize(gyt, "output gradient", salt=2, tokens=tokens,
+                                    features=features[:, None])
                 gy_w, x_w = gyt.dequantize(), ctx.qx_w.dequantize()
                 deferred = ctx.defer is not None and ctx.defer(weight, x_w.t(), gy_w.t())
                 if not deferred:
                     grad_w = (gy_w @ x_w.t()).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = gy2.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def nvfp4_linear(x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,
-                 defer: WeightGradHook | None = None) -> Tensor:
+                 defer: WeightGradHook | None = None, features: Tensor | None = None) -> Tensor:
     """``x @ weight^T + bias`` with all three products in NVFP4 (emulated: dequantised
     operands multiplied in fp32). ``weight`` [out, in] needs both dimensions multiples of 16
-    (its 16 x 16 blocks), ``x`` any leading shape. ``defer`` as in :func:`fp8_linear`."""
-    return _NVFP4Linear.apply(x, weight, bias, opts, defer)
+    (its 16 x 16 blocks), ``x`` any leading shape. ``defer`` as in :func:`fp8_linear`;
+    ``features``: the global numbers of ``weight``'s rows, which key stochastic rounding
+    (default: 0, 1, ...; a tensor-parallel shard passes its slice of them)."""
+    return _NVFP4Linear.apply(x, weight, bias, opts, defer, features)

@@ -35,7 +35,9 @@ class LowPrecision(Protocol):
     """One linear layer's low-precision product."""
 
     def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
-              defer: WeightGradHook | None = None) -> Tensor: ...
+              defer: WeightGradHook | None = None, features: Tensor | None = None
+              ) -> Tensor:
+        """``x @ weight^T + bias``; ``features``: the global numbers of ``weight``'s rows."""
 
 
 @dataclass
@@ -46,7 +48,8 @@ class FP8Options:
     grad_format: str = "e5m2"
 
     def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
-              defer: WeightGradHook | None = None) -> Tensor:
+              defer: WeightGradHook | None = None, features: Tensor | None = None
+              ) -> Tensor:
         return fp8_linear(x, weight, bias, self.recipe, self.grad_format, defer)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from meshtron.parallel.mesh.params import layout_of
 from meshtron.parallel.tensor.weight_grad import LinearSplitBackward, WeightGradStore
 from meshtron.precision.recipes import FP8Options, LayerPolicy, LowPrecision
 
@@ -56,7 +57,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x W^T + b``; in FP8 or FP4 when ``fp8`` (a layer's low-precision options) is given;
     the weight gradient deferred to ``store`` while it is deferring."""
     if fp8 is not None:
-        return fp8.apply(x, weight, bias, store.defer if store is not None else None)
+        return fp8.apply(x, weight, bias, store.defer if store is not None else None,
+                         output_features(weight))
     if store is None:
         return F.linear(x, weight, bias)
     return LinearSplitBackward.apply(x, weight, bias, store)
+
+
+def output_features(weight: torch.Tensor) -> torch.Tensor | None:
+    """The global numbers of ``weight``'s rows (its output features) where a tensor-parallel
+    shard holds a slice of them (of each part, for fused projections); None where it holds
+    them all. Stochastic rounding keys its draws by them, so every split draws alike."""
+    spec = layout_of(weight).tp_slice
+    if spec is None or spec.dim != 0:
+        return None
+    return spec.take(torch.arange(layout_of(weight).global_shape[0], device=weight.device))
