@@ -115,3 +115,23 @@ def layer_seed(seed: int, layer: int | None) -> int:
     """A 32-bit seed for block ``layer``'s Hadamard signs and stochastic rounding: a function
     of the run's seed and the global block index only, so every layout draws alike."""
     return zlib.crc32(f"{seed}/{layer}".encode())
+
+
+def formats_said(pc: PrecisionConfig) -> str:
+    """The start-up line's account of the blocks' formats, e.g. ``fp8: mxfp8 scaling in
+    every block linear layer (gradients e5m2)``."""
+    fp4_blocks = "every block" if pc.fp4_layers is None else \
+        f"block{'s' * (len(pc.fp4_layers) > 1)} {', '.join(map(str, pc.fp4_layers))}"
+    parts = []
+    if pc.fp4 != "none":
+        parts.append(f"fp4: {pc.fp4} in the linear layers of {fp4_blocks} (16x16 weight blocks"
+                     f"{', Hadamard-transformed weight-gradient inputs' * pc.fp4_hadamard}"
+                     f"{', stochastically rounded gradients' * pc.fp4_stochastic})")
+    if pc.fp8 != "none":
+        where = "every block linear layer" if pc.fp4 == "none" else \
+            "the other blocks' linear layers"
+        parts.append(f"fp8: {pc.fp8} scaling in {where} (gradients "
+                     f"{pc.fp8_grad})")
+    if pc.keep_layers:
+        parts.append(f"blocks {', '.join(map(str, pc.keep_layers))} kept in {pc.dtype}")
+    return "; ".join(parts)

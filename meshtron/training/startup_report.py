@@ -16,6 +16,7 @@ from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.pipeline.schedules import Schedule
 from meshtron.plan import RunPlan
 from meshtron.precision.fp8 import scaled_mm_supported
+from meshtron.precision.recipes import formats_said
 
 
 def run_lines(cfg: Config, plan: RunPlan, padded_vocab: int) -> list[str]:
@@ -101,17 +102,18 @@ def state_line(cfg: Config, optimizer: DataParallelOptimizer, local_params: int)
 
 
 def fp8_line(pc: PrecisionConfig, device: torch.device) -> str | None:
-    """That FP8 is on, and whether its products are native FP8 GEMMs here."""
-    if pc.fp8 == "none":
+    """That FP8/FP4 is on, in which blocks, and whether its products are native GEMMs here."""
+    if pc.fp8 == "none" and pc.fp4 == "none":
         return None
     e4m3 = torch.float8_e4m3fn
-    native = (pc.fp8 != "blockwise" and device.type == "cuda"
-              and scaled_mm_supported(device, e4m3, e4m3, 16, 16, 16))
+    native = (pc.fp8 in ("tensorwise", "delayed") and pc.fp4 == "none"
+              and device.type == "cuda" and scaled_mm_supported(device, e4m3, e4m3, 16, 16, 16))
     if native:
         how = "native FP8 GEMMs (torch._scaled_mm)"
     elif device.type == "cpu":
         how = ("emulated on CPU: the numerics of FP8 (quantised operands, fp32 accumulation), "
                "not its speed")
     else:
-        how = "emulated (dequantised operands multiplied in fp32): no FP8 GEMM for these"
-    return f"fp8: {pc.fp8} scaling in every block linear layer (gradients {pc.fp8_grad}); {how}"
+        how = ("emulated (dequantised operands multiplied in fp32): no native GEMM wired for "
+               "these (MX and NVFP4 ones need a Blackwell GPU)")
+    return f"{formats_said(pc)}; {how}"
