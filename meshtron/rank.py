@@ -32,8 +32,8 @@ from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import RunPlan
-from meshtron.precision.fp8 import make_recipe
 from meshtron.precision.policy import Precision
+from meshtron.precision.recipes import LayerPolicy, fp8_recipe, uses_low_precision
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def build_rank(plan: RunPlan, mesh: ParallelMesh, device: torch.device | None = 
     precision = Precision(pc.dtype, device, loss_scaling=pc.loss_scaling,
                           reduce_dtype=pc.reduce_dtype)
     options = plan.model_options(
-        mesh.pp.rank, fp8=(lambda: fp8_options(pc, mesh)) if pc.fp8 != "none" else None,
+        mesh.pp.rank, fp8=layer_policy(pc, mesh, cfg.model.num_layers, cfg.train.seed),
         aux_loss_weight=lambda: precision.loss_scale / plan.tokens_per_step)
     model = Transformer(cfg.model, mesh, options)
     initialize(model, seed=cfg.train.seed, std=cfg.model.init_std,
@@ -140,17 +140,25 @@ def pipeline_of(plan: RunPlan, model: Transformer,
     return PipelineExecutor(model, mesh, plan.partition, plan.schedule, plan.model.hidden_size)
 
 
-def fp8_options(pc: PrecisionConfig, mesh: ParallelMesh) -> FP8Options:
-    """One layer's FP8 settings. Tensor-wise amaxes are agreed over tp and cp (the ranks that
-    hold parts of the same tensors), so every layout scales alike (block-wise tiles are local
-    to each shard and need no agreement)."""
+def amax_agreement(mesh: ParallelMesh) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The max of an amax over tp and cp (the ranks that hold parts of the same tensors), so
+    every layout scales alike; None on one such rank (block-wise tiles are local to each shard
+    and need no agreement)."""
     group = mesh.tp_cp
+    if group.pg is None:
+        return None
+    return lambda amax: all_reduce(amax, group, op=torch.distributed.ReduceOp.MAX)
 
-    def agree(amax: torch.Tensor) -> torch.Tensor:
-        return all_reduce(amax, group, op=torch.distributed.ReduceOp.MAX)
 
-    knobs: dict = {"block": pc.fp8_block} if pc.fp8 == "blockwise" else {}
-    if pc.fp8 == "delayed":
-        knobs = {"history_len": pc.fp8_history, "reduction": pc.fp8_amax}
-    return FP8Options(make_recipe(pc.fp8, agree if group.pg is not None else None, **knobs),
-                      pc.fp8_grad)
+def fp8_options(pc: PrecisionConfig, mesh: ParallelMesh) -> FP8Options:
+    """One layer's FP8 settings (``precision.fp8``), amaxes agreed as :func:`amax_agreement`."""
+    return FP8Options(fp8_recipe(pc, amax_agreement(mesh)), pc.fp8_grad)
+
+
+def layer_policy(pc: PrecisionConfig, mesh: ParallelMesh, num_layers: int,
+                 seed: int) -> LayerPolicy | None:
+    """Each block's FP8/FP4 options by its index (precision/recipes.py); None when every
+    linear layer stays in high precision."""
+    if not uses_low_precision(pc):
+        return None
+    return LayerPolicy(pc, num_layers, seed, amax_agreement(mesh))
