@@ -17,13 +17,15 @@ The model (1.26B parameters): 24 layers, hidden 2048, 16 heads, 8 kv heads, ffn 
 with ``ModelOptions(fp8=...)`` from ``meshtron.rank.fp8_options``,
 ``Precision.cast_parameters``, ``build_optimizer`` with fp32 master weights, ``train_step``), on
 random token batches.
-Modes: ``bf16`` (bf16 parameters and activations) and ``tensorwise``, ``delayed`` and
-``blockwise`` FP8 (bf16 elsewhere); ``bf16+compile`` and ``tensorwise+compile`` add
-``train.compile=true`` (each block one Inductor graph, FP8's amax, scale and casts fused
+Modes: ``bf16`` (bf16 parameters and activations), ``tensorwise``, ``delayed``, ``blockwise``
+and ``mxfp8`` FP8 and ``nvfp4`` FP4 (bf16 elsewhere); ``bf16+compile`` and
+``tensorwise+compile`` add ``train.compile=true`` (each block one Inductor graph, FP8's amax,
+scale and casts fused
 around the products; the first warm-up step includes the compile, reported as
 ``first_step_s``). Tensor-wise and delayed FP8 products use
-``torch._scaled_mm`` where the device allows (``--gemm``); block-wise FP8 is emulated (fp32
-products on dequantised operands), so it measures the emulation, not an FP8 GEMM.
+``torch._scaled_mm`` where the device allows (``--gemm``); block-wise FP8, MXFP8 and NVFP4
+are emulated (fp32 products on dequantised operands), so they measure the emulation, not a
+block-scaled GEMM (their gemm column says "emulated").
 
 Per mode: ``--warmup`` steps, then ``--steps`` timed steps, each between two
 ``torch.cuda.synchronize()`` calls; the median step time gives tokens/s (micro-batch x sequence
@@ -70,7 +72,7 @@ from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
 from meshtron.precision.fp8 import E4M3, E5M2, GEMMS, check_gemm, scaled_mm_supported
 from meshtron.precision.policy import Precision
-from meshtron.rank import fp8_options, rank_with
+from meshtron.rank import fp8_options, layer_policy, rank_with
 from meshtron.training.hardware import peak_flops
 from meshtron.training.step import train_step
 
@@ -82,7 +84,11 @@ MODES: dict[str, tuple[str, ...]] = {
     "tensorwise+compile": ("--precision.fp8=tensorwise", *COMPILED),
     "delayed": ("--precision.fp8=delayed",),
     "blockwise": ("--precision.fp8=blockwise", "--precision.fp8_block=128"),
+    "mxfp8": ("--precision.fp8=mxfp8",),
+    "nvfp4": ("--precision.fp4=nvfp4",),
 }
+EMULATED = ("blockwise", "mxfp8", "nvfp4")
+"""Recipes whose products are always emulated here (no native block-scaled GEMM wired)."""
 GOAL_BF16_MFU = 0.55
 GOAL_FP8_SPEEDUP = 1.4
 
@@ -122,9 +128,10 @@ def build_config(shape: Shape, mode: str, micro_batch: int, recompute: str) -> C
 
 def gemm_path(cfg: Config, gemm: str, tokens: int, device: torch.device) -> str:
     """How this mode's FP8 products run: emulated, scaled_mm, or mixed by shape."""
-    if cfg.precision.fp8 == "none":
+    pc = cfg.precision
+    if pc.fp8 == "none" and pc.fp4 == "none":
         return "-"
-    if cfg.precision.fp8 == "blockwise" or gemm == "emulated":
+    if pc.fp8 in EMULATED or pc.fp4 in EMULATED or gemm == "emulated":
         return "emulated"
     m = cfg.model
     head_dim = m.hidden_size // m.num_heads
@@ -149,11 +156,12 @@ def build_mode(cfg: Config, initial: dict[str, torch.Tensor], device: torch.devi
 
     def options() -> FP8Options:
         opts = fp8_options(cfg.precision, mesh)
-        if cfg.precision.fp8 != "blockwise":
-            opts.recipe.gemm = check_gemm(gemm)
+        opts.recipe.gemm = check_gemm(gemm)
         return opts
 
-    fp8 = options if cfg.precision.fp8 != "none" else None
+    pc = cfg.precision
+    fp8 = options if pc.fp8 in ("tensorwise", "delayed") and pc.fp4 == "none" else \
+        layer_policy(pc, mesh, plan.model.num_layers, cfg.train.seed)
     # its own assembly: the fp8 GEMM forced per mode, the weights given
     model = Transformer(plan.model, mesh, plan.model_options(0, fp8=fp8))
     model.load_state_dict(initial)

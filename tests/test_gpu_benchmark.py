@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-MODES = ("bf16", "bf16+compile", "tensorwise", "tensorwise+compile", "delayed", "blockwise")
+MODES = ("bf16", "bf16+compile", "tensorwise", "tensorwise+compile", "delayed", "blockwise",
+         "mxfp8", "nvfp4")
 FIGURES = {"gemm", "build_s", "warmup_steps", "timed_steps", "first_step_s", "step_times_s",
            "losses", "peak_memory_gib", "note", "median_step_s", "tokens_per_s", "mfu"}
 
