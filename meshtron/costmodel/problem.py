@@ -25,6 +25,9 @@ class Problem:
     gpus: int
     dtype: str = "bf16"
     fp8: bool = False
+    fp4: bool = False
+    """``precision.fp4=nvfp4``: the blocks' products at the profile's FP4 peak (where it has
+    one; else FP8's, else the dtype's)."""
     reduce_dtype: str = "fp32"
     cp_comm: str = "ring"
     tp_comm_chunks: int = 0
@@ -56,7 +59,10 @@ class Problem:
 
     @property
     def gemm_dtype(self) -> str:
-        return "fp8" if self.fp8 and "fp8" in self.profile.peak_flops else self.dtype
+        peaks = self.profile.peak_flops
+        if self.fp4 and "fp4" in peaks:
+            return "fp4"
+        return "fp8" if (self.fp8 or self.fp4) and "fp8" in peaks else self.dtype
 
     @cached_property
     def flops_per_step(self) -> float:
@@ -80,6 +86,7 @@ def problem_of(cfg: Config, cluster: Cluster) -> Problem:
                             "reads no tokenizer)")
     return Problem(model, cfg.train.seq_len, cfg.train.global_batch, cluster.profile,
                    cluster.gpus, dtype=cfg.precision.dtype, fp8=cfg.precision.fp8 != "none",
+                   fp4=cfg.precision.fp4 != "none",
                    reduce_dtype=cfg.precision.reduce_dtype, cp_comm=cfg.parallel.cp_comm,
                    tp_comm_chunks=(cfg.parallel.tp_comm_chunks if cfg.parallel.tp_comm_overlap
                                    else 0))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from meshtron.errors import MeshtronError
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp64")
+DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp4", "fp64")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
@@ -107,12 +107,15 @@ class ClusterProfile:
 
 def _spec(name: str, source: str, memory_gb: float, bandwidth_tb: float, bf16_tflops: float,
           fp32_tflops: float, fp8_tflops: float | None, nvlink_gb: float, network_gb: float,
-          efficiency: tuple[tuple[float, float], ...]) -> ClusterProfile:
+          efficiency: tuple[tuple[float, float], ...], fp4_tflops: float | None = None,
+          gpus_per_node: int = 8) -> ClusterProfile:
     peaks = {"fp32": fp32_tflops * 1e12, "bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12}
     if fp8_tflops:
         peaks["fp8"] = fp8_tflops * 1e12
+    if fp4_tflops:
+        peaks["fp4"] = fp4_tflops * 1e12
     return ClusterProfile(
-        name=name, source=f"from public specs: {source}", gpus_per_node=8,
+        name=name, source=f"from public specs: {source}", gpus_per_node=gpus_per_node,
         memory_bytes=int(memory_gb * 1e9), memory_bandwidth=bandwidth_tb * 1e12,
         peak_flops=peaks,
         intra_node=Link(bandwidth=nvlink_gb * 1e9, latency=5e-6),
@@ -140,7 +143,12 @@ def builtin_profiles() -> dict[str, ClusterProfile]:
         _spec("h200", "NVIDIA H200 SXM data sheet; DGX H200", 141, 4.8, 989, 67, 1979, 450, 50,
               HOPPER_GEMMS),
         _spec("b200", "NVIDIA HGX B200 data sheet; DGX B200", 180, 8.0, 2250, 75, 4500, 900, 50,
-              BLACKWELL_GEMMS),
+              BLACKWELL_GEMMS, fp4_tflops=9000),
+        # one NVLink domain of 72 GPUs (the node of the alpha-beta model); per GPU: the NVL72
+        # rack's dense figures / 72 (FP4 10 PF, FP8 5 PF, BF16 2.5 PF, FP32 80 TF), 186 GB
+        # HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both ways, one 400 Gb/s NIC
+        _spec("gb200", "NVIDIA GB200 NVL72 data sheet (per GPU)", 186, 8.0, 2500, 80, 5000,
+              900, 50, BLACKWELL_GEMMS, fp4_tflops=10000, gpus_per_node=72),
     )}
 
 
