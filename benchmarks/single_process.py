@@ -64,7 +64,7 @@ from torch import nn
 from meshtron.checkpoint.hf_mapping import hf_config_kwargs, to_hf
 from meshtron.config import load_config
 from meshtron.data import stdlib_corpus
-from meshtron.data.preprocess import preprocess
+from meshtron.data.preprocessing import preprocess
 from meshtron.data.tokenizer import train_tokenizer
 from meshtron.models.init import initialize
 from meshtron.models.transformer import ModelOptions, Transformer

@@ -30,13 +30,13 @@ from meshtron.data import (
 )
 from meshtron.data import corpus as corpus_module
 from meshtron.data import tokenizer as tokenizer_module
-from meshtron.data.preprocess import split_document
+from meshtron.data.preprocessing import split_document
 from meshtron.errors import MeshtronError
 from tests.test_data_indexed import random_docs
 
 VOCAB = 400
-# The package exports the function `preprocess`, which hides the module of the same name.
-preprocess_module = importlib.import_module("meshtron.data.preprocess")
+# The module that defines `preprocess` (its internals are patched below).
+preprocess_module = importlib.import_module("meshtron.data.preprocessing")
 
 
 def make_text(num_words: int, seed: int) -> str:

@@ -30,7 +30,7 @@ from tests.test_data import make_text
 
 SEQ_LEN = 256
 VOCAB = 300
-preprocess_module = importlib.import_module("meshtron.data.preprocess")
+preprocess_module = importlib.import_module("meshtron.data.preprocessing")
 
 
 def config(tmp_path: Path, paths: list[str], **kw: object) -> DataConfig:

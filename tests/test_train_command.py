@@ -3,6 +3,7 @@ makes each start-up check once per process (the plan once the tokenizer is known
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +26,18 @@ def test_the_table_is_the_command_line():
         func = subparsers[name].get_default("func")
         package = add_parser.__module__.rsplit(".", 1)[0]
         assert func.__module__.startswith(package + "."), (name, func.__module__)
+
+
+def test_the_command_line_is_built_without_the_heavy_libraries(tmp_path):
+    """``meshtron --help`` builds every command's parser, so no command module (nor the
+    package holding it) may import torch, numpy or tokenizers at import time."""
+    script = ("import sys\n"
+              "from meshtron.cli import build_parser\n"
+              "build_parser()\n"
+              "print(sorted({'torch', 'numpy', 'tokenizers'} & set(sys.modules)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.split() == ["[]"], proc.stdout + proc.stderr
 
 
 def count_calls(monkeypatch, *functions: Callable) -> Counter:

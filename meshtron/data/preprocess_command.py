@@ -1,7 +1,8 @@
 """``meshtron preprocess``: text files to a Megatron-format indexed dataset (PREFIX.bin/.idx),
 with a given tokenizer or a byte-level BPE trained on the same text.
 
-The output prefix and its folder are checked before any text is read."""
+The output prefix and its folder are checked before any text is read; numpy and the tokenizers
+library are imported only once the command runs (``meshtron --help`` builds this parser)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from pathlib import Path
 
 from meshtron.config.checks import SANITY_LIMITS
 from meshtron.config.parse import default_cache_dir
-from meshtron.data.preprocess import preprocess
-from meshtron.data.sources import open_source
-from meshtron.data.tokenizer import MIN_VOCAB, Tokenizer, train_tokenizer
 from meshtron.errors import MeshtronError
 from meshtron.files import check_writable
 
@@ -35,6 +33,10 @@ def add_preprocess_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
 
 
 def run_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtron.data.preprocessing import preprocess
+    from meshtron.data.sources import open_source
+    from meshtron.data.tokenizer import MIN_VOCAB, Tokenizer, train_tokenizer
+
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
     if not Path(args.output).name or args.output.endswith(("/", ".")):

@@ -24,7 +24,7 @@ from meshtron.data.blend import BlendedDataset, parse_blend
 from meshtron.data.corpus import stdlib_corpus
 from meshtron.data.gpt_dataset import GPTDataset, train_valid_split
 from meshtron.data.indexed import IndexedDataset, indexed_prefix
-from meshtron.data.preprocess import (
+from meshtron.data.preprocessing import (
     TOKENIZER_SUFFIX,
     format_count,
     prepare_dataset,
