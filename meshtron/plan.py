@@ -383,6 +383,14 @@ def _check_fp8_blocks(cfg: Config, recipe: str, block: int) -> None:
     else:
         dims["kv heads x head dim per tp rank"] = (m.num_kv_heads * head_dim
                                                    // min(tp, m.num_kv_heads))
+    if m.is_moe and "mxfp8" in recipe:  # the routed experts' grouped products too
+        etp = 1 if cfg.parallel.etp == 1 else tp
+        dims["model.moe.expert_ffn_size per expert-tp rank"] = \
+            (m.moe.expert_ffn_size or m.ffn_hidden_size) // etp
+        require(cfg.parallel.ep == 1, f"{recipe} quantises each expert's weight gradient in "
+                f"blocks of 32 of its tokens, which parallel.ep={cfg.parallel.ep} gathers from "
+                "other ranks (other blocks than one process); use parallel.ep=1 or tensorwise "
+                "scaling")
     for name, value in dims.items():
         require(value % block == 0,
                 f"{recipe} needs {name} = {value} divisible by {size}; pad the model, or use "

@@ -226,3 +226,31 @@ def test_bad_shapes_and_non_finite_amaxes_are_one_line(call, message):
     with pytest.raises(MeshtronError, match=message) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_mxfp8_expert_products_equal_one_mxfp8_layer_per_expert(grouped):
+    """The MoE experts' grouped product in MXFP8 gives what each expert's rows through its own
+    MXFP8 layer give: output, input gradient and every expert's weight gradient (the token
+    blocks of the weight gradient run inside each expert's rows; one expert gets none)."""
+    from functools import partial
+
+    from meshtron.parallel.experts.grouped import grouped_matmul
+    from meshtron.precision.mx import MXExperts
+
+    g = torch.Generator().manual_seed(8)
+    counts = torch.tensor([40, 0, 17, 7])
+    x0 = torch.randn(64, 64, generator=g) * torch.exp2(torch.randint(-5, 5, (64, 1), generator=g))
+    w0 = torch.randn(4, 32, 64, generator=g)
+    gy = torch.randn(64, 32, generator=g)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y = MXExperts().matmul(x, w, counts, partial(grouped_matmul, grouped=grouped))
+    y.backward(gy)
+    for e, (rows, dy) in enumerate(zip(x0.split(counts.tolist()), gy.split(counts.tolist()))):
+        xe, we = rows.clone().requires_grad_(), w0[e].clone().requires_grad_()
+        ye = fp8_linear(xe, we, None, MXScaling(), "e5m2")
+        ye.backward(dy)
+        start = int(counts[:e].sum())
+        assert torch.equal(y[start:start + len(rows)], ye), e
+        assert torch.equal(x.grad[start:start + len(rows)], xe.grad), e
+        assert torch.equal(w.grad[e], we.grad), e

@@ -333,7 +333,7 @@ class Block(nn.Module):
             shared = (MLP(cfg, arch, region, mode, moe.shared_experts * moe.expert_ffn_size)
                       if moe.shared_experts else None)
             self.mlp: MLP | MoE = MoE(cfg, region, mesh, shared, arch.gated_mlp,
-                                      aux_loss_weight)
+                                      aux_loss_weight, mode.layer_experts())
         else:
             self.mlp = MLP(cfg, arch, region, mode)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from meshtron.parallel.mesh.groups import Group, ParallelMesh
 from meshtron.parallel.mesh.params import SliceSpec
 from meshtron.parallel.tensor.collectives import all_gather, all_reduce, gather_to_tp, split_to_tp
 from meshtron.parallel.tensor.layers import TPRegion, sliced
+from meshtron.precision.mx import MXExperts
 from meshtron.precision.policy import at_least_fp32
 
 TIE_GRID = 2.0**20
@@ -225,14 +227,22 @@ class RowRouting:
         return RowRouting(self.routed, local_copy, rows_per_expert, rows)
 
 
+def _low_precision_product(mx: MXExperts, grouped: Callable, rows: torch.Tensor,
+                           weights: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    """``grouped(rows, weights, counts)`` with its operands (and its backward's) in MXFP8."""
+    return mx.matmul(rows, torch.stack(weights), counts, grouped)
+
+
 class MoE(nn.Module):
     """Drop-in replacement for the block's MLP: [b, s, h] -> [b, s, h] (s local under SP)."""
 
     def __init__(self, cfg: ModelConfig, region: TPRegion, mesh: ParallelMesh,
-                 shared: nn.Module | None, gated: bool, loss_weight: Callable[[], float]):
+                 shared: nn.Module | None, gated: bool, loss_weight: Callable[[], float],
+                 low_precision: MXExperts | None = None):
         """``loss_weight`` gives, at each forward, the gradient of the auxiliary losses per
         unit of loss: the weight the language-model loss sum gets (loss scale / global
-        tokens)."""
+        tokens). ``low_precision``: the experts' grouped products in MXFP8 (None: in the
+        parameters' dtype)."""
         super().__init__()
         moe = cfg.moe
         self.moe = moe
@@ -254,6 +264,7 @@ class MoE(nn.Module):
         self.dropout = cfg.dropout
         self.loss_weight = loss_weight
         self.stats = RoutingStats(moe.num_experts)
+        self.low_precision = low_precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, k = self.region.group, self.moe.top_k
@@ -326,13 +337,16 @@ class MoE(nn.Module):
         rank's partial sum of the down projection."""
         experts = list(self.experts.values())
         grouped = self.moe.compute == "grouped"
-        up = grouped_matmul(rows, [e.up_weight for e in experts], counts, grouped)
+        product = partial(grouped_matmul, grouped=grouped)
+        if self.low_precision is not None:  # stacked weights, every product in MXFP8
+            product = partial(_low_precision_product, self.low_precision, product)
+        up = product(rows, [e.up_weight for e in experts], counts)
         if self.gated:
             gate, up = up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(up, approximate="tanh")
-        return grouped_matmul(hidden, [e.down.weight for e in experts], counts, grouped)
+        return product(hidden, [e.down.weight for e in experts], counts)
 
     # ------------------------------------------------------------------ auxiliary losses
 

@@ -23,6 +23,8 @@ tokens. Products are emulated (dequantised operands multiplied in fp32) on every
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -184,3 +186,59 @@ def check_mx_shape(features: int, role: str) -> None:
         raise MeshtronError(f"precision.fp8=mxfp8 needs {name} divisible by the MX block of "
                             f"{MX_BLOCK}, got {features}; pad the model or use tensorwise "
                             "scaling")
+
+
+GroupedMatmul = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``(rows [R, k], weights [G, n, k], counts [G]) -> [R, n]``: each group of rows times its
+own weight transposed (:func:`meshtron.parallel.experts.grouped.grouped_matmul`)."""
+
+
+def _mx_weights(w: Tensor, rule: ScaleRule, role: str) -> Tensor:
+    """Stacked weights [G, n, k] MX-quantised along k and dequantised (fp32)."""
+    check_finite_amax(w, role)
+    return mx_dequantize(*mx_quantize(w.detach(), E4M3, MX_BLOCK, rule))
+
+
+class _MXGrouped(torch.autograd.Function):
+    """The MoE experts' grouped product in MXFP8: each of its three products quantises its
+    operands along its own reduction, as :class:`MXScaling` does for one layer (the weight
+    gradient's token blocks run inside each expert's rows)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, counts: Tensor, rule: ScaleRule,
+                grad_fmt: FP8Format, matmul: GroupedMatmul) -> Tensor:
+        check_mx_shape(w.shape[-1], "input")
+        qx = mx_operand(x.detach(), E4M3, rule, "input").dequantize()
+        y = matmul(qx, _mx_weights(w, rule, "weight"), counts)
+        ctx.save_for_backward(x, w, counts)
+        ctx.rule, ctx.grad_fmt, ctx.matmul = rule, grad_fmt, matmul
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        x, w, counts = ctx.saved_tensors
+        check_mx_shape(w.shape[1], "grad_output")
+        gy = mx_operand(grad_y, ctx.grad_fmt, ctx.rule, "output gradient")
+        wt = _mx_weights(w.transpose(1, 2).contiguous(), ctx.rule, "weight")
+        grad_x = ctx.matmul(gy.dequantize(), wt, counts).to(x.dtype)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for g, (xg, gyg) in enumerate(zip(x.split(counts.tolist()),
+                                          grad_y.split(counts.tolist()))):
+            if len(xg):
+                qx = mx_operand_along_rows(xg, E4M3, ctx.rule, "input").dequantize()
+                qg = mx_operand_along_rows(gyg, ctx.grad_fmt, ctx.rule, "output gradient")
+                grad_w[g] = qg.dequantize().t() @ qx
+        return grad_x, grad_w.to(w.dtype), None, None, None, None
+
+
+@dataclass(frozen=True)
+class MXExperts:
+    """MXFP8 for a MoE layer's grouped expert products (the block's ``precision.fp8=mxfp8``)."""
+
+    rule: ScaleRule = "rceil"
+    grad_format: FP8Format = E5M2
+
+    def matmul(self, x: Tensor, weights: Tensor, counts: Tensor,
+               grouped: GroupedMatmul) -> Tensor:
+        """``grouped(x, weights, counts)`` with every product's operands in MXFP8."""
+        return _MXGrouped.apply(x, weights, counts, self.rule, self.grad_format, grouped)

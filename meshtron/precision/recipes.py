@@ -22,10 +22,11 @@ from meshtron.precision.fp8 import (
     AmaxReduce,
     ScalingRecipe,
     WeightGradHook,
+    fp8_format,
     fp8_linear,
     make_recipe,
 )
-from meshtron.precision.mx import MXScaling
+from meshtron.precision.mx import MXExperts, MXScaling
 from meshtron.precision.nvfp4 import NVFP4Options
 
 Format = Literal["fp4", "fp8", "high"]
@@ -105,6 +106,13 @@ class LayerPolicy:
             return FP8Options(fp8_recipe(self.pc, self.reduce_amax), self.pc.fp8_grad)
         return NVFP4Options(layer_seed(self.seed, layer), self.reduce_amax,
                             self.pc.fp4_hadamard, self.pc.fp4_stochastic)
+
+    def experts(self, layer: int | None) -> MXExperts | None:
+        """The MoE experts' grouped products of block ``layer``: MXFP8 where the block's
+        format is ``precision.fp8=mxfp8``; other formats keep them in high precision."""
+        if self.pc.fp8 != "mxfp8" or layer_format(self.pc, self.num_layers, layer) != "fp8":
+            return None
+        return MXExperts(self.pc.mx_scale, fp8_format(self.pc.fp8_grad))  # type: ignore
 
     def __call__(self) -> LowPrecision | None:
         """A layer outside the numbered blocks: the default format."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from meshtron.parallel.mesh.params import layout_of
 from meshtron.parallel.tensor.weight_grad import LinearSplitBackward, WeightGradStore
+from meshtron.precision.mx import MXExperts
 from meshtron.precision.recipes import FP8Options, LayerPolicy, LowPrecision
 
 __all__ = ["PLAIN", "FP8Options", "LinearMode", "linear"]
@@ -38,6 +39,12 @@ class LinearMode:
     def for_layer(self, layer: int) -> LinearMode:
         """This mode for the linear layers of block ``layer``."""
         return replace(self, layer=layer)
+
+    def layer_experts(self) -> MXExperts | None:
+        """The low precision of this block's MoE grouped expert products (None: high)."""
+        if isinstance(self.fp8, LayerPolicy):
+            return self.fp8.experts(self.layer)
+        return None
 
     def layer_fp8(self) -> LowPrecision | None:
         if self.fp8 is None:
