@@ -67,6 +67,7 @@ def test_the_policy_keeps_chosen_blocks_in_high_precision(tiny_overrides):
     assert not hasattr(model.output, "fp8") or model.output.fp8 is None
 
 
+@pytest.mark.slow  # 4-8 s on shared cores
 def test_moe_experts_follow_their_blocks_format(tiny_overrides):
     """Under precision.fp8=mxfp8 the routed experts' grouped products are MXFP8 too, except in
     a kept block; a 2-step MoE run trains (finite, falling loss)."""
