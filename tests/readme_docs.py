@@ -20,11 +20,15 @@ SERVER = "a server runs until it is stopped (tests/test_serve.py serves and asks
 
 DOCS_NOT_RUN: dict[tuple[str, str], str] = {
     ("archsearch.md", "meshtron archsearch --budget-flops 4e12"): DUPLICATE,
+    ("archsearch.md", "meshtron archsearch --budget-gpu-hours"): "prices every shape on the 64-GPU "
+        "cluster's cost model: over 8 minutes here; the README's archsearch runs the same search",
     ("archsearch.md", ".venv/bin/python benchmarks/"): BENCHMARK,
     ("context_parallel.md", "meshtron train --nproc 4 --parallel.cp=4 "): DUPLICATE,
     ("context_parallel.md", "meshtron train --nproc 4 --model.preset=tiny-long"): DUPLICATE,
     ("hpsearch.md", "meshtron hpsearch"): DUPLICATE,
     ("hpsearch.md", ".venv/bin/python benchmarks/"): BENCHMARK,
+    ("inference.md", "meshtron generate --checkpoint ckpt/smollm2"): "two minutes of the real "
+        "model's decoding here; the README generates from ckpt/smollm2 (at tp=3)",
     ("inference.md", "pip install"): "installs packages; the environment has the serve extra",
     ("inference.md", "meshtron serve"): SERVER,
     ("inference.md", "torchrun --nproc-per-node 2 -m meshtron serve"): SERVER,
