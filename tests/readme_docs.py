@@ -42,6 +42,10 @@ DOCS_NOT_RUN: dict[tuple[str, str], str] = {
     ("parallelism.md", "srun"): SEVERAL_MACHINES,
     ("reliability.md", ".venv/bin/python benchmarks/"): BENCHMARK,
     ("reliability.md", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"): SEVERAL_MACHINES,
+    ("tuning.md", "meshtron tune --calibrate"): "three minutes of measuring this machine here "
+        "(tests/test_calibrate.py calibrates in its quick mode)",
+    ("tuning.md", "meshtron train --nproc"): "needs here.json, the calibration above "
+        "(tests/test_autotune.py trains with train.autotune)",
     ("training.md", "meshtron train --model.mup=true --model.mup_base_width=256 "
                     "--model.hidden_size=2048"): LONG,
     ("training.md", "meshtron plot runs/default runs/mine"): DUPLICATE,
