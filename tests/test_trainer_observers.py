@@ -47,7 +47,6 @@ def trainer_with(recorder: Recorder, overrides: list[str], monkeypatch) -> Train
     return trainer
 
 
-@pytest.mark.slow  # three steps, two evaluations, two saves: ~8 s on shared cores
 def test_observers_hear_step_eval_row_and_save_in_order(tiny_overrides, monkeypatch):
     recorder = Recorder(save_at=1)
     trainer = trainer_with(recorder, tiny_overrides + [
