@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from meshtron.config import PrecisionConfig
+from meshtron.data.builders import row_format
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer, build_optimizer
@@ -127,9 +128,8 @@ def rank_with(plan: RunPlan, model: Transformer, optimizer: DataParallelOptimize
 def split_of(plan: RunPlan, mesh: ParallelMesh, eos_id: int | None = None) -> SequenceSplit:
     """How this rank cuts ``plan``'s token windows (``eos_id``: for document masks)."""
     cfg = plan.config
-    vision = cfg.model.vision
     return SequenceSplit(mesh.cp, cfg.data.document_mask, cfg.data.reset_positions, eos_id,
-                         cfg.model.mtp_depth, vision.image_shape if vision.enabled else None)
+                         cfg.model.mtp_depth, row_format(cfg.model))
 
 
 def pipeline_of(plan: RunPlan, model: Transformer,

@@ -63,7 +63,7 @@ def train_step(rank: Rank, local_batch: torch.Tensor, lr: float) -> StepResult:
             for i, mb in enumerate(chunks):
                 optimizer.begin_micro_batch(last=i == len(chunks) - 1)
                 logits = model(mb.tokens, sequence=mb.sequence, ahead=mb.ahead,
-                               images=mb.images)
+                               inputs=mb.inputs)
                 loss = model.loss_sum(logits, mb.targets)
                 del logits  # the loss saved what its backward needs: no 2nd vocab-wide copy
                 (loss * (scale / global_tokens)).backward()
@@ -98,7 +98,7 @@ def evaluate(rank: Rank, local_batches: list[torch.Tensor]) -> float:
             total += rank.pipeline.evaluate(chunks)
             continue
         for mb in chunks:
-            logits = model(mb.tokens, sequence=mb.sequence, images=mb.images)
+            logits = model(mb.tokens, sequence=mb.sequence, inputs=mb.inputs)
             total += model.loss_sum(logits, mb.targets).double()
     model.train(was_training)
     all_reduce(total, mesh.pp)
