@@ -4,6 +4,7 @@ per role, documented config fields."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -50,7 +51,9 @@ def test_every_config_field_is_documented():
 def test_train_help_describes_every_field():
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     text = train.format_help()
-    fields = [line for line in text.splitlines() if line.startswith("    --")]
+    # a field's line wraps to the terminal: its continuation lines are indented deeper
+    joined = re.sub(r"\n {8}(?=\S)", " ", text)
+    fields = [line for line in joined.splitlines() if line.startswith("    --")]
     lines = {line.split(" (default")[0].strip(): line for line in fields}
     defaults, count = Config(), 0
     for section in dataclasses.fields(Config):
