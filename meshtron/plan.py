@@ -270,7 +270,6 @@ def _check_overlap(cfg: Config, layout: MeshLayout) -> None:
     p, chunks = cfg.parallel, cfg.parallel.tp_comm_chunks
     require(p.sp, "parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and "
             "reduce-scatters: set parallel.sp=true")
-    require(chunks >= 1, f"parallel.tp_comm_chunks={chunks} must be at least 1")
     share = cfg.train.seq_len // (layout.cp * layout.tp)
     require(share % chunks == 0, f"parallel.tp_comm_chunks={chunks} does not divide the "
             f"{share} positions of each rank's sequence share (train.seq_len / (cp * tp))")
