@@ -226,13 +226,16 @@ while True:
 
 @pytest.mark.slow
 def test_a_killed_launcher_takes_its_ranks_with_it(data_cache, tmp_path):
-    """Both ranks end by the SIGTERM their launcher's death sends (exit 143, at once); without
-    it they would train on until a store operation of theirs failed (exit 1, ~20 s later)."""
+    """Both ranks end by the SIGTERM their launcher's death sends (exit 143 through the signal
+    handler, or -15 when it lands before the handler is installed or after it is removed);
+    without it they would train on until a store operation of theirs failed (exit 1, ~20 s
+    later)."""
     args = test_overrides(data_cache, str(tmp_path / "run"), 100_000) + ["--train.log_every=1"]
     reaper = subprocess.run([sys.executable, "-c", REAPER, sys.executable, "-m", "meshtron",
                              "train", "--nproc", "2", *args], capture_output=True, text=True,
                             env=_env(), cwd=tmp_path, timeout=300)
-    assert reaper.stdout.strip() == "[143, 143]", (reaper.stdout, reaper.stderr[-2000:])
+    codes = json.loads(reaper.stdout)
+    assert len(codes) == 2 and set(codes) <= {143, -15}, (codes, reaper.stderr[-2000:])
 
 
 HERE = {"host": socket.gethostname(), "pid": 4242}
