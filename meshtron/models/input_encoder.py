@@ -11,6 +11,7 @@ batch to the encoder. Which encoders a model holds is chosen by its kind
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 
 import torch
@@ -24,7 +25,7 @@ ModelInputs = Mapping[str, torch.Tensor]
 """The model's inputs besides token ids, by the name of the input encoder that reads each."""
 
 
-class InputEncoder(nn.Module):
+class InputEncoder(nn.Module, abc.ABC):
     """One modality's encoder, held by the decoder's first stage under its input's name.
 
     Subclasses say where their tokens go (:meth:`positions`) and make them (:meth:`encode_input`);
@@ -34,15 +35,15 @@ class InputEncoder(nn.Module):
     """A folder of released weights the encoder starts from (loaded by
     :mod:`meshtron.checkpoint.encoder_weights` after initialisation); None: drawn from the seed."""
 
+    @abc.abstractmethod
     def positions(self) -> list[int]:
         """The window positions its tokens take, in the order :meth:`encode_input` returns them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode_input(self, value: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Its tokens [b, len(positions()), decoder hidden] for input ``value``; ``tokens``:
         the ids of the window positions ``start..`` being embedded (whole under sequence
         parallelism), for an encoder that reads some of them."""
-        raise NotImplementedError
 
 
 def place_encoded(encoder: InputEncoder, x: torch.Tensor, value: torch.Tensor, start: int,
