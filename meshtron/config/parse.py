@@ -78,18 +78,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):  # not a number: the error below
                 return int(value)
-            except ValueError:
-                pass
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):  # not a number: the error below
                 return float(value)
-            except ValueError:
-                pass
     elif tp is str and isinstance(value, bool):  # YAML 1.1 reads off/no/false as False
         return "on" if value else "off"
     elif tp is str and isinstance(value, (str, int, float)):
