@@ -8,7 +8,6 @@ import os
 import resource
 import shutil
 import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import yaml
 from meshtron.cli import main
 from tests.parity import run_training, test_overrides
 from tests.test_bad_input import one_error_line
-from tests.test_bad_input_unseen import end_a_blocked_read
+from tests.test_bad_input_unseen import a_reader_gets_eof
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +45,8 @@ def test_generate_refuses_bytes_and_empty_stops_before_loading(tmp_path, capsys,
 def test_generate_refuses_a_prompt_file_that_is_a_fifo(run, tmp_path, capsys):
     fifo = tmp_path / "prompts"
     os.mkfifo(fifo)  # no writer: reading it would wait forever
-    threading.Thread(target=end_a_blocked_read, args=(fifo,), daemon=True).start()
-    assert main(generate(run, "--prompt-file", str(fifo))) == 2
+    with a_reader_gets_eof(fifo):
+        assert main(generate(run, "--prompt-file", str(fifo))) == 2
     assert f"--prompt-file {fifo} is not a regular file" in one_error_line(capsys)
 
 

@@ -4,9 +4,10 @@ before anything runs, or in the right success."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,15 +77,19 @@ def test_two_config_files_are_refused_not_half_dropped(tmp_path, capsys):
     assert f"--config: given twice ({a}, then {b})" in line
 
 
-def end_a_blocked_read(fifo: Path) -> None:
-    """Should a reader open ``fifo`` (the bug), let its read end after a few seconds instead
-    of hanging the suite (the test then fails on the message)."""
-    for _ in range(40):
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while nobody reads
-            return
-        except OSError:
-            time.sleep(0.25)
+@contextlib.contextmanager
+def a_reader_gets_eof(fifo: Path) -> Iterator[None]:
+    """Should the code under test open ``fifo`` to read (the bug), a writer thread opens its
+    other end at that moment and closes it, so the read ends at EOF instead of hanging the
+    suite (the test then fails on the message). Opening for writing blocks until a reader
+    comes; on leaving, this side opens it to read and so releases the thread."""
+    writer = threading.Thread(target=lambda: os.close(os.open(fifo, os.O_WRONLY)), daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
@@ -94,9 +99,9 @@ def test_a_config_that_is_not_a_regular_file_says_so(tmp_path, kind):
             "directory": tmp_path}[kind]
     if kind == "fifo":
         os.mkfifo(path)  # no writer: reading it would block forever
-        threading.Thread(target=end_a_blocked_read, args=(path,), daemon=True).start()
     what = "is a directory" if kind == "directory" else "is not a regular file"
-    with pytest.raises(MeshtronError, match=f"config file {path} {what}"):
+    guard = a_reader_gets_eof(path) if kind == "fifo" else contextlib.nullcontext()
+    with guard, pytest.raises(MeshtronError, match=f"config file {path} {what}"):
         load_config(path)
 
 
