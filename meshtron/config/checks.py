@@ -13,6 +13,7 @@ import difflib
 import math
 from collections.abc import Iterable
 
+from meshtron.config.data_section import check_data_section
 from meshtron.config.generation_section import check_generation
 from meshtron.config.sections import (
     ATTENTIONS,
@@ -165,6 +166,7 @@ def validate(cfg: Config) -> None:
     require(0 < d.valid_fraction < 1,
             f"data.valid_fraction must lie in (0, 1), got {d.valid_fraction}")
     require(d.corpus_max_mb > 0, "data.corpus_max_mb must be positive")
+    check_data_section(d)
     require(cfg.run.timeout_s > 0, "run.timeout_s must be positive")
     resume_from = cfg.checkpoint.resume_from
     require(resume_from is None or (resume_from != "" and cfg.checkpoint.resume),

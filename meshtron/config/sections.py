@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from meshtron.config.data_section import DataConfig
 from meshtron.config.generation_section import GenerationConfig
 from meshtron.config.rope_section import RopeConfig
 from meshtron.config.vision_section import VisionConfig
@@ -340,29 +341,6 @@ class TrainConfig:
     autotune_profile: str | None = None
     """The cluster profile that prices the plan (a GPU name such as h100-sxm, or a profile
     .json of ``meshtron tune --calibrate``); None: the yardstick is the measured step time."""
-
-
-@dataclass
-class DataConfig:
-    """Where the training text comes from and how it is tokenised."""
-
-    path: list[str] | None = None
-    """Raw text (.txt, folder, .jsonl) or indexed-dataset prefixes; 'w:path' entries blend."""
-    cache_dir: str = "~/.cache/meshtron"
-    """Where tokenizers and preprocessed datasets are cached."""
-    tokenizer: str | None = None
-    """A tokenizer.json to use; None trains a byte-level BPE on the training text."""
-    vocab_size: int = 8192
-    """Vocabulary size of a tokenizer trained here."""
-    valid_fraction: float = 0.02
-    """Share of each dataset's tokens held out for validation (its tail, in whole windows, at
-    least one)."""
-    corpus_max_mb: float = 8.0
-    """Size cap of the embedded default corpus (the standard library's sources)."""
-    document_mask: bool = False
-    """Attention stays inside each document of a packed sequence (documents end with EOS)."""
-    reset_positions: bool = False
-    """Positions restart at every document (with document_mask)."""
 
 
 @dataclass
