@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from meshtron.config.data_section import check_data_section
 from meshtron.config.generation_section import check_generation
+from meshtron.config.lora_section import check_lora, check_lora_run
 from meshtron.config.sections import (
     ATTENTIONS,
     AUTOTUNE_MODES,
@@ -195,6 +196,7 @@ def validate(cfg: Config) -> None:
             f"got {t.seed}")
     check_paths(cfg)
     check_model_shape(m)
+    check_lora_run(cfg)
 
 
 NAME_MAX, PATH_MAX = 255, 4095
@@ -262,6 +264,7 @@ def check_model_shape(m: ModelConfig) -> None:
                                 "everywhere, no q/k norms and learned positions)")
     _check_rope(m)
     check_vision(m.vision)
+    check_lora(m.lora)
     if m.is_moe:
         require(not m.mlp_bias, "model.mlp_bias is not supported with routed experts (experts "
                 "have no biases)")

@@ -17,6 +17,7 @@ import yaml
 
 from meshtron.config.data_section import DataConfig
 from meshtron.config.generation_section import GenerationConfig
+from meshtron.config.lora_section import LoraConfig
 from meshtron.config.rope_section import RopeConfig
 from meshtron.config.vision_section import VisionConfig
 
@@ -193,6 +194,8 @@ class ModelConfig:
     """Mixture-of-experts settings (model.moe.*)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language-action settings (model.vision.*); image_size 0: a text model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (model.lora.*); rank 0: none, the whole model trains."""
 
     @property
     def head_size(self) -> int:
