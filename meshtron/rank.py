@@ -24,6 +24,7 @@ import torch
 
 from meshtron.config import PrecisionConfig
 from meshtron.data.builders import row_format
+from meshtron.models.adapters import hold_base_in
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer, build_optimizer
@@ -33,7 +34,7 @@ from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import RunPlan
-from meshtron.precision.policy import Precision
+from meshtron.precision.policy import PARAM_DTYPES, Precision
 from meshtron.precision.recipes import LayerPolicy, fp8_recipe, uses_low_precision
 
 
@@ -102,6 +103,8 @@ def build_rank(plan: RunPlan, mesh: ParallelMesh, device: torch.device | None = 
         load_weights(model)
     model.to(device).train()
     precision.cast_parameters(model)
+    if cfg.model.lora.base_dtype is not None:  # frozen projections held narrower
+        hold_base_in(model, PARAM_DTYPES[cfg.model.lora.base_dtype])
     local_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, mesh, cfg.train, zero=cfg.parallel.zero,
                                 bucket_mb=cfg.parallel.bucket_mb,

@@ -285,7 +285,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated and (self.gate_up.grad_store is not None or self.gate_up.fp8 is not None
-                           or self.gate_up.bias is not None):
+                           or self.gate_up.bias is not None or self.gate_up.lora is not None):
             gate, up = column_products(self.region, x, (self.gate_up,))[0].chunk(2, dim=-1)
             h = self.activation(gate, up)
         elif self.gated:

@@ -78,8 +78,12 @@ def initial_value(
     ``width_mult``: muP's m, dividing the std of hidden matrices by sqrt(m)."""
     if global_name.endswith("norm.weight"):
         return torch.ones(global_shape)
-    if global_name.endswith((".bias", "expert_bias", "norm.offset")):  # offset: of 1 + it
-        return torch.zeros(global_shape)
+    if global_name.endswith((".bias", "expert_bias", "norm.offset", "lora.b")):
+        return torch.zeros(global_shape)  # norm.offset: of 1 + it; lora.b: adapters start at 0
+    gen = torch.Generator().manual_seed(parameter_seed(seed, global_name))
+    if global_name.endswith("lora.a"):  # PEFT's kaiming_uniform_(a=sqrt(5)): U(+-1/sqrt(in))
+        bound = 1.0 / math.sqrt(global_shape[1])
+        return torch.empty(global_shape).uniform_(-bound, bound, generator=gen)
     if global_name == "vision.pos_embed.weight":
         return grid_positions(*global_shape)
     if global_name == "vision.patch_embed.weight":  # LeCun normal, as ViTs draw it: at
@@ -88,7 +92,6 @@ def initial_value(
         std = std / math.sqrt(2 * num_layers)
     if width_mult != 1.0 and is_hidden_matrix(global_name, tuple(global_shape)):
         std = std / math.sqrt(width_mult)
-    gen = torch.Generator().manual_seed(parameter_seed(seed, global_name))
     return torch.empty(global_shape).normal_(0.0, std, generator=gen)
 
 

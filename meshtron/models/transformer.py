@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from meshtron.autograd import attach_loss
 from meshtron.config import ModelConfig
 from meshtron.config.kinds import model_kind
+from meshtron.models.adapters import attach_adapters
 from meshtron.models.arch import architecture_of
 from meshtron.models.blocks import Block, KVCache, make_norm
 from meshtron.models.flops import padded_vocab_size
@@ -163,6 +164,8 @@ class Transformer(nn.Module):
             tied = self.embed.weight if hasattr(self, "embed") else self.output.weight
             tie_across_pipeline(tied, mesh.pipeline_ends,
                                 None if self.has_embedding else "embed.weight")
+        if cfg.lora.enabled:  # last: everything built before is frozen
+            attach_adapters(self, iter(self.blocks()), cfg.lora, region)
 
     def blocks(self) -> list[Block]:
         """This rank's transformer blocks in the order its forward passes run them."""

@@ -29,6 +29,7 @@ from meshtron.parallel.tensor.collectives import (
     reduce_scatter_sp,
 )
 from meshtron.parallel.tensor.linear import PLAIN, LinearMode, linear
+from meshtron.parallel.tensor.lora import LoraAdapter, base_product_weight
 from meshtron.parallel.tensor.overlap import gather_then_linear, linear_then_reduce_scatter
 
 
@@ -111,9 +112,12 @@ class ColumnParallelLinear(nn.Module):
                                replicas, share_group)
         self.grad_store = mode.grad_store
         self.fp8 = mode.layer_fp8()
+        self.lora: LoraAdapter | None = None
+        """A low-rank adapter (models/adapters.py attaches it; its B split as this weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.grad_store, self.fp8)
+        y = base_product(self, x)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -131,14 +135,29 @@ class RowParallelLinear(nn.Module):
         self.bias = replicated(nn.Parameter(torch.empty(out_features)), region) if bias else None
         self.grad_store = mode.grad_store
         self.fp8 = mode.layer_fp8()
+        self.lora: LoraAdapter | None = None
+        """A low-rank adapter (its A split as this weight), added before the sum over tp."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         region = self.region
-        if region.overlapped:
+        if region.overlapped:  # the plan refuses adapters with overlap
             y = linear_then_reduce_scatter(x, self.weight, region.group, region.overlap_chunks)
         else:
-            y = region.exit(linear(x, self.weight, None, self.grad_store, self.fp8))
+            partial = base_product(self, x, with_bias=False)
+            if self.lora is not None:
+                partial = partial + self.lora(x)
+            y = region.exit(partial)
         return y if self.bias is None else y + self.bias
+
+
+def base_product(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
+                 with_bias: bool = True) -> torch.Tensor:
+    """The layer's own product; a frozen weight (adapted model) defers no weight gradient and
+    computes in ``x``'s dtype whatever dtype it is held in."""
+    weight, store = layer.weight, layer.grad_store
+    if not weight.requires_grad:
+        weight, store = base_product_weight(weight, x), None
+    return linear(x, weight, layer.bias if with_bias else None, store, layer.fp8)
 
 
 def entered_products(region: TPRegion, x: torch.Tensor, weights: Sequence[torch.Tensor],

@@ -1,0 +1,61 @@
+"""LoRA on a built model: adapters on the targeted projections of every decoder block, every
+other parameter frozen (``model.lora.*``).
+
+The blocks are built as always; :func:`attach_adapters` then gives each targeted
+column- or row-parallel projection its adapter (``parallel/tensor/lora.py``: sharded as the
+projection) and freezes the rest, all inside the :class:`~meshtron.models.transformer.
+Transformer`'s constructor, so the optimizer, ZeRO and checkpoints see the model as it will
+train. Multi-token-prediction modules, embeddings, norms and routers stay frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from meshtron.config.lora_section import LoraConfig
+from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
+from meshtron.parallel.tensor.lora import FROZEN, column_adapter, is_adapter, row_adapter
+
+
+def attach_adapters(model: nn.Module, blocks: Iterator[nn.Module], lora: LoraConfig,
+                    region: TPRegion) -> None:
+    """Adapters on ``blocks``' targeted projections, then every other parameter of
+    ``model`` frozen (marked :data:`~meshtron.parallel.tensor.lora.FROZEN`)."""
+    names = lora.target_names()
+    for block in blocks:
+        for name, layer in target_layers(block):
+            if name not in names:
+                continue
+            make = column_adapter if isinstance(layer, ColumnParallelLinear) else row_adapter
+            layer.lora = make(layer.weight, lora.rank, lora.scale, lora.dropout, region.group)
+    for param in model.parameters():
+        if not is_adapter(param) and param.requires_grad:
+            param.requires_grad_(False)
+            setattr(param, FROZEN, True)
+
+
+def target_layers(block: nn.Module) -> Iterator[tuple[str, ColumnParallelLinear |
+                                                      RowParallelLinear]]:
+    """(attribute name, layer) of the projections of a block's attention and dense MLP (an
+    MoE layer's shared experts included) that can take an adapter."""
+    owners = [getattr(block, "attn", None), getattr(block, "mlp", None)]
+    owners.append(getattr(owners[1], "shared", None))
+    for owner in owners:
+        if owner is None:
+            continue
+        for name, child in owner.named_children():
+            if isinstance(child, ColumnParallelLinear | RowParallelLinear):
+                yield name, child
+
+
+@torch.no_grad()
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen projections' weights of an adapted model stored in ``dtype``
+    (``model.lora.base_dtype``); they compute in the run's dtype."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear) \
+                and module.lora is not None:
+            module.weight.data = module.weight.data.to(dtype)
