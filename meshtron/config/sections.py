@@ -386,6 +386,10 @@ class PrecisionConfig:
     """Delayed scaling: steps of amax history."""
     fp8_amax: str = "max"
     """Delayed scaling: the scale comes from the history's max or its most_recent amax."""
+    fp8_param_gather: bool = False
+    """ZeRO-3 gathers the FP8/FP4 blocks' linear weights in E4M3 (1 byte an element, one
+    power-of-two scale per weight) instead of precision.dtype; every layout computes with
+    that round trip of the weights, so one process matches."""
 
 
 @dataclass
