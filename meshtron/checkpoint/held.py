@@ -27,6 +27,7 @@ from meshtron.checkpoint.boxes import Box, flat_range_boxes, local_to_global
 from meshtron.optim.data_parallel import DataParallelOptimizer, HeldState
 from meshtron.parallel.mesh.groups import Group, ParallelMesh
 from meshtron.parallel.mesh.params import global_names, layout_of
+from meshtron.parallel.tensor.lora import is_frozen_base
 
 
 @dataclass
@@ -123,4 +124,5 @@ def held_tensors(model: nn.Module, optimizer: DataParallelOptimizer,
         return Held(f"optim/{name}/{state.kind}", state.param, state.local_shape, state.flat,
                     state.start, writes, f"model/{name}" if state.kind == "master" else None)
 
-    return [held(state) for state in optimizer.held_tensors(model)]
+    return [held(state) for state in optimizer.held_tensors(model)
+            if not is_frozen_base(state.param)]  # an adapted model's base: not its state

@@ -139,9 +139,14 @@ def newest_step_dir(root: Path) -> Path | None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints, except the base models that kept
+    adapter checkpoints adapt (their manifests' ``lora.path``)."""
     complete = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
+    bases = {Path(base).resolve() for kept in complete[-keep_last:]
+             if (base := (read_manifest(kept).get("lora") or {}).get("path"))}
     for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.resolve() not in bases:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:

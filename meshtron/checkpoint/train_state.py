@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from meshtron.checkpoint.held import Held, held_tensors
+from meshtron.checkpoint.lora_state import is_adapted, restore_base
 from meshtron.checkpoint.shards import DTYPES, Piece, ShardReader, check_finite
 from meshtron.checkpoint.store import open_checkpoint
 from meshtron.errors import MeshtronError
@@ -135,8 +136,13 @@ def restore(path: Path, manifest: dict[str, Any], reader: ShardReader, model: nn
             scaler: LossScaler | None = None, log: Log = print) -> None:
     """Parameters, optimizer state, the loss scale and this rank's RNG state, resharded to
     this layout. What the checkpoint lacks is decided in the open (see
-    :func:`_optimizer_helds` and :func:`_restore_rng`)."""
+    :func:`_optimizer_helds` and :func:`_restore_rng`). An adapted model first reads its
+    frozen base (:func:`~.lora_state.restore_base`); a checkpoint that is only its base
+    leaves the adapters and their state fresh."""
     optimizer.init_state()
+    if is_adapted(model) and not restore_base(path, manifest, reader, model, log):
+        optimizer.masters_from_params()
+        return
     helds = held_tensors(model, optimizer, mesh)
     _check_shapes(path, reader, helds)
     weights = [h for h in helds if h.name.startswith("model/")]

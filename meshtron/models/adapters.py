@@ -10,11 +10,15 @@ train. Multi-token-prediction modules, embeddings, norms and routers stay frozen
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from meshtron.config import ModelConfig
 from meshtron.config.lora_section import LoraConfig
 from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
 from meshtron.parallel.tensor.lora import FROZEN, column_adapter, is_adapter, row_adapter
@@ -59,3 +63,11 @@ def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
         if isinstance(module, ColumnParallelLinear | RowParallelLinear) \
                 and module.lora is not None:
             module.weight.data = module.weight.data.to(dtype)
+
+
+def seed_base(cfg: ModelConfig, seed: int) -> dict[str, str | None]:
+    """The record of a base drawn from ``seed`` (no checkpoint): a digest of the seed and the
+    model section (checkpoint/lora_state.py keeps it in adapter checkpoints)."""
+    text = json.dumps({"seed": seed, "model": dataclasses.asdict(cfg)}, sort_keys=True,
+                      default=str)
+    return {"path": None, "digest": "sha256:" + hashlib.sha256(text.encode()).hexdigest()}

@@ -164,6 +164,8 @@ class Transformer(nn.Module):
             tied = self.embed.weight if hasattr(self, "embed") else self.output.weight
             tie_across_pipeline(tied, mesh.pipeline_ends,
                                 None if self.has_embedding else "embed.weight")
+        self.lora_base: dict[str, str | None] | None = None
+        """An adapted model's base (path, digest): set by build_rank and checkpoint loading."""
         if cfg.lora.enabled:  # last: everything built before is frozen
             attach_adapters(self, iter(self.blocks()), cfg.lora, region)
 

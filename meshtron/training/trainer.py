@@ -23,6 +23,7 @@ import torch
 
 from meshtron.checkpoint import train_state
 from meshtron.checkpoint.encoder_weights import load_pretrained_encoders
+from meshtron.checkpoint.lora_state import lora_meta
 from meshtron.checkpoint.saver import CheckpointSaver
 from meshtron.checkpoint.shards import Piece, check_finite
 from meshtron.checkpoint.store import new_token
@@ -210,7 +211,8 @@ class Trainer:
 
         meta = {"config": cfg.to_dict(), "layout": self.mesh.layout.sizes(),
                 "data": {"next_batch": self.step, "seed": cfg.train.seed},
-                **train_state.state_meta(self.optimizer, self.precision.scaler)}
+                **train_state.state_meta(self.optimizer, self.precision.scaler),
+                **lora_meta(self.model)}
         if background:  # the capture runs beside the next forward/backward, not the update
             self.optimizer.fence_next_update(self.saver.wait_captured)
         path = self.saver.save(self.step, pieces, meta,
