@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 	# torchao, the outside reference of the MXFP8/NVFP4 formats (tests/test_mx_formats.py);
 	# --no-deps: it must not replace the CPU torch (its prototype quantisers run on CPU)
 	$(PY) -m pip install --quiet --no-deps torchao==0.18.0
+	# peft, the outside reference of LoRA adapter folders (tests/test_lora.py); --no-deps: its
+	# requirements (transformers, accelerate, ...) are the test extra's, never a CUDA torch
+	$(PY) -m pip install --quiet --no-deps peft==0.21.2
 	touch $(STAMP)
 
 train: setup
