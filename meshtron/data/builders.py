@@ -17,6 +17,7 @@ import torch
 
 from meshtron.config import Config, ModelConfig
 from meshtron.config.kinds import TEXT, VLA, model_kind
+from meshtron.data.chat import build_chat_data, uses_chat
 from meshtron.data.tokenizer import Log, Tokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.data.vla_data import ObservationRows, build_policy_data
@@ -41,6 +42,8 @@ class RunData(Protocol):
 
 
 def _text_data(cfg: Config, log: Log) -> RunData:
+    if uses_chat(cfg.data):  # conversations: rendered with the model's template, answers' loss
+        return build_chat_data(cfg, log)
     return build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, log)
 
 

@@ -2,7 +2,8 @@
 
 Loss normalisation follows the parity contract: each micro-batch backpropagates its token-loss
 *sum* divided by the token count of the whole global batch, so the accumulated gradient is the
-gradient of the global mean loss whatever the micro-batch and data-parallel split.
+gradient of the global mean loss whatever the micro-batch and data-parallel split. Only tokens
+whose loss counts are counted (a conversation's answers: :func:`loss_tokens`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class StepResult:
     compute_s: float = 0.0
     """This rank's forward and backward time before it waits for the gradient reduction (a
     straggler's is longer; what other ranks wait for is not in it, except inside tp/pp)."""
+    loss_tokens: float = 0.0
+    """Tokens of the global batch whose loss counts (the loss is their mean)."""
 
 
 def micro_batches(batch: torch.Tensor, micro_batch: int,
@@ -37,6 +40,20 @@ def micro_batches(batch: torch.Tensor, micro_batch: int,
     """Windows [rows, S + 1] in micro-batches of ``micro_batch`` rows, as this rank's model
     sees them (its cp chunks, positions and documents)."""
     return [split(window) for window in batch.split(micro_batch)]
+
+
+def loss_tokens(rank: Rank, chunks: list[MicroBatch], batches: int = 1) -> float:
+    """The count every loss sum of ``batches`` global batches is divided by: the tokens whose
+    loss counts. Fixed by the plan, except for conversations, whose answers' share of a batch
+    varies: their targets that count are summed over this rank's micro-batches and over
+    dp x cp (every pipeline stage holds the targets and sums alike), so the step's loss is the
+    global weighted mean whatever the layout."""
+    if rank.plan.config.data.format != "chat":
+        return float(batches * rank.plan.tokens_per_step)
+    count = torch.zeros((), dtype=torch.float64, device=chunks[0].targets.device)
+    for mb in chunks:
+        count += (mb.targets >= 0).sum()
+    return max(float(all_reduce(count, rank.mesh.dp_cp)), 1.0)
 
 
 def train_step(rank: Rank, local_batch: torch.Tensor, lr: float) -> StepResult:
@@ -50,10 +67,10 @@ def train_step(rank: Rank, local_batch: torch.Tensor, lr: float) -> StepResult:
     before the decision); :mod:`meshtron.training.faults` causes one by wrapping the loss.
     """
     model, optimizer, precision = rank.model, rank.optimizer, rank.precision
-    global_tokens = rank.plan.tokens_per_step
     started = time.perf_counter()
     optimizer.zero_grad()
     chunks = micro_batches(local_batch, rank.micro_batch, rank.split)
+    global_tokens = loss_tokens(rank, chunks)
     scale = precision.loss_scale  # the model's MoE losses read the same weight at forward
     with record_function(PHASES[0]):
         if rank.pipeline is not None:
@@ -82,18 +99,22 @@ def train_step(rank: Rank, local_batch: torch.Tensor, lr: float) -> StepResult:
         with record_function(PHASES[2]):
             optimizer.clip(grad_norm, rank.plan.config.train.grad_clip)
             optimizer.update(lr)
-    return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped, compute_s)
+    return StepResult(float(loss_sum) / global_tokens, grad_norm, skipped, compute_s,
+                      global_tokens)
 
 
 @torch.no_grad()
 def evaluate(rank: Rank, local_batches: list[torch.Tensor]) -> float:
-    """Mean token loss over the validation batches (this rank holds its dp share of each)."""
+    """Mean token loss over the validation batches (this rank holds its dp share of each), of
+    the tokens whose loss counts as in training."""
     model, mesh = rank.model, rank.mesh
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=local_batches[0].device)
+    every: list[MicroBatch] = []
     for batch in local_batches:
         chunks = micro_batches(batch, rank.micro_batch, rank.split)
+        every += chunks
         if rank.pipeline is not None:
             total += rank.pipeline.evaluate(chunks)
             continue
@@ -102,5 +123,5 @@ def evaluate(rank: Rank, local_batches: list[torch.Tensor]) -> float:
             total += model.loss_sum(logits, mb.targets).double()
     model.train(was_training)
     all_reduce(total, mesh.pp)
-    global_tokens = len(local_batches) * rank.plan.tokens_per_step
+    global_tokens = loss_tokens(rank, every, len(local_batches))
     return float(all_reduce(total, mesh.dp_cp)) / global_tokens

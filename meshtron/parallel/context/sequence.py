@@ -17,9 +17,11 @@ a token attends only to earlier tokens of its own document (``documents`` number
 whole sequence, so every cp rank can mask any pair of chunks); ``data.reset_positions``
 restarts positions at every document.
 
-Batch rows may carry more than a token window (a :class:`RowFormat` unpacks them): the model's
-other inputs by name, handed to it untouched, and tokens stored as -(id + 1), read but never
-predicted. What those inputs are is the data's and the model's business, not the split's.
+Tokens stored as -(id + 1) are read but never predicted (their target is -1, which the loss
+skips): a conversation's prompt (:mod:`meshtron.data.chat`), a policy's observation. Batch rows
+may carry more than a token window (a :class:`RowFormat` unpacks them): the model's other
+inputs by name, handed to it untouched. What those inputs are is the data's and the model's
+business, not the split's.
 """
 
 from __future__ import annotations
@@ -152,7 +154,9 @@ class SequenceSplit:
     def __call__(self, window: torch.Tensor) -> MicroBatch:
         if self.rows is not None:
             return self._unpacked(window)
-        tokens, targets = window[:, :-1], window[:, 1:]
+        # tokens stored as -(id + 1) (conversations' prompts) are read, never predicted
+        tokens = torch.where(window < 0, -window - 1, window)[:, :-1]
+        targets = window[:, 1:].clamp(min=-1)
         rank, cp, seq = self.cp.rank, self.cp.size, tokens.shape[1]
         ahead = None
         if self.mtp_depth:

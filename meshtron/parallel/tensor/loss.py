@@ -3,7 +3,8 @@
 Under tensor parallelism each rank holds the logits of its slice of the padded vocabulary; the
 cross-entropy is formed from a max and two sums all-reduced over tp (the sum of exponentials
 and the target logit travel in one all-reduce), so the full logits are never gathered. Padded
-vocabulary entries are masked out and never count. Losses compute in fp32, or in fp64 for
+vocabulary entries are masked out and never count, nor do targets below 0 (tokens read but
+never predicted, such as a conversation's prompt). Losses compute in fp32, or in fp64 for
 fp64 logits.
 """
 
@@ -56,23 +57,28 @@ class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         log_probs = torch.log_softmax(logits, dim=-1, dtype=at_least_fp32(logits.dtype))
-        ctx.save_for_backward(log_probs, targets)
+        keep = targets >= 0
+        safe = targets.clamp(min=0)
+        ctx.save_for_backward(log_probs, safe, keep)
         ctx.dtype = logits.dtype
-        return -log_probs.gather(-1, targets.unsqueeze(-1)).sum()
+        picked = log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        return -torch.where(keep, picked, torch.zeros_like(picked)).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        log_probs, targets = ctx.saved_tensors
+        log_probs, safe, keep = ctx.saved_tensors
         probs = log_probs.exp_()  # in place (a second backward through it raises)
-        probs.scatter_add_(-1, targets.unsqueeze(-1), probs.new_full((len(targets), 1), -1.0))
-        return probs.mul_(grad).to(ctx.dtype), None
+        probs.scatter_add_(-1, safe.unsqueeze(-1), probs.new_full((len(safe), 1), -1.0))
+        # one multiply scales every row and zeroes the skipped ones
+        return probs.mul_((grad * keep.to(probs.dtype)).unsqueeze(-1)).to(ctx.dtype), None
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, group: Group,
                             start: int, vocab_size: int) -> torch.Tensor:
-    """Sum of token losses; ``logits`` [.., local vocab] hold columns start..start+local."""
-    flat = logits.reshape(-1, logits.shape[-1])
+    """Sum of token losses; ``logits`` [.., local vocab] hold columns start..start+local.
+    Targets below 0 (tokens read but never predicted) add nothing and get no gradient."""
+    flat, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     if group.pg is None:
-        return _CrossEntropySum.apply(flat[:, :vocab_size], targets.reshape(-1))
-    losses = _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), group, start, vocab_size)
-    return losses.sum()
+        return _CrossEntropySum.apply(flat[:, :vocab_size], targets)
+    losses = _VocabParallelCrossEntropy.apply(flat, targets, group, start, vocab_size)
+    return torch.where(targets >= 0, losses, torch.zeros_like(losses)).sum()
