@@ -107,3 +107,41 @@ def table_lines(comparisons: tuple[Comparison, ...]) -> list[str]:
     lines.append(f"\nMean absolute error {mae:.1%}, worst {worst:.1%} over "
                  f"{len(comparisons)} runs.")
     return lines
+
+
+STORED_BAND = (0.677, 1.376)
+""":func:`band` over the built-in runs, stored so that planning does not price 22 published
+runs each time (tests/test_published_runs.py recomputes it and fails when it is stale)."""
+STORED_BEST_MFU = {("a100", False): (0.392, "narayanan2021-1t-3072gpu"),
+                   ("h100", False): (0.471, "megatron-h100-7.1b-96gpu"),
+                   ("h100", True): (0.473, "mcore-mixtral-8x7b-64gpu")}
+""":func:`best_published_mfu` by (generation, MoE) over the built-in runs, stored likewise."""
+STORED_RUNS = 22
+
+
+def plan_confidence(tflops_per_gpu: float, mfu: float, profile_name: str, moe: bool,
+                    gpu: bool, fp8: bool = False) -> tuple[list[str], dict]:
+    """What a plan's figures are worth: the band from the published residuals (GPU profiles
+    only: the runs were measured on GPUs) and, where its predicted MFU is above every
+    published run of its GPU generation and kind, a line saying so (not for FP8 plans: their
+    MFU is over the bf16 peak). Returns the printed lines and the JSON entry."""
+    if not gpu:
+        return [], {}
+    low, high = STORED_BAND
+    lines = [f"confidence: {STORED_RUNS} published runs measured {low:.2f}-{high:.2f}x what "
+             f"the cost model predicts for them (10th-90th percentile): the first plan's "
+             f"{tflops_per_gpu:.1f} TFLOP/s per GPU is likely {tflops_per_gpu * low:.1f}-"
+             f"{tflops_per_gpu * high:.1f} (docs/tuning.md)"]
+    entry: dict = {"band": [low, high], "band_quantiles": list(BAND_QUANTILES),
+                   "tflops_per_gpu_band": [tflops_per_gpu * low, tflops_per_gpu * high],
+                   "published_runs": STORED_RUNS}
+    best = None if fp8 else STORED_BEST_MFU.get((generation_of(profile_name), moe))
+    if best is not None:
+        entry["best_published_mfu"], entry["best_published_run"] = best
+        entry["above_published"] = mfu > best[0]
+        if mfu > best[0]:
+            kind = "MoE" if moe else "dense"
+            lines.append(f"note: the predicted MFU {mfu:.1%} is above every published "
+                         f"{generation_of(profile_name)} {kind} run (best {best[0]:.1%}, "
+                         f"{best[1]}): treat it as optimistic")
+    return lines, entry

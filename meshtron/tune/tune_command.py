@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from meshtron.config import Config, load_config, parse_override
+from meshtron.costmodel.against_published import plan_confidence
 from meshtron.costmodel.estimate import Estimate
 from meshtron.costmodel.problem import Cluster, Problem, problem_of
 from meshtron.costmodel.profiles import load_profile
@@ -219,12 +220,18 @@ def run_tune(args: argparse.Namespace, extra: list[str]) -> int:
           f"{result.fitting:,} layouts fit in {problem.memory_limit / 2**30:,.1f} GiB per GPU "
           "(each with the least recompute that fits)")
     print("\n".join(table(ranked, args.top, args.tokens)))
+    notes, confidence = plan_confidence(
+        ranked[0].tflops_per_gpu, ranked[0].mfu, cluster.profile.name, problem.model.is_moe,
+        cluster.profile.compute_units is None, problem.fp8 or problem.fp4)
+    if notes:
+        print("\n".join(notes))
     if args.json:
         payload = {"cluster": {"gpu": cluster.profile.name, "gpus": cluster.gpus,
                                "gpus_per_node": cluster.profile.gpus_per_node,
                                "source": cluster.profile.source},
                    "considered": result.considered, "fitting": result.fitting,
-                   "candidates": [e.row() for e in ranked], "chosen": winner.row()}
+                   "candidates": [e.row() for e in ranked], "chosen": winner.row(),
+                   "confidence": confidence}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     if args.output_config:
         path = write_config(cfg, winner, Path(args.output_config), cluster.gpus)
