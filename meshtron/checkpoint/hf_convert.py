@@ -55,8 +55,9 @@ from meshtron.checkpoint.hf_mapping import (
     to_hf,
 )
 from meshtron.checkpoint.loading import resolve_checkpoint
+from meshtron.checkpoint.lora_merge import base_config, peft_folder
 from meshtron.checkpoint.manifest import read_manifest, verify_file
-from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
+from meshtron.checkpoint.model_io import model_config, read_model_tensors, write_model_checkpoint
 from meshtron.checkpoint.shards import save_safetensors
 from meshtron.config import Config, ModelConfig, config_from_dict
 from meshtron.config.finetune import FINETUNE_TRAIN
@@ -67,7 +68,7 @@ from meshtron.models.flops import padded_vocab_size
 from meshtron.plan import check_model
 
 Tensors = dict[str, torch.Tensor]
-FORMATS = ("meshtron", "hf")
+FORMATS = ("meshtron", "hf", "peft")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 """Buffers some HF checkpoints carry that are recomputed, not learned."""
@@ -99,7 +100,23 @@ def convert(src: Path, dst: Path, fmt: str = "meshtron") -> Conversion:
                             f"(copy it instead, or choose the other --format)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise MeshtronError(f"destination {dst} exists and is not empty")
+    if fmt == "peft":
+        return export_peft(src, dst, kind)
     return import_hf(src, dst) if kind == "hf" else export_hf(resolve_checkpoint(src), dst)
+
+
+def export_peft(src: Path, dst: Path, kind: str) -> Conversion:
+    """The adapters of a LoRA run or checkpoint as a PEFT folder (``--format peft``), for the
+    Hugging Face export of its base (``--format hf`` of the base checkpoint)."""
+    checkpoint = resolve_checkpoint(src) if kind == "meshtron" else src
+    manifest = read_manifest(checkpoint) if kind == "meshtron" else {}
+    if "lora" not in manifest:
+        raise MeshtronError(f"{src} holds no LoRA adapters (model.lora.rank > 0): --format peft "
+                            "writes a run's adapters")
+    cfg = base_config(model_config(checkpoint, manifest))
+    peft_folder(checkpoint, manifest, dst, tensor_rules(cfg.model))
+    return Conversion(dst, (f"load it with peft.PeftModel.from_pretrained(model, '{dst}') on "
+                            "the Hugging Face export of the base model",))
 
 
 def detect_source(src: Path) -> str:

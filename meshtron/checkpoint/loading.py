@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import yaml
 
+from meshtron.checkpoint.lora_merge import load_merged
 from meshtron.checkpoint.manifest import read_manifest, verify_file
 from meshtron.checkpoint.model_io import model_config
 from meshtron.checkpoint.shards import check_finite
@@ -115,7 +116,10 @@ def load_model(ckpt: InferenceCheckpoint, plan: RunPlan | None = None,
     options = plan.model_options(mesh.pp.rank) if plan is not None else WHOLE_MODEL
     model = Transformer(cfg, mesh, options)
     Precision(dtype or ckpt.saved_dtype, torch.device(device)).cast_parameters(model)
-    load_weights(ckpt.path, model)
+    if "lora" in ckpt.manifest:  # adapters: merged into their base as it loads
+        load_merged(ckpt.path, ckpt.manifest, model)
+    else:
+        load_weights(ckpt.path, model)
     for name, param in model.named_parameters():
         check_finite(ckpt.path, name, param)
     return model.to(torch.device(device)).eval()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from meshtron.checkpoint.lora_merge import adapter_config, base_config, merged_model
 from meshtron.checkpoint.manifest import read_manifest, saved_config
 from meshtron.checkpoint.shards import check_finite
 from meshtron.checkpoint.store import open_checkpoint, save_tensors
@@ -25,7 +26,10 @@ LAYER_NAME = re.compile(r"^model/layers\.(\d+)\.")
 
 
 def model_config(path: Path, manifest: dict[str, Any]) -> Config:
-    """The checkpoint's run config, refused unless the model it builds is the one stored."""
+    """The checkpoint's run config, refused unless the model it builds is the one stored
+    (an adapter checkpoint's: the merged model's, its adapters folded into the base)."""
+    if "lora" in manifest:
+        return base_config(adapter_config(path, manifest))
     try:
         cfg = config_from_dict(saved_config(path, manifest))
     except MeshtronError as err:
@@ -53,8 +57,12 @@ def model_config(path: Path, manifest: dict[str, Any]) -> Config:
 
 
 def read_model_tensors(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
-    """The run config and every model parameter, whole, under its global name."""
-    cfg = model_config(checkpoint, read_manifest(checkpoint))
+    """The run config and every model parameter, whole, under its global name (an adapter
+    checkpoint's merged into its base)."""
+    manifest = read_manifest(checkpoint)
+    if "lora" in manifest:
+        return merged_model(checkpoint, manifest)
+    cfg = model_config(checkpoint, manifest)
     manifest, reader = open_checkpoint(checkpoint)
     names = [n for n in reader.tensors if n.startswith("model/")]
     tensors = {n[len("model/"):]: reader.read(n) for n in names}

@@ -34,6 +34,7 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
     current = cfg.to_dict()
     model = dict(current["model"])
     moe = model.pop("moe")
+    model.pop("lora")  # adapters leave the base model as it is (their checkpoints say which)
     pairs = [(f"model.{key}", saved_model.get(key), value) for key, value in model.items()
              if key != "preset" and not (key == "vocab_size" and value is None)]
     saved_moe = saved_model.get("moe") or {}
