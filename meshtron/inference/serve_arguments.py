@@ -10,7 +10,8 @@ from meshtron.inference.generate_arguments import check_sampling, sampling_argum
 
 SERVE_EPILOG = """\
 POST /v1/completions (OpenAI's API: prompt, max_tokens, temperature, top_p, top_k, stop, stream,
-seed), GET /v1/models, GET /health: see docs/inference.md. A request without temperature,
+seed), POST /v1/chat/completions (messages, rendered with the model's chat template, and the same
+fields), GET /v1/models, GET /health: see docs/inference.md. A request without temperature,
 top_k or top_p gets the flag's value, else the model's (as for generate; said at start-up).
 Config fields as for generate: --parallel.tp, --parallel.pp, --parallel.pp_layers,
 --precision.dtype."""

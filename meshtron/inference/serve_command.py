@@ -14,12 +14,14 @@ every rank exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import socket
 import sys
 from pathlib import Path
 
 from meshtron.checkpoint.loading import InferenceCheckpoint, load_model, open_for_inference
+from meshtron.data.chat_template import ChatTemplate, find_chat_template
 from meshtron.errors import MeshtronError
 from meshtron.inference.engine import Engine, follow
 from meshtron.inference.generate_command import generation_config
@@ -150,9 +152,14 @@ def _run_server(args: argparse.Namespace, engine: Engine, ckpt: InferenceCheckpo
 
     def ready() -> None:
         print(f"meshtron: serving {name}{where} at {url(listener)} (POST /v1/completions, "
-              f"GET /health; batches of up to {args.max_batch}; Ctrl-C stops)", flush=True)
+              f"POST /v1/chat/completions, GET /health; batches of up to {args.max_batch}; "
+              "Ctrl-C stops)", flush=True)
 
-    app = build_app(engine, ckpt.tokenizer, name, on_ready=ready, defaults=defaults)
+    template = chat_template_of(ckpt)
+    print(f"chat: template from {template.where}" if template else "chat: the model has no "
+          "chat template; POST /v1/chat/completions answers 404", file=sys.stderr)
+    app = build_app(engine, ckpt.tokenizer, name, on_ready=ready, defaults=defaults,
+                    chat_template=template)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
@@ -168,6 +175,21 @@ def _run_server(args: argparse.Namespace, engine: Engine, ckpt: InferenceCheckpo
     if engine.error is not None:
         raise engine.error
     return 0
+
+
+def chat_template_of(ckpt: InferenceCheckpoint) -> ChatTemplate | None:
+    """The chat template chat requests are rendered with: the training data's
+    (``data.chat.template``), else the one beside the checkpoint's tokenizer, else the one
+    beside the tokenizer the run trained with (``data.tokenizer``); None if there is none."""
+    data = ckpt.config.data
+    places = [Path(ckpt.tokenizer.path)]
+    if data.tokenizer:
+        given = Path(data.tokenizer).expanduser()
+        places.append(given / "tokenizer.json" if given.is_dir() else given)
+    for place in places:
+        with contextlib.suppress(MeshtronError):
+            return find_chat_template(place, data.chat.template)
+    return None
 
 
 def _broadcast(message: object) -> object:

@@ -1,6 +1,7 @@
 """The HTTP face of ``meshtron serve``: a FastAPI app with ``POST /v1/completions`` (the OpenAI
-completions API, whole or streamed as server-sent events), ``GET /v1/models`` and
-``GET /health``.
+completions API, whole or streamed as server-sent events), ``POST /v1/chat/completions`` (the
+chat API: messages rendered with the model's chat template, :mod:`.chat_api`), ``GET
+/v1/models`` and ``GET /health``.
 
 Handlers run on uvicorn's event loop and never generate: they read the body (bounded in bytes:
 a 413 past :class:`~.completion_api.Limits`), check the request and encode its prompts in a
@@ -22,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from meshtron.data import Tokenizer
+from meshtron.data.chat_template import ChatTemplate
+from meshtron.inference.chat_api import ChatReply, parse_chat_request
 from meshtron.inference.completion_api import (
     OPENAI_SAMPLING,
     CompletionRequest,
@@ -45,9 +48,11 @@ Event = tuple[int, Progress | BaseException]
 
 def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
               on_ready: Callable[[], None] = lambda: None,
-              defaults: Sampling = OPENAI_SAMPLING) -> FastAPI:
+              defaults: Sampling = OPENAI_SAMPLING,
+              chat_template: ChatTemplate | None = None) -> FastAPI:
     """The app serving ``engine``'s model under ``model_name``; ``on_ready`` is called once
-    uvicorn has started it; ``defaults`` is the sampling of a request that sets none."""
+    uvicorn has started it; ``defaults`` is the sampling of a request that sets none;
+    ``chat_template`` renders chat requests' messages (None: chat requests get a 404)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,13 +84,8 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
         check_fits(encoded, req.max_tokens, engine.max_len)
         return req, encoded
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits)
-            req, encoded = await asyncio.to_thread(prepare, body)
-        except RequestError as err:
-            return JSONResponse(error_body(err), err.status)
+    def submit(req: CompletionRequest, encoded: list[list[int]]) -> asyncio.Queue[Event]:
+        """One engine job per prompt; their reports arrive on the returned queue."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue[Event]()
 
         def reporter(index: int) -> Callable[[Progress | BaseException], None]:
@@ -94,10 +94,18 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
                     loop.call_soon_threadsafe(events.put_nowait, (index, progress))
             return report
 
-        jobs = [Job(tokens, req.max_tokens, req.sampling, req.seed, req.stops, reporter(i))
-                for i, tokens in enumerate(encoded)]
+        engine.submit([Job(tokens, req.max_tokens, req.sampling, req.seed, req.stops,
+                           reporter(i)) for i, tokens in enumerate(encoded)])
+        return events
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
         try:
-            engine.submit(jobs)
+            body = await read_body(request, limits)
+            req, encoded = await asyncio.to_thread(prepare, body)
+            events = submit(req, encoded)
+        except RequestError as err:
+            return JSONResponse(error_body(err), err.status)
         except EngineClosed as err:
             return JSONResponse(error_body(RequestError(str(err), status=503)), 503)
         reply = Reply.new(model_name)
@@ -106,7 +114,32 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
             return StreamingResponse(_stream(reply, req, events, prompt_tokens),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _whole(reply, len(jobs), events, prompt_tokens)
+        return await _whole(reply, len(encoded), events, prompt_tokens)
+
+    def prepare_chat(body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+        """The checked chat request, its messages rendered, and its tokens (a worker thread)."""
+        req = parse_chat_request(body, chat_template, defaults)
+        limits.check_prompts(req.prompts)
+        encoded = [tokenizer.encode(p) for p in req.prompts]
+        check_fits(encoded, req.max_tokens, engine.max_len)
+        return req, encoded
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = await read_body(request, limits)
+            req, encoded = await asyncio.to_thread(prepare_chat, body)
+            events = submit(req, encoded)
+        except RequestError as err:
+            return JSONResponse(error_body(err), err.status)
+        except EngineClosed as err:
+            return JSONResponse(error_body(RequestError(str(err), status=503)), 503)
+        reply, prompt_tokens = ChatReply.new(model_name), len(encoded[0])
+        if req.stream:
+            return StreamingResponse(_chat_stream(reply, req, events, prompt_tokens),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _chat_whole(reply, events, prompt_tokens)
 
     return app
 
@@ -162,6 +195,39 @@ async def _stream(reply: Reply, req: CompletionRequest, events: asyncio.Queue[Ev
         yield sse({**reply.head(), "choices": [choice(index, progress.text, progress.finish)]})
     if req.include_usage:
         yield sse({**reply.head(), "choices": [], "usage": usage(prompt_tokens, sum(tokens))})
+    yield sse("[DONE]")
+
+
+async def _chat_whole(reply: ChatReply, events: asyncio.Queue[Event],
+                      prompt_tokens: int) -> Response:
+    """Wait for the answer's end; one ``chat.completion`` body."""
+    text, finish, tokens = "", None, 0
+    while finish is None:
+        _, progress = await events.get()
+        if isinstance(progress, BaseException):
+            return _failure(progress)
+        text += progress.text
+        finish, tokens = progress.finish, progress.tokens
+    return JSONResponse(reply.whole(text, finish, usage(prompt_tokens, tokens)))
+
+
+async def _chat_stream(reply: ChatReply, req: CompletionRequest, events: asyncio.Queue[Event],
+                       prompt_tokens: int) -> AsyncIterator[str]:
+    """Server-sent ``chat.completion.chunk`` events: the role, a delta per new piece of text,
+    an empty delta with the ``finish_reason``, then ``data: [DONE]``."""
+    yield sse(reply.chunk({"role": "assistant", "content": ""}))
+    finish, tokens = None, 0
+    while finish is None:
+        _, progress = await events.get()
+        if isinstance(progress, BaseException):
+            yield sse(_failure_body(progress))
+            return
+        finish, tokens = progress.finish, progress.tokens
+        if progress.text:
+            yield sse(reply.chunk({"content": progress.text}))
+    yield sse(reply.chunk({}, finish))
+    if req.include_usage:
+        yield sse({**reply.head(True), "choices": [], "usage": usage(prompt_tokens, tokens)})
     yield sse("[DONE]")
 
 
