@@ -24,7 +24,7 @@ import torch
 
 from meshtron.config import PrecisionConfig
 from meshtron.data.builders import row_format
-from meshtron.models.adapters import hold_base_in, seed_base
+from meshtron.models.adapters import cast_base, seed_base
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer, build_optimizer
@@ -103,10 +103,10 @@ def build_rank(plan: RunPlan, mesh: ParallelMesh, device: torch.device | None = 
         load_weights(model)
     model.to(device).train()
     precision.cast_parameters(model)
-    if cfg.model.lora.enabled:  # the base drawn from the seed until a checkpoint says else
+    lora = cfg.model.lora
+    if lora.enabled:  # the base drawn from the seed until a checkpoint says else
         model.lora_base = seed_base(cfg.model, cfg.train.seed)
-    if cfg.model.lora.base_dtype is not None:  # frozen projections held narrower
-        hold_base_in(model, PARAM_DTYPES[cfg.model.lora.base_dtype])
+        cast_base(model, precision.param_dtype, PARAM_DTYPES[lora.base_dtype or pc.dtype])
     local_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, mesh, cfg.train, zero=cfg.parallel.zero,
                                 bucket_mb=cfg.parallel.bucket_mb,

@@ -21,7 +21,13 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.config.lora_section import LoraConfig
 from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
-from meshtron.parallel.tensor.lora import FROZEN, column_adapter, is_adapter, row_adapter
+from meshtron.parallel.tensor.lora import (
+    FROZEN,
+    column_adapter,
+    is_adapter,
+    is_frozen_base,
+    row_adapter,
+)
 
 
 def attach_adapters(model: nn.Module, blocks: Iterator[nn.Module], lora: LoraConfig,
@@ -56,13 +62,17 @@ def target_layers(block: nn.Module) -> Iterator[tuple[str, ColumnParallelLinear 
 
 
 @torch.no_grad()
-def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """The frozen projections' weights of an adapted model stored in ``dtype``
-    (``model.lora.base_dtype``); they compute in the run's dtype."""
+def cast_base(model: nn.Module, dtype: torch.dtype, projections: torch.dtype) -> None:
+    """An adapted model's frozen parameters stored in the run's ``dtype`` (the precision
+    policy casts only what trains), the adapted projections' weights in ``projections``
+    (``model.lora.base_dtype``; they compute in the run's dtype)."""
+    for param in model.parameters():
+        if is_frozen_base(param):
+            param.data = param.data.to(dtype)
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear) \
                 and module.lora is not None:
-            module.weight.data = module.weight.data.to(dtype)
+            module.weight.data = module.weight.data.to(projections)
 
 
 def seed_base(cfg: ModelConfig, seed: int) -> dict[str, str | None]:
