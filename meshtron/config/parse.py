@@ -25,6 +25,7 @@ import yaml
 
 from meshtron.config.checks import suggest, validate
 from meshtron.config.presets import MODEL_PRESETS
+from meshtron.config.rope_section import RopeConfig
 from meshtron.config.sections import (
     MOE_DEFAULTS,
     SECTIONS,
@@ -285,7 +286,7 @@ def resolve(cfg: Config) -> None:
             f"choose one of {', '.join(MODEL_PRESETS)}"
         )
     for key, value in MODEL_PRESETS[m.preset].items():
-        if key in ("moe", "vision"):
+        if key in ("moe", "vision", "rope"):
             continue
         if getattr(m, key) is None:
             setattr(m, key, value)
@@ -295,6 +296,10 @@ def resolve(cfg: Config) -> None:
     for key, value in {**VISION_DEFAULTS, **MODEL_PRESETS[m.preset].get("vision", {})}.items():
         if getattr(m.vision, key) is None:
             setattr(m.vision, key, value)
+    plain = RopeConfig()  # a rope field still at its default takes the preset's value
+    for key, value in MODEL_PRESETS[m.preset].get("rope", {}).items():
+        if getattr(m.rope, key) == getattr(plain, key):
+            setattr(m.rope, key, value)
     if m.moe.expert_ffn_size is None:
         m.moe.expert_ffn_size = m.ffn_hidden_size
     if m.num_kv_heads is None:

@@ -5,11 +5,16 @@ context parallelism, ``tiny-mla`` with latent attention and ``tiny-deepseek`` wi
 attention, DeepSeek-V3's routing and multi-token prediction) trains in seconds on a CPU, as does
 ``tiny-vla``, a vision-language-action policy (:mod:`meshtron.models.vision`); ``small``
 is a ~125M model; the rest are the published shapes of large models (dense and MoE), used for
-planning (parameter counts, FLOPs, the tuner) and never built on a CPU. A preset leaves
+planning (parameter counts, FLOPs, the tuner) and never built on a CPU: ``llama3-*`` at Llama 3's
+8,192 positions, ``llama3.1-*`` at Llama 3.1's 131,072 with its rotary scaling. A preset leaves
 ``vocab_size`` unset when the model should take its tokenizer's size.
 """
 
 from typing import Any
+
+LLAMA31_ROPE: dict[str, Any] = dict(scaling="llama3", factor=8.0, original_max_len=8192,
+                                    low_freq_factor=1.0, high_freq_factor=4.0)
+"""Llama 3.1's rotary scaling (``model.rope``), shared by its three sizes (copied into each)."""
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -74,6 +79,24 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         arch="llama", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
         ffn_hidden_size=53248, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
         tie_embeddings=False,
+    ),
+    # Llama 3.1: the Llama 3 shapes trained on to 128K positions, with the published rotary
+    # scaling (llama3 type: factor 8 over the original 8,192 positions, low/high frequency
+    # factors 1 and 4), as their config.json files give it
+    "llama3.1-8b": dict(
+        arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+        ffn_hidden_size=14336, vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+        tie_embeddings=False, rope=dict(LLAMA31_ROPE),
+    ),
+    "llama3.1-70b": dict(
+        arch="llama", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+        ffn_hidden_size=28672, vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+        tie_embeddings=False, rope=dict(LLAMA31_ROPE),
+    ),
+    "llama3.1-405b": dict(
+        arch="llama", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
+        ffn_hidden_size=53248, vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+        tie_embeddings=False, rope=dict(LLAMA31_ROPE),
     ),
     "mixtral-8x7b": dict(
         arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,

@@ -57,3 +57,24 @@ class Candidate:
             parts.append(f"ep{self.ep}" + ("/etp1" if self.etp == 1 else ""))
         parts += [f"dp{self.dp}", f"zero{self.zero}"] + (["sp"] if self.sp else [])
         return " ".join(parts + [f"mb{self.micro_batch}", self.recompute])
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Fields the user fixed; None leaves a field to the search."""
+
+    tp: int | None = None
+    cp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    schedule: str | None = None
+    ep: int | None = None
+    etp: int | None = None
+    zero: int | None = None
+    sp: bool | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+
+    def allow(self, name: str, options: list) -> list:
+        pinned = getattr(self, name)
+        return [pinned] if pinned is not None else options

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshtron.config import Config
-from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.candidate import Candidate, Pins
 from meshtron.costmodel.estimate import Estimate, Estimator, Problem
 from meshtron.costmodel.memory_model import state_bytes
+from meshtron.costmodel.refusals import check_layout_free, divisibility_refusal, plan_refusal
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import padded_vocab_size
 from meshtron.plan import check_run
@@ -38,27 +40,6 @@ TWINS_SIMULATED = 4
 """zb-v twins of those (:func:`v_twins`) simulated at most."""
 
 
-@dataclass(frozen=True)
-class Pins:
-    """Fields the user fixed; None leaves a field to the search."""
-
-    tp: int | None = None
-    cp: int | None = None
-    pp: int | None = None
-    vpp: int | None = None
-    schedule: str | None = None
-    ep: int | None = None
-    etp: int | None = None
-    zero: int | None = None
-    sp: bool | None = None
-    micro_batch: int | None = None
-    recompute: str | None = None
-
-    def allow(self, name: str, options: list) -> list:
-        pinned = getattr(self, name)
-        return [pinned] if pinned is not None else options
-
-
 @dataclass
 class SearchResult:
     ranked: list[Estimate]
@@ -66,6 +47,11 @@ class SearchResult:
     considered: int
     """Layouts that passed divisibility (before memory pruning)."""
     fitting: int
+    refusal: str = ""
+    """Why nothing is ranked, when nothing is (divisibility or the plan; memory is the
+    caller's report of ``ranked``'s least-memory layouts)."""
+    plan_refused: Counter[str] = field(default_factory=Counter)
+    """The trainer's plan's refusals of fitting layouts, by message."""
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -76,14 +62,19 @@ def divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+def tp_sizes(problem: Problem, pins: Pins) -> list[int]:
+    """The tp sizes that split the model's heads, FFN and vocabulary and the world."""
+    m, gpus = problem.model, problem.gpus
+    gpn = problem.profile.gpus_per_node
+    return [tp for tp in pins.allow("tp", powers_of_two(min(gpn, m.num_heads)))
+            if not (m.num_heads % tp or (m.num_kv_heads % tp and tp % m.num_kv_heads)
+                    or m.ffn_hidden_size % tp or padded_vocab_size(m) % tp or gpus % tp)]
+
+
 def _structures(problem: Problem, pins: Pins) -> Iterator[tuple[int, int, int, int]]:
     """(tp, cp, pp, dp) splits the model and the world divide into."""
     m, gpus = problem.model, problem.gpus
-    gpn = problem.profile.gpus_per_node
-    for tp in pins.allow("tp", powers_of_two(min(gpn, m.num_heads))):
-        if (m.num_heads % tp or (m.num_kv_heads % tp and tp % m.num_kv_heads)
-                or m.ffn_hidden_size % tp or padded_vocab_size(m) % tp or gpus % tp):
-            continue
+    for tp in tp_sizes(problem, pins):
         for cp in pins.allow("cp", powers_of_two(problem.seq_len // 2)):
             if problem.seq_len % (2 * cp) or gpus % (tp * cp):
                 continue
@@ -156,6 +147,7 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
            ) -> SearchResult:
     """Rank every layout of ``problem`` that the trainer can run (``cfg`` gives the rest of
     the run's settings for the plan checks)."""
+    check_layout_free(cfg, problem)
     estimator = Estimator(problem)
     limit = problem.memory_limit
     considered = 0
@@ -185,22 +177,42 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
         kept[layout] = c.recompute
         first_pass.append((estimator.estimate(c, simulate=False).step_time_s, c))
     first_pass.sort(key=lambda item: item[0])
-    ranked = []
+    ranked: list[Estimate] = []
+    refused: Counter[str] = Counter()
     for _, c in first_pass:
         if len(ranked) >= simulate:
             break
-        if runnable(cfg, c, problem.gpus):
+        error = plan_error(cfg, c, problem.gpus)
+        if error is None:
             ranked.append(estimator.estimate(c))
+        else:
+            refused[error] += 1
     fitting = len(first_pass)
     twins = v_twins(estimator, pins, cfg, ranked, limit)
     considered, fitting = considered + twins.tried, fitting + twins.fitting
     ranked += twins.simulated
-    if not ranked:
+    refusal = ""
+    if not ranked and refused:
+        refusal = plan_refusal(refused, len(first_pass))
+    elif not ranked:
         ranked = least_memory(estimator, spill)
+        if not ranked:
+            refusal = why_nothing_divides(problem, pins)
     # equal times (cp re-splitting what dp would) go to the simpler layout
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s, e.candidate.cp, e.candidate.pp,
                                e.candidate.zero, e.candidate.tp))
-    return SearchResult(ranked, considered, fitting)
+    return SearchResult(ranked, considered, fitting, refusal, refused)
+
+
+def why_nothing_divides(problem: Problem, pins: Pins) -> str:
+    """:func:`divisibility_refusal` of the enumeration, walked again (only when it is empty)."""
+    structures = list(_structures(problem, pins))
+    batched = [s for s in structures if problem.global_batch % s[3] == 0]
+    split = any(any(True for _ in _expert_splits(problem, pins, tp, cp, dp))
+                for tp, cp, _, dp in batched)
+    sp = pins.sp is not True or any(tp > 1 and problem.seq_len // cp % tp == 0
+                                    for tp, cp, _, _ in batched)
+    return divisibility_refusal(problem, pins, tp_sizes(problem, pins), structures, split, sp)
 
 
 @dataclass
@@ -261,16 +273,22 @@ def least_memory(estimator: Estimator, spill: list[Candidate], keep: int = 5) ->
 
 
 def runnable(cfg: Config, c: Candidate, gpus: int) -> bool:
-    """The trainer's plan accepts the candidate. The enumeration has checked the batch split
-    already, so the plan is asked with the fewest micro-batches the schedule takes: every
-    other check is the same, and building a schedule of hundreds of micro-batches is not."""
+    """The trainer's plan accepts the candidate."""
+    return plan_error(cfg, c, gpus) is None
+
+
+def plan_error(cfg: Config, c: Candidate, gpus: int) -> str | None:
+    """Why the trainer's plan refuses the candidate, or None. The enumeration has checked the
+    batch split already, so the plan is asked with the fewest micro-batches the schedule
+    takes: every other check is the same, and building a schedule of hundreds of
+    micro-batches is not."""
     fewest = 1 if c.pp == 1 else c.pp
     small = dataclasses.replace(cfg.train, global_batch=c.dp * c.micro_batch * fewest)
     try:
         check_run(apply(dataclasses.replace(cfg, train=small), c), gpus)
-    except MeshtronError:
-        return False
-    return True
+    except MeshtronError as err:
+        return str(err)
+    return None
 
 
 def apply(cfg: Config, c: Candidate) -> Config:

@@ -128,8 +128,8 @@ def check_pins(cfg: Config, pins: Pins, cluster: Cluster) -> None:
 def no_fit_message(result: SearchResult, cluster: Cluster, problem: Problem) -> str:
     limit = problem.memory_limit
     if not result.ranked:
-        return (f"no layout of {cluster.gpus} GPUs divides this model and batch (check "
-                "train.global_batch, the pins and --cluster.gpus)")
+        return result.refusal or (f"no layout of {cluster.gpus} GPUs divides this model and "
+                                  "batch (check train.global_batch, the pins and --cluster.gpus)")
     best = min(result.ranked, key=lambda e: e.memory.peak)
     need = best.memory.peak
     scale = need / max(1.0, limit - problem.reserved_bytes)
