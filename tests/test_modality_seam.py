@@ -101,6 +101,6 @@ def test_environments_are_made_by_name():
     obs, info = env.reset(seed=5)
     assert obs["image"].shape == (32, 32, 3) and obs["instruction"] and "success" in info
     assert env.action_space.shape == (3,)
-    with pytest.raises(MeshtronError, match="unknown environment 'metaworld-mt10'; the "
-                                            "environments are tabletop"):
-        make_env("metaworld-mt10")
+    with pytest.raises(MeshtronError, match="unknown environment 'nosuch'; the "
+                                            "environments are tabletop, metaworld-mt10, "):
+        make_env("nosuch")

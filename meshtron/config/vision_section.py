@@ -52,6 +52,10 @@ class VisionConfig:
     instruction_keypoints: int | None = None
     """Keypoint maps of the readout token queried by the instruction's words, beside the
     ``keypoints`` fixed ones: they can point at the block the instruction names."""
+    env: str | None = None
+    """The environment the policy acts in (``tabletop``, ``metaworld-mt10``,
+    ``metaworld:<task>``): its demonstrations are the default data and its action space must
+    have ``action_dims`` dimensions (docs/vla.md)."""
     pretrained: str | None = None
     """A Hugging Face SigLIP vision folder (save_pretrained's) the encoder starts from, as
     OpenVLA starts from pretrained towers; its shape must match these fields. None: drawn
@@ -120,6 +124,12 @@ def check_vision(v: VisionConfig) -> None:
         raise MeshtronError(f"model.vision.action_bins must be at least 2, got {v.action_bins}")
     if not (math.isfinite(v.norm_eps) and v.norm_eps > 0):
         raise MeshtronError(f"model.vision.norm_eps must be a positive number, got {v.norm_eps}")
+    from meshtron.envs import env_spec
+
+    spec = env_spec(v.env)
+    if spec.action_dims != v.action_dims:
+        raise MeshtronError(f"model.vision.env={v.env} acts with {spec.action_dims}-dimensional "
+                            f"actions, but model.vision.action_dims={v.action_dims}")
     ranges = (v.action_low, v.action_high)
     if (ranges[0] is None) != (ranges[1] is None):
         raise MeshtronError("model.vision.action_low and action_high are set together (or "
@@ -138,5 +148,5 @@ def check_vision(v: VisionConfig) -> None:
 VISION_DEFAULTS: dict[str, Any] = dict(
     image_size=0, patch_size=8, channels=3, hidden_size=128, num_layers=2, num_heads=4,
     ffn_hidden_size=512, norm_eps=1e-6, action_dims=3, action_bins=256, action_chunk=1,
-    instruction_len=11, keypoints=16, instruction_keypoints=4,
+    instruction_len=11, keypoints=16, instruction_keypoints=4, env="tabletop",
 )

@@ -17,20 +17,19 @@ from pathlib import Path
 import numpy as np
 
 from meshtron.data import cache
-from meshtron.data.episodes import Episode, EpisodeDataset, EpisodeWriter
-from meshtron.envs import ENV_NAME, WORDS, TabletopEnv, expert_action
+from meshtron.data.episodes import Episode, EpisodeDataset, EpisodeWriter, episode_seed
+from meshtron.envs import DEFAULT_ENV, ENV_NAME, WORDS, TabletopEnv, check_env_name, expert_action
+from meshtron.envs.metaworld_tasks import dataset_env_id
 from meshtron.errors import MeshtronError
+
+__all__ = ["default_demonstrations", "episode_seed", "expert_episode",
+           "generate_demonstrations"]
 
 DEMO_VERSION = 1
 """Part of the cache key: bump when what is recorded changes."""
 MOTION_NOISE = 0.3
 """Standard deviation of the noise added to the executed (dx, dy), in action units."""
 _NOISE_STREAM = 0x5EED
-
-
-def episode_seed(seed: int, index: int) -> int:
-    """The environment seed of episode ``index`` of a set generated with ``seed``."""
-    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint32)[0])
 
 
 def expert_episode(env: TabletopEnv, seed: int, noise: float,
@@ -54,15 +53,24 @@ def expert_episode(env: TabletopEnv, seed: int, noise: float,
 
 def generate_demonstrations(episodes: int, seed: int, image_size: int, output: str | Path,
                             log: Callable[[str], object] = print, *,
-                            noise: float = MOTION_NOISE, num_blocks: int = 4) -> Path:
-    """Write ``episodes`` successful expert episodes to the dataset ``output``; returns it.
+                            noise: float = MOTION_NOISE, num_blocks: int = 4,
+                            env: str = DEFAULT_ENV, workers: int | None = None) -> Path:
+    """Write ``episodes`` successful expert episodes of environment ``env`` to the dataset
+    ``output``; returns it.
 
     Failed episodes (rare: the noise can run one out of time) are skipped and the next seed
-    index is tried, so the set always holds exactly ``episodes`` episodes.
+    index is tried, so the set always holds exactly ``episodes`` episodes. Meta-World's
+    (``metaworld-mt10``, ``metaworld:<task>``) run in ``workers`` processes
+    (:mod:`.metaworld_demonstrations`, its own noise); the tabletop task's in this one.
     """
     if episodes < 1 or seed < 0 or noise < 0:
         raise MeshtronError(f"demonstrations need episodes >= 1, seed >= 0 and noise >= 0, got "
                             f"{episodes}, {seed} and {noise}")
+    if env != DEFAULT_ENV:
+        check_env_name(env)
+        from meshtron.data.metaworld_demonstrations import generate_metaworld
+
+        return generate_metaworld(env, episodes, seed, image_size, output, log, workers=workers)
     env = TabletopEnv(image_size=image_size, num_blocks=num_blocks)
     start, kept, frames, index = time.perf_counter(), 0, 0, 0
     with EpisodeWriter(output, env=ENV_NAME, words=WORDS) as writer:
@@ -84,17 +92,19 @@ def generate_demonstrations(episodes: int, seed: int, image_size: int, output: s
 
 
 def default_demonstrations(cache_dir: str | Path, episodes: int, seed: int, image_size: int,
-                           log: Callable[[str], object] = print) -> Path:
+                           log: Callable[[str], object] = print,
+                           env: str = DEFAULT_ENV) -> Path:
     """The path of the cached demonstration set for these arguments, generated on first use
     at ``<cache_dir>/demonstrations/<key>/episodes``."""
+    parts = [] if env == DEFAULT_ENV else [env, dataset_env_id(env)]
     key = cache.content_key("demonstrations", str(DEMO_VERSION), ENV_NAME, str(episodes),
-                            str(seed), str(image_size), str(MOTION_NOISE))
+                            str(seed), str(image_size), str(MOTION_NOISE), *parts)
     entry = cache.entry_dir(cache_dir, "demonstrations", key)
     path = entry / "episodes"
     with cache.locked(entry):
         try:
             dataset = EpisodeDataset.open(path)
         except MeshtronError:
-            return generate_demonstrations(episodes, seed, image_size, path, log)
+            return generate_demonstrations(episodes, seed, image_size, path, log, env=env)
     log(f"vla-data: cached {len(dataset)} expert episodes at {path}")
     return path

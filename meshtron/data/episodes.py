@@ -41,6 +41,11 @@ INDEX = "episodes.json"
 FRAMES_PER_SHARD = 16384
 
 
+def episode_seed(seed: int, index: int) -> int:
+    """The environment seed (32 bits) of episode ``index`` of a set generated with ``seed``."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint32)[0])
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Episode:
     """One demonstration: the observation and the action taken at each of its T steps."""

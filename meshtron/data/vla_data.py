@@ -32,10 +32,13 @@ from meshtron.data.episodes import EpisodeDataset
 from meshtron.data.sampler import GlobalSampler
 from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_tokens import ActionCodec, vla_tokenizer
+from meshtron.envs import DEFAULT_ENV, env_spec
 from meshtron.errors import MeshtronError
 
 DEFAULT_EPISODES = 10_000
 """Demonstrations generated when a vision model is given no data.path."""
+DEFAULT_METAWORLD_EPISODES = 300
+"""The same for a Meta-World environment (its episodes cost ~2 s of CPU each, not 2 ms)."""
 DEFAULT_DATA_SEED = 0
 """Their seed: the default set is the same for every training seed (and cached once)."""
 
@@ -163,9 +166,14 @@ def build_policy_data(cfg: Config, log: Callable[[str], None] = print,
                                 "trains on one demonstration folder")
         path = Path(data.path[0]).expanduser()
     else:
-        path = default_demonstrations(cache_dir, DEFAULT_EPISODES, DEFAULT_DATA_SEED,
-                                      vision.image_size, log)
+        episodes = DEFAULT_EPISODES if vision.env == DEFAULT_ENV else DEFAULT_METAWORLD_EPISODES
+        path = default_demonstrations(cache_dir, episodes, DEFAULT_DATA_SEED,
+                                      vision.image_size, log, env=vision.env)
     dataset = EpisodeDataset.open(path)
+    expected = env_spec(vision.env).dataset_env
+    if dataset.env != expected:
+        raise MeshtronError(f"{path} holds demonstrations of {dataset.env}, but "
+                            f"model.vision.env={vision.env} (its data is {expected})")
     if tokenizer is None:
         tokenizer = (Tokenizer.load(data.tokenizer) if data.tokenizer else
                      vla_tokenizer(dataset.words, vision.action_bins, cache_dir))

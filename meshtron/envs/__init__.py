@@ -1,9 +1,17 @@
 """Simulated robot tasks for vision-language-action policies, made by name (``make_env``): the
-tabletop pick task, its scripted expert, and GIFs of rollouts. Imports only numpy, gymnasium,
-Pillow and errors."""
+tabletop pick task, its scripted expert, and GIFs of rollouts; Meta-World by name
+(``metaworld-mt10``, ``metaworld:<task>``, MuJoCo imported only then). Imports only numpy,
+gymnasium, Pillow and errors (and metaworld/mujoco lazily)."""
 
 from meshtron.envs.expert import CLOSE_TOLERANCE, expert_action
-from meshtron.envs.registry import DEFAULT_ENV, ENVIRONMENTS, make_env
+from meshtron.envs.registry import (
+    DEFAULT_ENV,
+    ENVIRONMENTS,
+    EnvSpec,
+    check_env_name,
+    env_spec,
+    make_env,
+)
 from meshtron.envs.tabletop import (
     COLOUR_NAMES,
     ENV_NAME,
@@ -23,11 +31,14 @@ __all__ = [
     "DEFAULT_ENV",
     "ENVIRONMENTS",
     "ENV_NAME",
+    "EnvSpec",
     "WORDS",
     "Block",
     "Rollout",
     "TabletopEnv",
     "TabletopState",
+    "check_env_name",
+    "env_spec",
     "expert_action",
     "make_env",
     "render_state",

@@ -144,6 +144,9 @@ class TabletopEnv(gym.Env):
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 4}
+    OUTCOMES = ("success", "other_block", "table", "timeout")
+    """How an episode ends: closed over the named block, over another block, over bare table,
+    or not closed within the step limit."""
 
     def __init__(self, image_size: int = 32, num_blocks: int = 4, max_steps: int = 25,
                  render_mode: str | None = None) -> None:
@@ -212,6 +215,15 @@ class TabletopEnv(gym.Env):
         truncated = not closed and self._state.steps >= self.max_steps
         self._done = closed or truncated
         return self._observation(), float(success), closed, truncated, self._info()
+
+    def outcome(self) -> str:
+        """How the episode ended so far (:attr:`OUTCOMES`)."""
+        state = self.state
+        if state.success:
+            return "success"
+        if not state.closed:
+            return "timeout"
+        return "table" if block_under(state, *state.gripper) is None else "other_block"
 
     def render(self) -> np.ndarray | None:
         if self.render_mode != "rgb_array":

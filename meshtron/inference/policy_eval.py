@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from meshtron.data.builders import row_format
 from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_data import VLATrainingData, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec
-from meshtron.envs import DEFAULT_ENV, make_env
+from meshtron.envs import DEFAULT_ENV, TabletopEnv, make_env
 from meshtron.envs.tabletop import TabletopState, block_under
 from meshtron.models.policy_runner import PolicyRunner
 from meshtron.parallel.context.sequence import SequenceSplit
@@ -33,9 +33,8 @@ EVAL_SEED_BASE = 2**32
 """Seed of the first evaluation episode: far from the demonstrations' seeds."""
 
 
-OUTCOMES = ("success", "other_block", "table", "timeout")
-"""How an episode ends: closed over the named block, over another block, over bare table, or
-not closed within the step limit."""
+OUTCOMES = TabletopEnv.OUTCOMES
+"""The tabletop task's outcomes (every environment names its own, ``type(env).OUTCOMES``)."""
 
 
 @dataclass
@@ -47,16 +46,24 @@ class Episode:
     episode_return: float
     frames: list[np.ndarray]
     outcome: str = "timeout"
-    """One of :data:`OUTCOMES`."""
+    """One of the environment's ``OUTCOMES``."""
+    task: str = DEFAULT_ENV
 
 
 def outcome_of(state: TabletopState) -> str:
-    """How the episode of final ``state`` ended (:data:`OUTCOMES`)."""
+    """How the tabletop episode of final ``state`` ended (:data:`OUTCOMES`)."""
     if state.success:
         return "success"
     if not state.closed:
         return "timeout"
     return "table" if block_under(state, *state.gripper) is None else "other_block"
+
+
+def success_rates(episodes: list[Episode]) -> dict[str, float]:
+    """Each task's share of successful episodes, tasks in the order first met."""
+    tasks = dict.fromkeys(e.task for e in episodes)
+    return {task: statistics.fmean(e.success for e in episodes if e.task == task)
+            for task in tasks}
 
 
 @dataclass
@@ -65,25 +72,40 @@ class Evaluation:
     action_token_accuracy: float
     latency_s: float
     """Median seconds of one control step (one observation -> its actions) at batch 1."""
+    outcome_names: tuple[str, ...] = OUTCOMES
+
+    @property
+    def per_task(self) -> dict[str, float]:
+        return success_rates(self.episodes)
 
     @property
     def success_rate(self) -> float:
-        return sum(e.success for e in self.episodes) / len(self.episodes)
+        """The mean over tasks of their success rates (over episodes for one task)."""
+        return statistics.fmean(self.per_task.values())
 
     @property
     def mean_return(self) -> float:
         return statistics.fmean(e.episode_return for e in self.episodes)
 
     @property
+    def mean_length(self) -> float:
+        return statistics.fmean(e.steps for e in self.episodes)
+
+    @property
     def outcomes(self) -> dict[str, int]:
-        """Episodes by how they ended, every one of :data:`OUTCOMES` present."""
-        return {name: sum(e.outcome == name for e in self.episodes) for name in OUTCOMES}
+        """Episodes by how they ended, every one of the environment's outcomes present."""
+        return {name: sum(e.outcome == name for e in self.episodes)
+                for name in self.outcome_names}
 
     def summary(self) -> dict[str, Any]:
         """The JSON of ``meshtron evaluate --json``."""
         return {"success_rate": self.success_rate, "episodes": len(self.episodes),
+                "per_task": self.per_task,
+                "per_task_episodes": {t: sum(e.task == t for e in self.episodes)
+                                      for t in self.per_task},
                 "outcomes": self.outcomes,
                 "mean_return": self.mean_return,
+                "mean_episode_length": self.mean_length,
                 "action_token_accuracy": self.action_token_accuracy,
                 "latency_ms": 1000 * self.latency_s,
                 "control_steps_per_s": 1.0 / self.latency_s}
@@ -105,44 +127,76 @@ class PolicyActor:
         return actions.reshape(len(images), self.vision.action_chunk, self.vision.action_dims)
 
 
+@dataclass
+class RolloutPlan:
+    """Which episodes to roll out: ``count`` per task of environment ``env_name`` from seeds
+    EVAL_SEED_BASE.. (the same seeds for every task), ``env_options`` for each environment."""
+
+    env_name: str = DEFAULT_ENV
+    count: int = 1
+    tasks: tuple[str | None, ...] = (None,)
+    """None: the environment chooses (the tabletop task has one)."""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    batch: int = 16
+    keep_frames: int = 0
+    """Frames are kept for the first episodes of each task (for videos)."""
+
+
 def rollouts(actor: PolicyActor, count: int, image_size: int, batch: int = 16,
-             keep_frames: int = 0, env_name: str = DEFAULT_ENV) -> list[Episode]:
-    """``count`` episodes of environment ``env_name`` from seeds EVAL_SEED_BASE..; the frames of
-    the first ``keep_frames`` are kept (for videos)."""
-    episodes = []
-    for first in range(0, count, batch):
-        seeds = list(range(EVAL_SEED_BASE + first, EVAL_SEED_BASE + min(count, first + batch)))
-        envs = [make_env(env_name, image_size=image_size) for _ in seeds]
-        obs = [env.reset(seed=seed)[0] for env, seed in zip(envs, seeds, strict=True)]
-        results = [Episode(seed, o["instruction"], False, 0, 0.0, [o["image"]])
-                   for seed, o in zip(seeds, obs, strict=True)]
-        running = list(range(len(envs)))
-        while running:
-            chunks = actor([obs[i]["image"] for i in running],
-                           [obs[i]["instruction"] for i in running])
-            still = []
-            for i, chunk in zip(running, chunks, strict=True):
-                done = False
-                for action in chunk:
-                    obs[i], reward, terminated, truncated, info = envs[i].step(action)
-                    episode = results[i]
-                    episode.steps += 1
-                    episode.episode_return += reward
-                    episode.success = bool(info["success"])
-                    if first + i < keep_frames:
-                        episode.frames.append(obs[i]["image"])
-                    done = terminated or truncated
-                    if done:
-                        episode.outcome = outcome_of(envs[i].state)
-                        break
-                if not done:
-                    still.append(i)
-            running = still
-        episodes.extend(results)
-    for index, episode in enumerate(episodes):
-        if index >= keep_frames:
-            episode.frames = []
+             keep_frames: int = 0, env_name: str = DEFAULT_ENV,
+             plan: RolloutPlan | None = None,
+             progress: Callable[[list[Episode]], None] | None = None) -> list[Episode]:
+    """``count`` episodes of environment ``env_name`` (or the episodes of ``plan``) from seeds
+    EVAL_SEED_BASE..; the frames of the first ``keep_frames`` are kept (for videos)."""
+    plan = plan or RolloutPlan(env_name, count, batch=batch, keep_frames=keep_frames)
+    envs = [make_env(plan.env_name, image_size=image_size, **plan.env_options)
+            for _ in range(min(plan.batch, plan.count))]
+    episodes: list[Episode] = []
+    try:
+        for task in plan.tasks:
+            for first in range(0, plan.count, plan.batch):
+                seeds = range(EVAL_SEED_BASE + first,
+                              EVAL_SEED_BASE + min(plan.count, first + plan.batch))
+                keep = [first + i < plan.keep_frames for i in range(len(seeds))]
+                episodes.extend(_lockstep(actor, envs[:len(seeds)], list(seeds), task, keep))
+                if progress is not None:
+                    progress(episodes)
+    finally:
+        for env in envs:
+            env.close()
     return episodes
+
+
+def _lockstep(actor: PolicyActor, envs: list, seeds: list[int], task: str | None,
+              keep: list[bool]) -> list[Episode]:
+    """One episode per environment, all stepping together; each runs its action chunk."""
+    options = None if task is None else {"task": task}
+    obs = [env.reset(seed=seed, options=options)[0] for env, seed in zip(envs, seeds)]
+    results = [Episode(seed, o["instruction"], False, 0, 0.0, [o["image"]] if k else [],
+                       task=task or getattr(env, "task", DEFAULT_ENV))
+               for seed, o, k, env in zip(seeds, obs, keep, envs, strict=True)]
+    running = list(range(len(envs)))
+    while running:
+        chunks = actor([obs[i]["image"] for i in running],
+                       [obs[i]["instruction"] for i in running])
+        still = []
+        for i, chunk in zip(running, chunks, strict=True):
+            done, episode = False, results[i]
+            for action in chunk:
+                obs[i], reward, terminated, truncated, info = envs[i].step(action)
+                episode.steps += 1
+                episode.episode_return += reward
+                episode.success = bool(info["success"])
+                if keep[i]:
+                    episode.frames.append(obs[i]["image"])
+                done = terminated or truncated
+                if done:
+                    episode.outcome = envs[i].outcome()
+                    break
+            if not done:
+                still.append(i)
+        running = still
+    return results
 
 
 def action_token_accuracy(runner: PolicyRunner, data: VLATrainingData,
@@ -159,10 +213,13 @@ def action_token_accuracy(runner: PolicyRunner, data: VLATrainingData,
 
 
 def control_latency(actor: PolicyActor, image_size: int, steps: int = 20,
-                    env_name: str = DEFAULT_ENV) -> float:
+                    env_name: str = DEFAULT_ENV, **env_options: Any) -> float:
     """Median seconds of one observation -> action chunk at batch 1 (after one warm-up)."""
-    env = make_env(env_name, image_size=image_size)
-    obs, _ = env.reset(seed=EVAL_SEED_BASE - 1)
+    env = make_env(env_name, image_size=image_size, **env_options)
+    try:
+        obs, _ = env.reset(seed=EVAL_SEED_BASE - 1)
+    finally:
+        env.close()
     times = []
     for _ in range(steps + 1):
         started = time.perf_counter()
@@ -172,13 +229,25 @@ def control_latency(actor: PolicyActor, image_size: int, steps: int = 20,
 
 
 def evaluate_policy(actor: PolicyActor, data: VLATrainingData, episodes: int,
-                    keep_frames: int = 0,
-                    log: Callable[[str], None] = print) -> Evaluation:
-    """Rollouts, held-out action-token accuracy and control latency of one policy."""
+                    keep_frames: int = 0, log: Callable[[str], None] = print,
+                    plan: RolloutPlan | None = None,
+                    progress: Callable[[list[Episode]], None] | None = None) -> Evaluation:
+    """Rollouts (``plan``, default ``episodes`` of the tabletop task), held-out action-token
+    accuracy and control latency of one policy."""
     image_size = actor.vision.image_size
+    plan = plan or RolloutPlan(count=episodes, keep_frames=keep_frames)
     accuracy = action_token_accuracy(actor.runner, data)
     log(f"action-token accuracy on {len(data.valid):,} held-out observations: "
         f"{100 * accuracy:.1f}%")
-    latency = control_latency(actor, image_size)
-    done = rollouts(actor, episodes, image_size, keep_frames=keep_frames)
-    return Evaluation(done, accuracy, latency)
+    latency = control_latency(actor, image_size, env_name=plan.env_name, **plan.env_options)
+    done = rollouts(actor, episodes, image_size, plan=plan, progress=progress)
+    return Evaluation(done, accuracy, latency, type_outcomes(plan.env_name))
+
+
+def type_outcomes(env_name: str) -> tuple[str, ...]:
+    """The outcome names of environment ``env_name``, without building it."""
+    if env_name == DEFAULT_ENV:
+        return OUTCOMES
+    from meshtron.envs.metaworld_tasks import OUTCOMES as metaworld_outcomes
+
+    return metaworld_outcomes
