@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -28,6 +29,20 @@ REASONS = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
 def os_reason(err: OSError) -> str:
     """A short reason for an OS error, without errno numbers or a traceback."""
     return REASONS.get(err.errno, err.strerror or type(err).__name__)
+
+
+_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is neither a regular file nor a folder (reading a
+    FIFO with no writer blocks forever, a device never ends); None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), None)
 
 
 def check_writable(directory: Path, what: str) -> None:

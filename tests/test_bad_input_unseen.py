@@ -82,14 +82,16 @@ def a_reader_gets_eof(fifo: Path) -> Iterator[None]:
     """Should the code under test open ``fifo`` to read (the bug), a writer thread opens its
     other end at that moment and closes it, so the read ends at EOF instead of hanging the
     suite (the test then fails on the message). Opening for writing blocks until a reader
-    comes; on leaving, this side opens it to read and so releases the thread."""
+    comes; on leaving, this side holds the read end open until the thread has joined (a
+    reader that opened and closed before the thread reached its open would leave it blocked)."""
     writer = threading.Thread(target=lambda: os.close(os.open(fifo, os.O_WRONLY)), daemon=True)
     writer.start()
     try:
         yield
     finally:
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         writer.join()
+        os.close(reader)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
@@ -167,3 +169,30 @@ def test_a_path_with_a_name_too_long_is_one_short_line(tmp_path, capsys, monkeyp
     line = one_error_line(capsys)
     assert line.endswith("a name in the path is longer than the file system allows"), line
     assert len(line) < 300
+
+
+def test_a_fifo_as_data_tokenizer_or_convert_source_says_what_it_is(tmp_path, capsys):
+    """A named pipe given where a file is read used to be called empty ("holds no text"),
+    missing ("tokenizer not found") or "a parent is a file"; and a run refused for its data
+    left an empty run directory with a lock file behind."""
+    from meshtron.data import open_source
+    from meshtron.data.tokenizer import Tokenizer
+    from tests.test_cli import meshtron
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # no writer: a read would block, so each check must stat, not open
+    with a_reader_gets_eof(fifo):
+        with pytest.raises(MeshtronError, match=f"data path {fifo} is a named pipe"):
+            open_source(str(fifo))
+        with pytest.raises(MeshtronError, match=f"tokenizer {fifo} is a named pipe"):
+            Tokenizer.load(fifo)
+        assert main(["convert", "--from", str(fifo), "--to", str(tmp_path / "out"),
+                     "--format", "hf"]) == 2
+        assert f"--from {fifo} is a named pipe" in one_error_line(capsys)
+        run = tmp_path / "runs" / "refused"
+        proc = meshtron("train", f"--data.path={fifo}", f"--run.dir={run}",
+                        "--train.steps=1", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"meshtron: error: data path {fifo} is a named pipe (FIFO), not a file or folder of "
+        "text"], proc.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()

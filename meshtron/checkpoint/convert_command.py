@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from meshtron.errors import MeshtronError
-from meshtron.files import check_writable
+from meshtron.files import check_writable, special_kind
 
 
 def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,12 +36,14 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 def run_convert(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise MeshtronError(f"unrecognised argument '{extra[0]}'")
-    dst = Path(args.dst)
+    src, dst = Path(args.src), Path(args.dst)
+    if (kind := special_kind(src)) is not None:
+        raise MeshtronError(f"--from {src} is {kind}, not a checkpoint, run, GGUF file or folder")
     place = next(p for p in (dst, *dst.parents) if p.exists())  # a failed convert leaves no --to
     check_writable(place, "--to" if place == dst else f"--to {dst}: the folder")
     from meshtron.checkpoint.gguf_convert import convert
 
-    result = convert(Path(args.src), dst, args.format, args.gguf_type)
+    result = convert(src, dst, args.format, args.gguf_type)
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.output}")

@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from meshtron.errors import MeshtronError
+from meshtron.files import special_kind
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 JSONL_SUFFIX = ".jsonl"
@@ -68,6 +69,8 @@ def open_source(path: str) -> TextSource:
     location = Path(os.path.expanduser(path))
     if not location.exists():
         raise MeshtronError(f"data path not found: {path}")
+    if (kind := special_kind(location)) is not None:
+        raise MeshtronError(f"data path {path} is {kind}, not a file or folder of text")
     if location.is_dir():
         files = _text_files(location)
         if not files:

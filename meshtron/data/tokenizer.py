@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from meshtron.data import cache
 from meshtron.data.sources import TextSource
 from meshtron.errors import MeshtronError
+from meshtron.files import special_kind
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -52,6 +53,8 @@ class Tokenizer:
             location = location / "tokenizer.json"
             if not location.is_file():
                 raise MeshtronError(f"{path} holds no tokenizer.json")
+        elif (kind := special_kind(location)) is not None:
+            raise MeshtronError(f"tokenizer {path} is {kind}, not a tokenizer.json file")
         elif not location.is_file():
             raise MeshtronError(f"tokenizer not found: {path}")
         try:

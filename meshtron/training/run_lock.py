@@ -29,8 +29,22 @@ HELD_ENV = "MESHTRON_RUN_LOCK_HELD"
 """Set by the process holding the locks, so the workers it launches do not take them again."""
 
 
+def _remove_if_untouched(created: list[Path]) -> None:
+    """Remove the directories the lock made (deepest first) when they hold nothing but the
+    lock file: a run refused before its first write leaves no trace."""
+    for directory in reversed(created):
+        try:
+            if {entry.name for entry in directory.iterdir()} <= {LOCK_FILE}:
+                (directory / LOCK_FILE).unlink(missing_ok=True)
+                directory.rmdir()
+        except OSError:
+            return  # someone else wrote there meanwhile: keep it
+
+
 def _lock(directory: Path, what: str, stack: contextlib.ExitStack) -> None:
+    created = [p for p in (*reversed(directory.parents), directory) if not p.exists()]
     directory.mkdir(parents=True, exist_ok=True)
+    stack.callback(_remove_if_untouched, created)
     handle = stack.enter_context(open(directory / LOCK_FILE, "a+"))  # noqa: SIM115
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
