@@ -28,10 +28,17 @@ class PricedGroup:
 
     size: int
     crosses_nodes: bool
+    per_node: int = 1
+    """Ranks of the group in one node. A ring through them crosses each node's boundary once
+    per ``per_node`` hops, and their ``per_node`` network cards carry the group's traffic out
+    of the node, so a rank moves its buffer at ``per_node`` times one card's bandwidth (up to
+    the node's own link)."""
 
 
 def priced_group(size: int, stride: int, gpus_per_node: int) -> PricedGroup:
-    return PricedGroup(size, size > 1 and stride * size > gpus_per_node)
+    crosses = size > 1 and stride * size > gpus_per_node
+    per_node = max(1, min(size, gpus_per_node // stride)) if crosses else size
+    return PricedGroup(size, crosses, per_node)
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,10 @@ def collective_seconds(profile: ClusterProfile, kind: str, group: PricedGroup,
     if fit is not None:
         return fit[0] + fit[1] * nbytes
     link = profile.inter_node if group.crosses_nodes else profile.intra_node
+    bandwidth = min(profile.intra_node.bandwidth, group.per_node * link.bandwidth) \
+        if group.crosses_nodes else link.bandwidth
     factor = RING_STEPS[kind]
-    return factor * (n - 1) * link.latency + factor * (n - 1) / n * nbytes / link.bandwidth
+    return factor * (n - 1) * link.latency + factor * (n - 1) / n * nbytes / bandwidth
 
 
 def send_seconds(profile: ClusterProfile, nbytes: float, crosses_nodes: bool) -> float:

@@ -42,6 +42,29 @@ from meshtron.parallel.pipeline.schedules import Action, build_schedule
 
 SIMULATED_MICROBATCHES = 24
 """Above this many micro-batches the pipeline is simulated at two counts and extended."""
+UNFUSED_SCORE_PASSES = 6
+"""Times an unfused attention's forward moves each score element through memory: the
+product writes it, the scaled, masked softmax reads and writes it, dropout reads it and writes
+it with its mask, and the product with v reads it."""
+
+
+@dataclass(frozen=True)
+class Software:
+    """What the training software overlaps and fuses. The defaults are meshtron's own trainer;
+    published runs of other software (:mod:`meshtron.costmodel.published`) say theirs."""
+
+    grad_reduce_overlap: bool = True
+    """The data-parallel reduction starts during the last backward (bucketed)."""
+    param_gather_overlap: bool = False
+    """ZeRO 1/2's gather of updated parameters runs behind the next step's first forward
+    (Megatron's ``--overlap-param-gather``); meshtron gathers after the optimizer step."""
+    fused_attention: bool = True
+    """A fused (flash) attention core; else the score matrices are products and memory-bound
+    softmax and dropout passes (Megatron-LM before 2022)."""
+    attention_efficiency: float | None = None
+    """The fused core's fraction of peak where the software's kernel differs from the one the
+    profile assumes (PyTorch's SDPA runs FlashAttention-2 on an H100, below cuDNN's and
+    FlashAttention-3's rate); None: the profile's."""
 
 
 @dataclass
@@ -108,8 +131,12 @@ class Estimator:
     """Prices candidates of one problem, caching what candidates share (partitions and stage
     shapes, layer costs, stage parameters)."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, software: Software = Software(),
+                 pp_layers: tuple[float, ...] | None = None):
         self.problem = problem
+        self.software = software
+        self.pp_layers = pp_layers
+        """An explicit layer split (``parallel.pp_layers``) for the pipelines of its length."""
         self.dense_layer, self.moe_layer = representative_layers(problem.model)
         self._pipelines: dict[tuple[int, int], tuple[PipelinePartition, list[StageShape],
                                                      dict[StageShape, int]]] = {}
@@ -154,9 +181,14 @@ class Estimator:
         p = self.problem.profile
         gemm = sum(self._gemm_seconds(work, scale))
         scale = scale / p.compute_correction
-        core_peak = p.peak(self.problem.dtype) * scale * p.attention_efficiency
-        return gemm, work.attention_flops / core_peak, \
-            work.elementwise_bytes / (p.memory_bandwidth * scale)
+        if self.software.fused_attention or not work.score_elements:
+            core = work.attention_flops / (p.peak(self.problem.dtype) * scale * (
+                self.software.attention_efficiency or p.attention_efficiency))
+        else:  # both products over the whole score matrix, then its passes through memory
+            peak = p.peak(self.problem.dtype) * scale * p.gemm_fraction(work.score_gemm_flops)
+            core = 2 * work.attention_flops / peak + UNFUSED_SCORE_PASSES \
+                * work.score_elements * self.problem.element_size / (p.memory_bandwidth * scale)
+        return gemm, core, work.elementwise_bytes / (p.memory_bandwidth * scale)
 
     def layer_seconds(self, layer: int | None, c: Candidate
                       ) -> tuple[float, float, float, float]:
@@ -168,7 +200,8 @@ class Estimator:
         key = (layer, c.tp, c.cp, c.ep, c.etp, c.sp, c.micro_batch, c.recompute,
                c.world_size)
         if key not in self._layers:
-            work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size)
+            work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size,
+                              self.problem.gemm_dtype in ("fp8", "fp4"))
             gemm, core, memory = self._work_seconds(work, self.rate_scale(c))
             comm_f, comm_b = layer_communication(self.problem, layer, c, core, self.overlaps,
                                                  self._gemm_seconds(work, self.rate_scale(c)))
@@ -187,7 +220,9 @@ class Estimator:
         key = (c.pp, c.vpp, c.vshape)
         if key not in self._pipelines:
             costs = layer_and_head_cost(self.problem.model, self.problem.seq_len)
-            part = partition_layers(self.problem.model, c.pp, c.vpp, costs,
+            explicit = (list(self.pp_layers) if self.pp_layers
+                        and len(self.pp_layers) == c.pp * c.vpp else None)
+            part = partition_layers(self.problem.model, c.pp, c.vpp, costs, explicit,
                                     vshape=c.vshape)
             shapes = stage_shapes(self.problem.model, part)
             unique: dict[StageShape, int] = {}
@@ -438,18 +473,24 @@ class Estimator:
         return self._dp[key]
 
     def data_parallel_seconds(self, c: Candidate, stage: int, last_backward: float,
-                              microbatches: int) -> tuple[float, float]:
+                              microbatches: int, first_forward: float = 0.0
+                              ) -> tuple[float, float]:
         """(exposed reduction and gather seconds, optimizer seconds) of one stage after its
         last backward: ZeRO 0/1 reduce once, overlapping the last backward; ZeRO 2/3 reduce
         every micro-batch's gradients during its own backward; ZeRO 1/2 gather the updated
-        chunks after the step; ZeRO-3 gathers in forward and backward, prefetched behind
+        chunks after the step (behind the next step's ``first_forward`` where the software
+        overlaps that gather); ZeRO-3 gathers in forward and backward, prefetched behind
         compute."""
         per_group, optimizer = self.data_parallel_costs(c, stage)
         times = microbatches if c.zero >= 2 else 1
         hidden = last_backward if self.overlaps else 0.0
+        reduce_hidden = hidden if self.software.grad_reduce_overlap else 0.0
+        gather_hidden = first_forward if self.overlaps and self.software.param_gather_overlap \
+            else 0.0
         exposed = 0.0
         for reduce, gather_after, gather_3 in per_group:
-            exposed += times * max(0.0, reduce - hidden) + gather_after
+            exposed += times * max(0.0, reduce - reduce_hidden) \
+                + max(0.0, gather_after - gather_hidden)
             if gather_3:
                 exposed += microbatches * max(0.0, 2 * gather_3 - hidden)
         return exposed, optimizer
@@ -468,7 +509,9 @@ class Estimator:
             busy = max(busy, sum(a.total for a in work))
             comm = max(comm, sum(a.communication for a in work))
             last_backward = sum(a.backward + a.weight for a in work)
-            after = max(after, self.data_parallel_seconds(c, stage, last_backward, m), key=sum)
+            first_forward = sum(a.forward for a in work)
+            after = max(after, self.data_parallel_seconds(c, stage, last_backward, m,
+                                                          first_forward), key=sum)
         makespan = (self.pipeline_seconds(c, costs, m) if simulate
                     else self.closed_form_seconds(c, busy, m))
         memory = self.memory(c, ordered=simulate)

@@ -21,21 +21,23 @@ import yaml
 from meshtron.config import ModelConfig
 from meshtron.config.sections import FP8_RECIPES
 from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.estimate import Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.profiles import builtin_profiles
 from meshtron.errors import MeshtronError
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
 FIELDS = ("name", "source", "hardware", "hardware_changes", "gpus", "model", "seq_len",
-          "global_batch", "micro_batch", "recompute", "layout", "precision", "measured",
-          "assumed", "notes")
+          "global_batch", "micro_batch", "recompute", "layout", "precision", "software",
+          "measured", "assumed", "notes")
 REQUIRED = ("name", "source", "hardware", "gpus", "model", "seq_len", "global_batch",
             "micro_batch", "recompute", "layout", "precision", "measured")
-LAYOUT = ("tp", "cp", "pp", "vpp", "schedule", "ep", "etp", "zero", "sp")
+LAYOUT = ("tp", "cp", "pp", "vpp", "schedule", "ep", "etp", "zero", "sp", "pp_layers")
+SOFTWARE = tuple(f.name for f in dataclasses.fields(Software))
 MEASURES = ("step_time_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu",
             "recompute_tflops_per_gpu")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")
-HARDWARE_CHANGES = ("memory_bytes", "memory_bandwidth")
+HARDWARE_CHANGES = ("memory_bytes", "memory_bandwidth", "bf16_tflops")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class PublishedRun:
     measure: str
     value: float
     assumed: tuple[str, ...]
+    software: Software = Software()
+    pp_layers: tuple[float, ...] | None = None
+    data_sheet: bool = True
+    """Whether the hardware is the built-in profile's as it is (no ``hardware_changes``)."""
 
     @property
     def moe(self) -> bool:
@@ -165,12 +171,22 @@ def _problem(raw: dict, model: ModelConfig, gpus: int, where: str) -> Problem:
     changes = raw.get("hardware_changes") or {}
     if not isinstance(changes, dict) or set(changes) - set(HARDWARE_CHANGES):
         raise _fail(where, f"'hardware_changes' may set {', '.join(HARDWARE_CHANGES)}")
-    profile = dataclasses.replace(profiles[raw["hardware"]], **{
+    profile = profiles[raw["hardware"]]
+    if "bf16_tflops" in changes:  # the dense peaks scale with the clock the part runs at
+        ratio = _positive(changes, "bf16_tflops", where) * 1e12 / profile.peak("bf16")
+        profile = dataclasses.replace(profile, peak_flops={
+            k: v * ratio if k in ("bf16", "fp16", "fp8", "fp4") else v
+            for k, v in profile.peak_flops.items()})
+    profile = dataclasses.replace(profile, **{
         k: (int if k == "memory_bytes" else float)(_positive(changes, k, where))
-        for k in changes})
+        for k in changes if k != "bf16_tflops"})
     precision = raw["precision"]
-    if not isinstance(precision, dict) or set(precision) - {"dtype", "fp8", "tp_comm_chunks"}:
-        raise _fail(where, "'precision' must map dtype, fp8 and tp_comm_chunks")
+    if not isinstance(precision, dict) \
+            or set(precision) - {"dtype", "fp8", "tp_comm_chunks", "reduce_dtype"}:
+        raise _fail(where, "'precision' must map dtype, fp8, reduce_dtype and tp_comm_chunks")
+    if precision.get("reduce_dtype", "fp32") not in ("fp32", "bf16", "fp16"):
+        raise _fail(where, f"precision 'reduce_dtype' must be fp32, bf16 or fp16, got "
+                           f"{precision.get('reduce_dtype')!r}")
     if precision.get("dtype") not in ("bf16", "fp16"):
         raise _fail(where, f"precision 'dtype' must be bf16 or fp16, got "
                            f"{precision.get('dtype')!r}")
@@ -182,7 +198,32 @@ def _problem(raw: dict, model: ModelConfig, gpus: int, where: str) -> Problem:
         if "tp_comm_chunks" in precision else 0
     return Problem(model, _whole(raw, "seq_len", where), _whole(raw, "global_batch", where),
                    profile, gpus, dtype=precision["dtype"], fp8=fp8 != "none",
-                   tp_comm_chunks=chunks)
+                   reduce_dtype=precision.get("reduce_dtype", "fp32"), tp_comm_chunks=chunks)
+
+
+def _software(raw: object, where: str) -> Software:
+    if raw is None:
+        return Software()
+    if not isinstance(raw, dict) or set(raw) - set(SOFTWARE) or not all(
+            isinstance(v, bool) for k, v in raw.items() if k != "attention_efficiency"):
+        raise _fail(where, f"'software' must map {', '.join(SOFTWARE)} (true or false; "
+                           "attention_efficiency a fraction of peak)")
+    if "attention_efficiency" in raw and not 0 < _positive(raw, "attention_efficiency",
+                                                           where) <= 1:
+        raise _fail(where, "software 'attention_efficiency' must be in (0, 1]")
+    return Software(**raw)
+
+
+def _pp_layers(layout: dict, where: str) -> tuple[float, ...] | None:
+    split = layout.get("pp_layers")
+    if split is None:
+        return None
+    stages = layout["pp"] * layout["vpp"]
+    if not isinstance(split, list) or len(split) != stages or not all(
+            isinstance(n, (int, float)) and not isinstance(n, bool) for n in split):
+        raise _fail(where, f"layout 'pp_layers' must list the layers of each of the pp x vpp "
+                           f"= {stages} virtual stages")
+    return tuple(float(n) for n in split)
 
 
 def _measured(raw: object, where: str) -> tuple[str, float]:
@@ -222,7 +263,9 @@ def run_of(raw: object, index: int, path: Path) -> PublishedRun:
     if not isinstance(assumed, list) or not all(isinstance(a, str) for a in assumed):
         raise _fail(where, "'assumed' must be a list of sentences")
     return PublishedRun(raw["name"], source["url"], source["where"], raw["hardware"], gpus,
-                        model, problem, candidate, measure, value, tuple(assumed))
+                        model, problem, candidate, measure, value, tuple(assumed),
+                        _software(raw.get("software"), where), _pp_layers(raw["layout"], where),
+                        not raw.get("hardware_changes"))
 
 
 def load_published_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:

@@ -38,6 +38,12 @@ class LayerWork:
     """The attention core's FLOPs as computed (causal: half the score matrix)."""
     elementwise_bytes: float
     """Bytes the memory-bound operators (norms, residuals, rotary, activation) move."""
+    score_elements: float = 0.0
+    """Elements of the attention's score matrices (every head of this rank, whole s x s):
+    what an unfused attention writes and reads in memory."""
+    score_gemm_flops: float = 0.0
+    """FLOPs of the score product (q.k^T of every head of this rank over the whole sequence):
+    the batched GEMM an unfused attention runs, sized as one."""
 
     @property
     def gemm_flops(self) -> float:
@@ -74,9 +80,16 @@ def capacity_padding(cfg: ModelConfig) -> float:
     return moe.capacity_factor if moe.pad_to_capacity and moe.capacity_factor else 1.0
 
 
+FP8_CAST_BYTES_PER_ELEMENT = 1.0
+"""Beyond the dtype's own reads: an FP8 product's input is read once for its scale (amax)
+and once more to be written as one byte per element, its ``2 * element_size + 1`` bytes;
+the weights' casts are cached across micro-batches and not counted."""
+
+
 def layer_work(cfg: ModelConfig, layer: int, seq_len: int, c: Candidate,
-               element_size: int) -> LayerWork:
-    """The forward of layer ``layer`` for one micro-batch on one rank of ``c``."""
+               element_size: int, fp8: bool = False) -> LayerWork:
+    """The forward of layer ``layer`` for one micro-batch on one rank of ``c``; ``fp8``:
+    its products take FP8 inputs, cast (memory-bound) before each of them."""
     arch = architecture_of(cfg)
     m = c.micro_batch * seq_len / c.cp  # tokens of this rank's micro-batch
     h, tp = cfg.hidden_size, c.tp
@@ -103,7 +116,13 @@ def layer_work(cfg: ModelConfig, layer: int, seq_len: int, c: Candidate,
         gemms.append(Gemm(2.0 * m * mlp_matmul_params(cfg, mlp_width) / tp))
     residual = m / tp if c.sp and tp > 1 else m
     elementwise = element_size * (12 * residual * h + 8 * m * h + 6 * m * mlp_width / tp)
-    return LayerWork(tuple(gemms), core, elementwise)
+    if fp8:  # the inputs of q/kv, the output projection, the MLP's first and last products
+        routed = cfg.moe.top_k if cfg.is_moe_layer(layer) else 0
+        inputs = m * (h * (2 + routed) + (out_proj / h + mlp_width) / tp)
+        elementwise += inputs * (2 * element_size + FP8_CAST_BYTES_PER_ELEMENT)
+    heads = cfg.num_heads / tp
+    return LayerWork(tuple(gemms), core, elementwise, score_elements=heads * m * seq_len,
+                     score_gemm_flops=2.0 * heads * m * seq_len * cfg.head_size)
 
 
 def head_work(cfg: ModelConfig, seq_len: int, c: Candidate, element_size: int) -> LayerWork:
