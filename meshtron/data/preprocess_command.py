@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from meshtron.config.checks import SANITY_LIMITS
@@ -52,7 +53,8 @@ def run_preprocess(args: argparse.Namespace, extra: list[str]) -> int:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:
         cache_dir = os.path.expanduser(args.cache_dir or default_cache_dir())
-        tokenizer = train_tokenizer(sources, args.vocab_size, cache_dir)
+        tokenizer = train_tokenizer(sources, args.vocab_size, cache_dir,
+                                    show_progress=sys.stderr.isatty())
         print(f"tokenizer: {tokenizer.path}")
     stats = preprocess(sources, args.output, tokenizer)
     print(f"wrote {args.output}.bin/.idx: {stats['documents']} documents, {stats['tokens']} "

@@ -107,8 +107,11 @@ def train_tokenizer(
     vocab_size: int,
     cache_dir: str | Path,
     log: Log = print,
+    *,
+    show_progress: bool = False,
 ) -> Tokenizer:
-    """Train a byte-level BPE on ``texts``, or load the one cached for the same inputs.
+    """Train a byte-level BPE on ``texts``, or load the one cached for the same inputs;
+    ``show_progress``: the Rust trainer draws its own bars on stderr (a terminal's only).
 
     ``texts`` is one or more :class:`TextSource` (files, fingerprinted by content) or an
     iterable of strings (materialised once to fingerprint it). The result is cached at
@@ -136,7 +139,7 @@ def train_tokenizer(
                 log(f"tokenizer: cached {tokenizer.vocab_size}-token BPE at {path}")
                 return tokenizer
         start = time.perf_counter()
-        hf = _train_bpe(documents(), vocab_size)
+        hf = _train_bpe(documents(), vocab_size, show_progress)
         cache.atomic_write_bytes(path, hf.to_str().encode("utf-8"))
         tokenizer = Tokenizer.load(path)
     log(
@@ -173,7 +176,7 @@ def _training_text(
     return digest.hexdigest(), lambda: iter(strings), num_bytes, "the training text"
 
 
-def _train_bpe(documents: Iterator[str], vocab_size: int) -> HFTokenizer:
+def _train_bpe(documents: Iterator[str], vocab_size: int, show_progress: bool) -> HFTokenizer:
     """Byte-level BPE: every byte is a token from the start, so no text is ever unknown."""
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -182,7 +185,7 @@ def _train_bpe(documents: Iterator[str], vocab_size: int) -> HFTokenizer:
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     hf.train_from_iterator(_batches(documents), trainer=trainer)
     return hf
