@@ -26,6 +26,7 @@ LAYOUTS = [
     ["--parallel.pp=2", "--parallel.schedule=zb-h1", "--train.micro_batch=2",
      "--precision.keep_layers=0", *NV],
     ["--parallel.zero=3", "--train.micro_batch=2", *NV],
+    ["--parallel.zero=3", "--train.micro_batch=2", "--precision.fp8_param_gather=true", *MX],
 ]
 STEPS = 6
 
@@ -98,6 +99,8 @@ def test_moe_experts_follow_their_blocks_format(tiny_overrides):
      "precision.dtype=fp16"),
     (["--parallel.cp=2", *MX], "parallel.cp=2 with precision.fp8=mxfp8: its weight-gradient"),
     (["--precision.fp4=nvfp2"], "precision.fp4='nvfp2' is not one of none, nvfp4"),
+    (["--precision.fp8_param_gather=true"], "precision.fp8_param_gather gathers the weights "
+     "of the FP8/FP4 blocks' linear layers: set precision.fp8 or precision.fp4 too"),
     (["--model.moe.num_experts=4", "--model.moe.top_k=2", "--parallel.ep=2", *MX],
      "quantises each expert's weight gradient in blocks of 32 of its tokens, which "
      "parallel.ep=2 gathers"),

@@ -401,3 +401,6 @@ def _check_low_precision(pc: PrecisionConfig, num_layers: int) -> None:
     require(not new or pc.dtype in ("bf16", "fp32"), f"{' and '.join(new)} train with "
             f"bf16 (or fp32) parameters, not precision.dtype={pc.dtype}: use "
             "precision.dtype=bf16")
+    require(not pc.fp8_param_gather or pc.fp8 != "none" or pc.fp4 != "none",
+            "precision.fp8_param_gather gathers the weights of the FP8/FP4 blocks' linear "
+            "layers: set precision.fp8 or precision.fp4 too")

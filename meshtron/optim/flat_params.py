@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshtron.optim.fp8_gather import FP8Gather
 from meshtron.optim.grad_buckets import Bucket
 from meshtron.parallel.tensor.collectives import start_all_gather
 
@@ -36,6 +37,9 @@ class FlatParams:
         self.start, self.end = (0, bucket.padded) if whole else bucket.shard_range()
         self.full: torch.Tensor | None = None
         self.work: dist.Work | None = None
+        self.fp8: FP8Gather | None = None
+        """ZeRO-3 with ``precision.fp8_param_gather``: gathers go through this packing."""
+        self._gathered: torch.Tensor | None = None
         if sharded:
             self.shard = full[self.start : self.end].clone()
             self.buffer = full
@@ -57,8 +61,12 @@ class FlatParams:
         storage = self.buffer.untyped_storage()
         storage.resize_(self.bucket.padded * self.buffer.element_size())
         full = self.buffer.data  # an alias with its own version counter (see the module)
-        full[self.start : self.end].copy_(self.shard)
-        self.work = start_all_gather(full, self.group)
+        if self.fp8 is None:
+            full[self.start : self.end].copy_(self.shard)
+            self.work = start_all_gather(full, self.group)
+        else:  # FP8 bytes (and the rest's own bytes) in, unpacked in wait_gather
+            self._gathered = self.fp8.gather_buffer(self.shard, self.start)
+            self.work = start_all_gather(self._gathered, self.group)
         self._pending = full
 
     def wait_gather(self) -> None:
@@ -69,6 +77,9 @@ class FlatParams:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self._gathered is not None:
+            self.fp8.unpack(self._gathered, self._pending)
+            self._gathered = None
         self.full, self._pending = self._pending, None
         self._point_params()
 
@@ -78,6 +89,7 @@ class FlatParams:
         if self.work is not None:
             self.work.wait()
             self.work = self._pending = None
+        self._gathered = None
         empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
         for param in self.bucket.params:
             param.data = empty

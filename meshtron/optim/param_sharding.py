@@ -7,6 +7,10 @@ forward they are freed. Backward gathers them again, prefetching the block befor
 them once all of the unit's gradients have been handed to the reduce-scatter. The root unit
 stays gathered from the start of the forward pass to the end of the backward pass, as the
 embedding is used at both ends when weights are tied.
+
+With ``precision.fp8_param_gather`` the low-precision linear layers' weights travel as E4M3
+(:mod:`meshtron.optim.fp8_gather`): a layer whose low-precision options carry a
+:class:`~meshtron.precision.param_gather.WeightGather` marks its weight for it.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ from torch import nn
 
 from meshtron.autograd import in_backward
 from meshtron.optim.flat_params import FlatParams
+from meshtron.optim.fp8_gather import FP8Gather
 from meshtron.optim.grad_buckets import Bucket, GradReducer
+from meshtron.precision.param_gather import WeightGather
 
 
 class ShardedUnits:
     def __init__(self, model: nn.Module, blocks: list[nn.Module], flats: list[FlatParams],
                  reducer: GradReducer):
+        gathers = fp8_gathered_weights(model)
+        for flat in flats:
+            if any(id(p) in gathers for p in flat.bucket.params):
+                flat.fp8 = FP8Gather(flat.bucket, gathers)
         block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
         root = len(blocks)
         self.units: list[list[FlatParams]] = [[] for _ in range(root + 1)]
@@ -77,3 +87,15 @@ class ShardedUnits:
         """Free every unit, dropping prefetches (called after the optimizer changed shards)."""
         for unit in range(len(self.units)):
             self.free(unit)
+
+
+def fp8_gathered_weights(model: nn.Module) -> dict[int, WeightGather]:
+    """The weights gathered in FP8 (by ``id``): those of linear layers whose low-precision
+    options carry a :class:`WeightGather`."""
+    out = {}
+    for module in model.modules():
+        gather = getattr(getattr(module, "fp8", None), "gather", None)
+        weight = getattr(module, "weight", None)
+        if gather is not None and isinstance(weight, nn.Parameter) and weight.requires_grad:
+            out[id(weight)] = gather
+    return out

@@ -38,6 +38,7 @@ from torch import Tensor
 from meshtron.errors import MeshtronError
 from meshtron.precision.fp8 import E4M3, WeightGradHook, expand_tiles, tile_amax
 from meshtron.precision.mx import check_finite_amax
+from meshtron.precision.param_gather import WeightGather
 
 FP4_MAX = 6.0
 NVFP4_BLOCK = 16
@@ -181,6 +182,8 @@ class NVFP4Options:
     reduce_amax: AmaxReduce | None = None
     hadamard: bool = True
     stochastic: bool = True
+    gather: WeightGather | None = None
+    """``precision.fp8_param_gather``: the weight is quantised from its FP8 round trip."""
 
     def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
               defer: WeightGradHook | None = None, features: Tensor | None = None) -> Tensor:
@@ -227,7 +230,8 @@ class _NVFP4Linear(torch.autograd.Function):
                 defer: WeightGradHook | None, features: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            qw = opts.quantize(weight.detach(), "weight", (NVFP4_BLOCK, NVFP4_BLOCK))
+            w = weight.detach() if opts.gather is None else opts.gather.round_trip(weight)
+            qw = opts.quantize(w, "weight", (NVFP4_BLOCK, NVFP4_BLOCK))
             w = qw.dequantize()
             y = opts.quantize(x2.detach(), "input").dequantize() @ w.t()
             if bias is not None:

@@ -28,6 +28,7 @@ from meshtron.precision.fp8 import (
 )
 from meshtron.precision.mx import MXExperts, MXScaling
 from meshtron.precision.nvfp4 import NVFP4Options
+from meshtron.precision.param_gather import GatheredWeights, WeightGather
 
 Format = Literal["fp4", "fp8", "high"]
 
@@ -47,6 +48,9 @@ class FP8Options:
 
     recipe: ScalingRecipe
     grad_format: str = "e5m2"
+    gather: WeightGather | None = None
+    """``precision.fp8_param_gather``: how the weight is gathered (the recipe then quantises
+    its FP8 round trip, :class:`GatheredWeights`)."""
 
     def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
               defer: WeightGradHook | None = None, features: Tensor | None = None
@@ -102,10 +106,14 @@ class LayerPolicy:
         fmt = layer_format(self.pc, self.num_layers, layer)
         if fmt == "high":
             return None
+        gather = WeightGather(self.reduce_amax) if self.pc.fp8_param_gather else None
         if fmt == "fp8":
-            return FP8Options(fp8_recipe(self.pc, self.reduce_amax), self.pc.fp8_grad)
+            recipe = fp8_recipe(self.pc, self.reduce_amax)
+            if gather is not None:
+                recipe = GatheredWeights(recipe, gather)
+            return FP8Options(recipe, self.pc.fp8_grad, gather)
         return NVFP4Options(layer_seed(self.seed, layer), self.reduce_amax,
-                            self.pc.fp4_hadamard, self.pc.fp4_stochastic)
+                            self.pc.fp4_hadamard, self.pc.fp4_stochastic, gather)
 
     def experts(self, layer: int | None) -> MXExperts | None:
         """The MoE experts' grouped products of block ``layer``: MXFP8 where the block's
