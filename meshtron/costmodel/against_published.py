@@ -12,7 +12,6 @@ is the line a plan's predicted MFU is held against (:func:`best_published_mfu`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from meshtron.costmodel.estimate import Estimator
 from meshtron.costmodel.published import PublishedRun, generation_of, load_published_runs
@@ -48,9 +47,9 @@ def compare(run: PublishedRun) -> Comparison:
                       e.mfu, {k: v / e.step_time_s for k, v in e.breakdown.items()})
 
 
-@lru_cache(maxsize=1)
 def published_comparisons() -> tuple[Comparison, ...]:
-    """Every published run of the built-in file, compared (cached: the band reads it)."""
+    """Every published run of the built-in file, compared (about 10 s: planning reads the
+    stored figures below instead)."""
     return tuple(compare(run) for run in load_published_runs())
 
 
