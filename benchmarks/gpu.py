@@ -23,7 +23,8 @@ and ``mxfp8`` FP8 and ``nvfp4`` FP4 (bf16 elsewhere); ``bf16+compile`` and
 scale and casts fused
 around the products; the first warm-up step includes the compile, reported as
 ``first_step_s``). Tensor-wise and delayed FP8 products use
-``torch._scaled_mm`` where the device allows (``--gemm``); block-wise FP8, MXFP8 and NVFP4
+``torch._scaled_mm`` where it is a native GEMM (CUDA sm89+; ``--gemm scaled_mm`` also runs
+torch's slow CPU kernel); block-wise FP8, MXFP8 and NVFP4
 are emulated (fp32 products on dequantised operands), so they measure the emulation, not a
 block-scaled GEMM (their gemm column says "emulated").
 
@@ -70,7 +71,14 @@ from meshtron.optim.data_parallel import build_optimizer
 from meshtron.parallel.mesh import ParallelMesh
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import plan_run
-from meshtron.precision.fp8 import E4M3, E5M2, GEMMS, check_gemm, scaled_mm_supported
+from meshtron.precision.fp8 import (
+    E4M3,
+    E5M2,
+    GEMMS,
+    check_gemm,
+    scaled_mm_by_default,
+    scaled_mm_supported,
+)
 from meshtron.precision.policy import Precision
 from meshtron.rank import fp8_options, layer_policy, rank_with
 from meshtron.training.hardware import peak_flops
@@ -137,9 +145,13 @@ def gemm_path(cfg: Config, gemm: str, tokens: int, device: torch.device) -> str:
     head_dim = m.hidden_size // m.num_heads
     dims = (tokens, m.hidden_size, m.ffn_hidden_size, 2 * m.ffn_hidden_size,
             m.num_heads * head_dim, 2 * m.num_kv_heads * head_dim)
-    if all(scaled_mm_supported(device, E5M2.dtype, E4M3.dtype, 1, d, d) for d in dims):
+    runs = scaled_mm_supported if gemm == "scaled_mm" else scaled_mm_by_default
+    native = [runs(device, E5M2.dtype, E4M3.dtype, 1, d, d) for d in dims]
+    if all(native):
         return "scaled_mm"
-    return "scaled_mm/emulated" if gemm == "auto" else "scaled_mm (unsupported: fails)"
+    if gemm == "scaled_mm":
+        return "scaled_mm (unsupported: fails)"
+    return "scaled_mm/emulated" if any(native) else "emulated"
 
 
 def sync(device: torch.device) -> None:

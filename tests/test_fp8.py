@@ -21,6 +21,7 @@ from meshtron.precision.fp8 import (
     make_recipe,
     quantize,
     quantize_operand,
+    scaled_mm_by_default,
     scaled_mm_supported,
     tile_amax,
 )
@@ -392,7 +393,9 @@ def test_scaled_mm_path_equals_the_emulated_path(name, shape, grad_format, monke
 def test_gemm_knob_on_the_recipe_and_its_default(monkeypatch):
     calls = _count_scaled_mm(monkeypatch)
     x, w, b, gy = _inputs()
-    _run(TensorwiseScaling(), x, w, b, gy)  # "auto": _scaled_mm runs on CPU for any shape
+    _run(TensorwiseScaling(), x, w, b, gy)  # "auto" on CPU: emulated (the kernel is slow)
+    assert len(calls) == 0
+    _run(TensorwiseScaling(gemm="scaled_mm"), x, w, b, gy)  # torch's CPU kernel, when asked
     assert len(calls) == 3
     _run(make_recipe("delayed", gemm="emulated"), x, w, b, gy)
     _run(BlockwiseScaling(block=4), x, w, b, gy)  # block-wise scales: always emulated
@@ -419,6 +422,10 @@ def test_scaled_mm_support_rules(monkeypatch):
     assert not scaled_mm_supported(cuda, e5, e5, 8, 64, 32)
     assert not scaled_mm_supported(cuda, e4, e4, 8, 20, 32)  # k not a multiple of 16
     assert not scaled_mm_supported(cuda, e4, e4, 8, 64, 24)  # n not a multiple of 16
+    # "auto" takes _scaled_mm only where it is a native GEMM: not torch's CPU kernel
+    assert not scaled_mm_by_default(torch.device("cpu"), e4, e4, 16, 16, 16)
+    assert scaled_mm_by_default(cuda, e4, e4, 8, 64, 32)
+    assert not scaled_mm_by_default(cuda, e4, e4, 8, 20, 32)
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed"])

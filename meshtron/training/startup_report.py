@@ -15,7 +15,7 @@ from meshtron.models.vision import vision_parameters
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.pipeline.schedules import Schedule
 from meshtron.plan import RunPlan
-from meshtron.precision.fp8 import scaled_mm_supported
+from meshtron.precision.fp8 import scaled_mm_by_default
 from meshtron.precision.recipes import formats_said
 
 
@@ -107,7 +107,7 @@ def fp8_line(pc: PrecisionConfig, device: torch.device) -> str | None:
         return None
     e4m3 = torch.float8_e4m3fn
     native = (pc.fp8 in ("tensorwise", "delayed") and pc.fp4 == "none"
-              and device.type == "cuda" and scaled_mm_supported(device, e4m3, e4m3, 16, 16, 16))
+              and scaled_mm_by_default(device, e4m3, e4m3, 16, 16, 16))
     if native:
         how = "native FP8 GEMMs (torch._scaled_mm)"
     elif device.type == "cpu":
