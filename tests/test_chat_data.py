@@ -154,3 +154,18 @@ def test_a_bad_record_is_one_line_with_its_file_and_line(tokenizers, data_cache,
     assert err.count("\n") == 0 and f"{data}:{message.split(': ', 1)[0].split()[-1]}" in err
     assert message.split(": ", 1)[1] in err
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_template_gives_transformers_ids(smollm_checkpoint, smollm_transformers):
+    """SmolLM2-135M-Instruct imported from its GGUF: the template meshtron convert kept beside
+    the tokenizer is the file's, and its ids are those transformers' GGUF tokenizer gives."""
+    _, hf = smollm_transformers
+    path = Path(smollm_checkpoint) / "tokenizer.json"
+    enc = encoder(path)
+    assert enc.template.source == hf.chat_template
+    r = random.Random(6)
+    for i in range(6):
+        messages = conversation(r)
+        want = hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert ids_of(enc.encode(messages, f"x:{i}")) == list(want) + [enc.tokenizer.eos_id]
