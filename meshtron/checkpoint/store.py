@@ -142,11 +142,20 @@ def _prune(root: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` checkpoints, except the base models that kept
     adapter checkpoints adapt (their manifests' ``lora.path``)."""
     complete = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
-    bases = {Path(base).resolve() for kept in complete[-keep_last:]
-             if (base := (read_manifest(kept).get("lora") or {}).get("path"))}
+    bases = {base for kept in complete[-keep_last:] if (base := _adapted_base(kept))}
     for old in complete[:-keep_last]:
         if old.resolve() not in bases:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _adapted_base(path: Path) -> Path | None:
+    """The base checkpoint an adapter checkpoint names (None: none, or an unreadable
+    manifest, which pruning leaves to the checks that read it)."""
+    try:
+        base = (json.loads((path / MANIFEST).read_text()).get("lora") or {}).get("path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(base).resolve() if isinstance(base, str) else None
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
