@@ -25,6 +25,11 @@ DOCS_NOT_RUN: dict[tuple[str, str], str] = {
     ("archsearch.md", ".venv/bin/python benchmarks/"): BENCHMARK,
     ("context_parallel.md", "meshtron train --nproc 4 --parallel.cp=4 "): DUPLICATE,
     ("context_parallel.md", "meshtron train --nproc 4 --model.preset=tiny-long"): DUPLICATE,
+    ("finetuning.md", "meshtron convert --from smollm2.gguf --to ckpt/chat-base"): DUPLICATE,
+    ("finetuning.md", "meshtron train --config ckpt/chat-base/train.yaml"): "fine-tunes the "
+        "real 135M model (1-6 minutes here); tests/test_chat_serve.py trains on conversations",
+    ("finetuning.md", "meshtron serve"): SERVER,
+    ("finetuning.md", "curl"): "asks the server above",
     ("hpsearch.md", "meshtron hpsearch"): DUPLICATE,
     ("hpsearch.md", ".venv/bin/python benchmarks/"): BENCHMARK,
     ("inference.md", "meshtron generate --checkpoint ckpt/smollm2"): "two minutes of the real "
