@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.data.chat import ChatEncoder, pack_records, uses_chat
-from meshtron.data.chat_template import find_chat_template
+from meshtron.data.chat_template import ChatTemplate, find_chat_template
 from meshtron.data.tokenizer import Tokenizer
 from meshtron.errors import MeshtronError
 from meshtron.parallel.context.sequence import SequenceSplit
@@ -114,6 +115,20 @@ def test_records_are_packed_whole_and_read_as_documents(tokenizers):
 def _contains(window: list[int], tokens: list[int]) -> bool:
     n = len(tokens)
     return any(window[i:i + n] == tokens for i in range(len(window) - n + 1))
+
+
+@pytest.mark.parametrize("source,message", [
+    ("{{ messages[0]['content'] + 1 }}", "x:7: the chat template (t.jinja) failed to render"),
+    ("{{ ''.__class__.__mro__ }}", "x:7: the chat template (t.jinja) failed to render"),
+    ("{% for m in messages %}", "the chat template of t.jinja is not valid jinja (line 1"),
+])
+def test_a_template_that_fails_is_one_line(tokenizers, source, message):
+    """Its own Python errors and the sandbox's refusals too, not only raise_exception."""
+    enc = encoder(tokenizers["smollm2"])
+    enc.template = ChatTemplate(source, "t.jinja")
+    with pytest.raises(MeshtronError, match=re.escape(message)):
+        enc.encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                   "x:7")
 
 
 def test_chat_jsonl_is_detected(tmp_path):

@@ -40,14 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from meshtron.config import Config, DataConfig
 from meshtron.data.blend import parse_blend
-from meshtron.data.chat_template import ChatTemplate, find_chat_template
+from meshtron.data.chat_template import ChatTemplate, TemplateFailed, find_chat_template
 from meshtron.data.sampler import GlobalSampler
 from meshtron.data.tokenizer import Log, Tokenizer
 from meshtron.errors import MeshtronError
@@ -136,7 +135,7 @@ class ChatEncoder:
                where: str) -> str:
         try:
             return self.template.render(messages, add_generation_prompt)
-        except jinja2.TemplateError as err:
+        except TemplateFailed as err:
             raise MeshtronError(f"{where}: the chat template ({self.template.where}) failed to "
                                 f"render it: {err}") from None
 

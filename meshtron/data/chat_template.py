@@ -81,6 +81,10 @@ def compile_template(source: str, where: str) -> jinja2.Template:
                             f"{err.lineno}: {err.message})") from None
 
 
+class TemplateFailed(ValueError):
+    """A chat template failed to render a conversation (its message)."""
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A compiled chat template and the special tokens it reads."""
@@ -91,10 +95,15 @@ class ChatTemplate:
     special_tokens: dict[str, str] = field(default_factory=dict)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The conversation as text; a template that raises (``raise_exception``, a sandbox
-        refusal, an undefined name it calls) raises :class:`jinja2.TemplateError`."""
-        return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self.special_tokens)
+        """The conversation as text. A template that fails on it (``raise_exception``, a
+        sandbox refusal, an undefined name it calls, a Python error of its own code such as
+        adding a number to a string) raises :class:`TemplateFailed` with its message."""
+        try:
+            return self.compiled.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except Exception as err:  # noqa: BLE001 - the template is code from the model's files
+            raise TemplateFailed(str(err) or type(err).__name__) from None
 
     @cached_property
     def compiled(self) -> jinja2.Template:

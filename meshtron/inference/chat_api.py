@@ -15,9 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-import jinja2
-
-from meshtron.data.chat_template import ChatTemplate
+from meshtron.data.chat_template import ChatTemplate, TemplateFailed
 from meshtron.inference.completion_api import (
     FIELDS,
     OPENAI_SAMPLING,
@@ -55,7 +53,7 @@ def parse_chat_request(body: bytes, template: ChatTemplate | None,
                            "its training data's); use /v1/completions", status=404)
     try:
         prompt = template.render(messages, add_generation_prompt=True)
-    except jinja2.TemplateError as err:
+    except TemplateFailed as err:
         raise RequestError(f"the model's chat template refused these messages: {err}",
                            "messages") from None
     req = parse_request(json.dumps({**data, "prompt": prompt}).encode(), defaults)

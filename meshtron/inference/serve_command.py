@@ -14,7 +14,6 @@ every rank exits.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import socket
 import sys
@@ -180,15 +179,24 @@ def _run_server(args: argparse.Namespace, engine: Engine, ckpt: InferenceCheckpo
 def chat_template_of(ckpt: InferenceCheckpoint) -> ChatTemplate | None:
     """The chat template chat requests are rendered with: the training data's
     (``data.chat.template``), else the one beside the checkpoint's tokenizer, else the one
-    beside the tokenizer the run trained with (``data.tokenizer``); None if there is none."""
+    beside the tokenizer the run trained with (``data.tokenizer``); None if there is none or
+    it is not valid jinja (said on stderr)."""
     data = ckpt.config.data
     places = [Path(ckpt.tokenizer.path)]
     if data.tokenizer:
         given = Path(data.tokenizer).expanduser()
         places.append(given / "tokenizer.json" if given.is_dir() else given)
     for place in places:
-        with contextlib.suppress(MeshtronError):
-            return find_chat_template(place, data.chat.template)
+        try:
+            template = find_chat_template(place, data.chat.template)
+        except MeshtronError:
+            continue
+        try:
+            _ = template.compiled
+        except MeshtronError as err:  # not jinja: said once, completions still served
+            print(f"warning: {err}; POST /v1/chat/completions answers 404", file=sys.stderr)
+            return None
+        return template
     return None
 
 
