@@ -184,3 +184,14 @@ def test_the_real_smollm2_template_gives_transformers_ids(smollm_checkpoint, smo
         messages = conversation(r)
         want = hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
         assert ids_of(enc.encode(messages, f"x:{i}")) == list(want) + [enc.tokenizer.eos_id]
+
+
+@pytest.mark.parametrize("setting", ["--train.eval_generate=8", "--model.mtp_depth=1"])
+def test_what_chat_data_does_not_combine_with_is_one_line(tokenizers, data_cache, tmp_path,
+                                                          capsys, setting):
+    data = write_conversations(tmp_path / "chat.jsonl", 4)
+    args = ["train", *test_overrides(data_cache, str(tmp_path / "run")), f"--data.path={data}",
+            f"--data.tokenizer={tokenizers['smollm2']}", "--train.eval_every=1", setting]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"does not combine with {setting[2:-2]} yet" in err

@@ -289,8 +289,10 @@ def build_chat_data(cfg: Config, log: Log = print) -> ChatData:
     if not data.tokenizer:
         raise MeshtronError("data.format=chat needs the model's tokenizer and chat template: "
                             "set data.tokenizer (the train.yaml of meshtron convert does)")
-    if cfg.model.mtp_depth:
-        raise MeshtronError("data.format=chat does not combine with model.mtp_depth yet")
+    if cfg.model.mtp_depth or cfg.train.eval_generate:
+        name = "model.mtp_depth" if cfg.model.mtp_depth else "train.eval_generate"
+        raise MeshtronError(f"data.format=chat does not combine with {name} yet (both read "
+                            "windows whose prompt tokens are stored as -(id + 1)); set it to 0")
     tokenizer = Tokenizer.load(data.tokenizer)
     template = find_chat_template(Path(tokenizer.path), data.chat.template)
     encoder = ChatEncoder(tokenizer, template, data.chat.include_prompt)
