@@ -72,6 +72,8 @@ def png_path(given: str, default_name: str) -> Path:
     """Where a PNG goes: inside ``given`` when it is a directory, with ``.png`` added when it
     names no extension (matplotlib would add it without saying so)."""
     path = Path(given)
+    if (kind := special_kind(path)) is not None:  # /dev/full would become /dev/full.png
+        raise MeshtronError(f"{given} is {kind}; name a PNG file or a folder")
     if path.is_dir():
         return path / default_name
     return path if path.suffix else path.with_name(path.name + ".png")

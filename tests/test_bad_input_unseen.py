@@ -196,3 +196,14 @@ def test_a_fifo_as_data_tokenizer_or_convert_source_says_what_it_is(tmp_path, ca
         f"meshtron: error: data path {fifo} is a named pipe (FIFO), not a file or folder of "
         "text"], proc.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_device_as_a_plot_output_is_refused(tmp_path, capsys):
+    """``plot --output /dev/full`` wrote /dev/full.png (the suffix rule) and exited 0."""
+    from meshtron.files import png_path
+
+    with pytest.raises(MeshtronError, match="/dev/full is a character device; name a PNG"):
+        png_path("/dev/full", "loss.png")
+    assert main(["schedule", "--pp", "2", "--microbatches", "2", "--out", "/dev/null"]) == 2
+    assert "/dev/null is a character device" in one_error_line(capsys)
+    assert png_path(str(tmp_path), "loss.png") == tmp_path / "loss.png"
