@@ -233,6 +233,9 @@ class ScalingRecipe(ABC):
     """
 
     gemm: Gemm = "auto"
+    weight_scales_in_backward: bool = True
+    """Whether :meth:`weight_for_grad_input` needs the forward's weight scales (kept from
+    forward to backward; MX quantises the weight afresh along ``out`` and needs none)."""
 
     @abstractmethod
     def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile | None]:
@@ -255,11 +258,14 @@ class ScalingRecipe(ABC):
         got = self.wgrad_scales(x, role, fmt)
         return reuse if got is None else quantize_tiles(x, fmt, *got)
 
-    def weight_for_grad_input(self, weight: Tensor, qw: Quantized) -> Quantized:
+    def weight_for_grad_input(self, weight: Tensor, scale: Tensor | None,
+                              tile: Tile | None) -> Quantized:
         """The weight operand of ``grad_x = grad_y @ W`` as ``[in, out]``: the forward's
-        quantised weight, transposed (a recipe whose blocks run along the reduction dimension
-        quantises ``W`` again along ``out``)."""
-        return qw.t()
+        quantised weight, transposed, quantised again from ``weight`` with the forward's
+        ``scale`` and ``tile`` (the same fp8 values; the layer keeps no fp8 copy of its weight
+        from forward to backward, only the scales). A recipe whose blocks run along the
+        reduction dimension quantises ``W`` along ``out`` instead."""
+        return quantize_tiles(weight.detach(), E4M3, scale, tile).t()
 
 
 class TensorwiseScaling(ScalingRecipe):
@@ -440,7 +446,9 @@ class _FP8Linear(torch.autograd.Function):
         ctx.recipe, ctx.grad_fmt, ctx.defer, ctx.gemm = recipe, grad_fmt, defer, gemm
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.qw, ctx.qx_wgrad = qw, qx_wgrad  # fp8 data + scales, as a real FP8 layer keeps
+        # x's fp8 data + scales; of the weight (alive anyway) only its scales
+        ctx.w_scale = qw.scale if recipe.weight_scales_in_backward else None
+        ctx.w_tile, ctx.qx_wgrad = qw.tile, qx_wgrad
         ctx.save_for_backward(weight)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -452,7 +460,7 @@ class _FP8Linear(torch.autograd.Function):
         with torch.autocast(gy2.device.type, enabled=False):
             qgy = quantize_operand(gy2, "grad_output", ctx.recipe, ctx.grad_fmt)
             if ctx.needs_input_grad[0]:
-                qw_t = ctx.recipe.weight_for_grad_input(weight, ctx.qw)
+                qw_t = ctx.recipe.weight_for_grad_input(weight, ctx.w_scale, ctx.w_tile)
                 grad_x = fp8_matmul(qgy, qw_t, ctx.gemm).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:

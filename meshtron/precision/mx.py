@@ -152,6 +152,7 @@ class MXScaling(ScalingRecipe):
     """
 
     gemm = "emulated"
+    weight_scales_in_backward = False
 
     def __init__(self, rule: ScaleRule = "rceil"):
         if rule not in SCALE_RULES:
@@ -173,7 +174,8 @@ class MXScaling(ScalingRecipe):
             return reuse
         return mx_operand_along_rows(x, fmt, self.rule, role)
 
-    def weight_for_grad_input(self, weight: Tensor, qw: Quantized) -> Quantized:
+    def weight_for_grad_input(self, weight: Tensor, scale: Tensor | None,
+                              tile: Tile | None) -> Quantized:
         check_mx_shape(weight.shape[0], "grad_output")
         return mx_operand(weight.detach().t().contiguous(), E4M3, self.rule, "weight")
 
@@ -210,24 +212,25 @@ class _MXGrouped(torch.autograd.Function):
         check_mx_shape(w.shape[-1], "input")
         qx = mx_operand(x.detach(), E4M3, rule, "input").dequantize()
         y = matmul(qx, _mx_weights(w, rule, "weight"), counts)
-        ctx.save_for_backward(x, w, counts)
-        ctx.rule, ctx.grad_fmt, ctx.matmul = rule, grad_fmt, matmul
+        # the weight gradient's operand, quantised now: x itself is not kept for backward
+        ctx.qx_rows = [mx_operand_along_rows(xg, E4M3, rule, "input") if len(xg) else None
+                       for xg in x.detach().split(counts.tolist())]
+        ctx.save_for_backward(w, counts)
+        ctx.rule, ctx.grad_fmt, ctx.matmul, ctx.x_dtype = rule, grad_fmt, matmul, x.dtype
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, w, counts = ctx.saved_tensors
+        w, counts = ctx.saved_tensors
         check_mx_shape(w.shape[1], "grad_output")
         gy = mx_operand(grad_y, ctx.grad_fmt, ctx.rule, "output gradient")
         wt = _mx_weights(w.transpose(1, 2).contiguous(), ctx.rule, "weight")
-        grad_x = ctx.matmul(gy.dequantize(), wt, counts).to(x.dtype)
+        grad_x = ctx.matmul(gy.dequantize(), wt, counts).to(ctx.x_dtype)
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for g, (xg, gyg) in enumerate(zip(x.split(counts.tolist()),
-                                          grad_y.split(counts.tolist()))):
-            if len(xg):
-                qx = mx_operand_along_rows(xg, E4M3, ctx.rule, "input").dequantize()
+        for g, (qx, gyg) in enumerate(zip(ctx.qx_rows, grad_y.split(counts.tolist()))):
+            if qx is not None:
                 qg = mx_operand_along_rows(gyg, ctx.grad_fmt, ctx.rule, "output gradient")
-                grad_w[g] = qg.dequantize().t() @ qx
+                grad_w[g] = qg.dequantize().t() @ qx.dequantize()
         return grad_x, grad_w.to(w.dtype), None, None, None, None
 
 

@@ -238,7 +238,7 @@ class _NVFP4Linear(torch.autograd.Function):
                 y = y + bias.float()
             xt = _wgrad_operand(x2.detach(), opts)
             ctx.qx_w = opts.quantize(xt, "input (weight-gradient layout)")
-        ctx.qw, ctx.opts, ctx.defer = qw, opts, defer
+        ctx.w_scale, ctx.opts, ctx.defer = qw.tensor_scale, opts, defer  # codes not kept
         ctx.features = torch.arange(weight.shape[0], device=weight.device) \
             if features is None else features
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -256,7 +256,8 @@ class _NVFP4Linear(torch.autograd.Function):
             features = ctx.features
             if ctx.needs_input_grad[0]:
                 qgy = opts.quantize(gy2, "output gradient", salt=1, features=features)
-                grad_x = (qgy.dequantize() @ ctx.qw.dequantize()).to(ctx.x_dtype)
+                grad_x = (qgy.dequantize() @ _weight_again(weight, ctx.w_scale, opts)
+                          ).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 gyt = _wgrad_operand(gy2, opts)
@@ -270,6 +271,13 @@ class _NVFP4Linear(torch.autograd.Function):
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = gy2.float().sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _weight_again(weight: Tensor, tensor_scale: Tensor, opts: NVFP4Options) -> Tensor:
+    """The forward's quantised weight (dequantised), formed again from ``weight`` and its
+    agreed per-tensor scale: the layer keeps no FP4 copy of its weight for backward."""
+    w = weight.detach() if opts.gather is None else opts.gather.round_trip(weight)
+    return nvfp4_quantize(w, tensor_scale, (NVFP4_BLOCK, NVFP4_BLOCK)).dequantize()
 
 
 def nvfp4_linear(x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,

@@ -84,6 +84,7 @@ class GatheredWeights(ScalingRecipe):
         self.inner = inner
         self.gather = gather
         self.gemm = inner.gemm
+        self.weight_scales_in_backward = inner.weight_scales_in_backward
 
     def scales(self, x: Tensor, role: Role, fmt: FP8Format) -> tuple[Tensor, Tile | None]:
         return self.inner.scales(x, role, fmt)
@@ -97,5 +98,6 @@ class GatheredWeights(ScalingRecipe):
                        reuse: Quantized) -> Quantized:
         return self.inner.quantize_wgrad(x, role, fmt, reuse)
 
-    def weight_for_grad_input(self, weight: Tensor, qw: Quantized) -> Quantized:
-        return self.inner.weight_for_grad_input(self.gather.round_trip(weight), qw)
+    def weight_for_grad_input(self, weight: Tensor, scale: Tensor | None,
+                              tile: Tile | None) -> Quantized:
+        return self.inner.weight_for_grad_input(self.gather.round_trip(weight), scale, tile)
