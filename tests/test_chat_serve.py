@@ -13,8 +13,6 @@ from tests.chat_data import chat_tokenizer, write_conversations
 from tests.parity import run_training, test_overrides
 from tests.test_serve import Server, complete, events, request
 
-pytestmark = pytest.mark.slow  # a training run and a server start: 20-70 s of set-up
-
 MESSAGES = [{"role": "system", "content": "Answer in words."},
             {"role": "user", "content": "What is two plus three?"}]
 
