@@ -144,11 +144,18 @@ def _failures(found: dict[int, Episode | None]) -> int:
     return sum(e is None for e in found.values())
 
 
+def round_robin(per_task: list[list[Episode]]) -> list[Episode]:
+    """Episode k of every task, then k + 1: the validation tail (the last episodes) holds
+    several tasks, not only the last one."""
+    longest = max(map(len, per_task), default=0)
+    return [episodes[k] for k in range(longest) for episodes in per_task if k < len(episodes)]
+
+
 def generate_metaworld(name: str, episodes: int, seed: int, image_size: int,
                        output: str | Path, log: Callable[[str], object] = print, *,
                        noise: float = MOTION_NOISE, workers: int | None = None) -> Path:
     """Write ``episodes`` successful expert episodes of Meta-World environment ``name`` to the
-    dataset ``output`` (task by task, attempts in order); returns its path."""
+    dataset ``output`` (tasks in turn, attempts in order); returns its path."""
     from meshtron.envs.metaworld_tasks import dataset_env_id, tasks_of, vocabulary
 
     tasks = tasks_of(name)
@@ -157,13 +164,13 @@ def generate_metaworld(name: str, episodes: int, seed: int, image_size: int,
     start, progress = time.perf_counter(), _Progress(episodes)
     found = _collect(name, len(tasks), want, seed, image_size, noise, workers, progress)
     progress.close()
+    kept = [[e for _, e in sorted(attempts.items()) if e is not None][:want[t]]
+            for t, attempts in enumerate(found)]
     frames = 0
     with EpisodeWriter(output, env=dataset_env_id(name), words=vocabulary()) as writer:
-        for t, attempts in enumerate(found):
-            kept = [e for _, e in sorted(attempts.items()) if e is not None][:want[t]]
-            for episode in kept:
-                writer.add(episode)
-                frames += len(episode)
+        for episode in round_robin(kept):
+            writer.add(episode)
+            frames += len(episode)
         path = writer.close()
     failed = sum(map(_failures, found))
     seconds = time.perf_counter() - start
