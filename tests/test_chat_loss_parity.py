@@ -4,6 +4,8 @@ every layout reproduces the one-process run (fp64, 1e-9)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,3 +95,23 @@ def test_chat_loss_is_layout_independent(chat_files, data_cache, tmp_path):
             what = f"{' '.join(layout)} (rank {rank})"
             assert "error" not in per_rank[i], f"{what} raised:\n{per_rank[i]['error']}"
             assert_same_numbers(reference, per_rank[i], what, FP64_RTOL)
+
+
+def test_a_chat_run_logs_its_answer_tokens_and_keeps_its_template(chat_files, data_cache,
+                                                                  tmp_path):
+    """metrics.jsonl counts the tokens each step's loss is averaged over (the answers, not
+    the window), and every checkpoint carries the chat template beside its tokenizer, so a
+    moved checkpoint still serves /v1/chat/completions."""
+    import json
+
+    from meshtron.data.chat_template import find_chat_template
+
+    overrides = chat_overrides(data_cache, str(tmp_path / "run"), chat_files)
+    cfg = load_config(overrides=[*overrides, "--train.steps=2", "--train.eval_every=0"])
+    result = Trainer(cfg, log=lambda m: None).run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    tokens = [row["loss_tokens"] for row in rows if "loss" in row]
+    window = cfg.train.global_batch * cfg.train.seq_len
+    assert tokens and all(0 < t < window / 2 for t in tokens), tokens
+    saved = find_chat_template(result.checkpoint / "tokenizer.json")
+    assert saved.source == find_chat_template(Path(chat_files[1])).source

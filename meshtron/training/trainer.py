@@ -29,6 +29,7 @@ from meshtron.checkpoint.shards import Piece, check_finite
 from meshtron.checkpoint.store import new_token
 from meshtron.config import Config
 from meshtron.data.builders import RunData, build_run_data
+from meshtron.data.chat_template import CONFIG_FILE, TEMPLATE_FILE
 from meshtron.errors import MeshtronError
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.mesh.groups import ParallelMesh
@@ -215,11 +216,17 @@ class Trainer:
                 **lora_meta(self.model)}
         if background:  # the capture runs beside the next forward/backward, not the update
             self.optimizer.fence_next_update(self.saver.wait_captured)
-        path = self.saver.save(self.step, pieces, meta,
-                               {"tokenizer.json": Path(self.data.tokenizer.path)})
+        path = self.saver.save(self.step, pieces, meta, self._tokenizer_files())
         if not background and self.mesh.world.pg is not None:
             torch.distributed.barrier()  # the first rank has moved the checkpoint into place
         return path
+
+    def _tokenizer_files(self) -> dict[str, Path]:
+        """The tokenizer and, where they sit beside it (an imported model's), its config and
+        chat template: a checkpoint serves chat requests wherever it is moved."""
+        tokenizer = Path(self.data.tokenizer.path)
+        beside = (tokenizer.parent / name for name in (CONFIG_FILE, TEMPLATE_FILE))
+        return {"tokenizer.json": tokenizer, **{p.name: p for p in beside if p.is_file()}}
 
     def finish_saving(self) -> None:
         """Wait for a background save (every rank), then for each other."""
@@ -297,6 +304,7 @@ class Trainer:
             "mfu": flops / elapsed / (peak * self.mesh.layout.world_size),
             "skipped": out.skipped, "skipped_steps": self.skips.total,
             "compute_s": out.compute_s, "comm_bytes": self.mesh.stats.take(),
+            "loss_tokens": out.loss_tokens,
         }
 
     def _observers(self) -> list[Observer]:
