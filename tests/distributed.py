@@ -1,8 +1,13 @@
 """Run a test function in N gloo processes and collect what each rank returns.
 
-Workers are spawned (one thread each, as the 2-core machines need), join a process group over
-a file:// rendezvous in a fresh temp dir (so tests can run side by side), and leave through
-``os._exit`` after destroying the group, avoiding gloo's occasional abort at interpreter exit.
+Workers are forked from a fork server that imported torch and meshtron once (one thread each,
+as the 2-core machines need), join a process group over a file:// rendezvous in a fresh temp
+dir (so tests can run side by side), and leave through ``os._exit`` after destroying the group,
+avoiding gloo's occasional abort at interpreter exit. A spawned worker spent ~3 CPU-seconds
+importing torch and meshtron before its first collective, hundreds of times per suite; a worker
+forked from the server starts with them imported, and otherwise as a spawned one would: the
+test's working directory and ``sys.path`` (multiprocessing's preparation data) and its
+environment (passed along) are its own, and it runs no code the server ran beyond imports.
 A rank that raises makes the whole call fail with that rank's traceback; a hang fails it after
 ``timeout`` seconds. Every rank's outcome is reported, the tracebacks first: a rank that timed
 out waiting for one that raised must not hide why.
@@ -20,9 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+PRELOAD = ("torch", "torch.distributed", "meshtron.training.trainer", "tests.parity")
+"""What the fork server imports once, before any worker forks from it. Imports only: no torch
+operation runs there, so no thread pool or lock is copied into a worker half-way."""
+
 
 def _worker(fn: Callable, rank: int, world_size: int, rendezvous: str, out_dir: str,
-            args: tuple) -> None:
+            args: tuple, environment: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment now, not the fork server's at its start
+    os.environ.update(environment)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
@@ -45,10 +56,12 @@ def _worker(fn: Callable, rank: int, world_size: int, rendezvous: str, out_dir: 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list:
     """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, tmp, args))
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, tmp, args,
+                                                   dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()
