@@ -61,6 +61,8 @@ class LinearSplitBackward(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_y @ weight.to(grad_y.dtype)
         grad_b = grad_y.reshape(-1, grad_y.shape[-1]).sum(0) if ctx.has_bias else None
+        if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA's base, its tied head)
+            return grad_x, None, grad_b, None
         if ctx.store.deferring:
             ctx.store.pending.append((weight, x, grad_y))
             return grad_x, None, grad_b, None
