@@ -406,16 +406,18 @@ def gpt3_problem():
 
 
 PUBLISHED = candidate(tp=8, pp=16, dp=8, zero=0, sp=False, micro_batch=1, recompute="full")
-"""Megatron-LM's README: GPT-3 175B on 1024 A100s, tp 8, pp 16, 138 TFLOP/s per GPU."""
+"""Megatron-LM's README: GPT-3 175B on 1024 A100s, tp 8, pp 16 (its 138 TFLOP/s per GPU
+counts recomputation's extra forward; its step of about 32 s is 103 TFLOP/s of model FLOPs)."""
 
 
 @pytest.mark.parametrize("schedule, vpp", [("1f1b", 1), ("interleaved", 2)])
-def test_gpt3_175b_published_layout_is_within_15_percent_of_138_tflops(schedule, vpp):
+def test_gpt3_175b_published_layout_reports_model_flops(schedule, vpp):
+    """How close the prediction is to the measurement is test_published_runs' table (the 2021
+    software pinned); here: it fits, and its TFLOP/s are model FLOPs over the step, never
+    counting the recomputed forward."""
     _, problem = gpt3_problem()
     e = Estimator(problem).estimate(dataclasses.replace(PUBLISHED, schedule=schedule, vpp=vpp))
     assert e.fits
-    assert 138 * 0.85 <= e.tflops_per_gpu <= 138 * 1.15
-    # the figure is model FLOPs (Megatron's count, no recompute) over the step
     assert e.tflops_per_gpu == pytest.approx(
         training_flops_per_token(problem.model, 2048) * 1536 * 2048 / e.step_time_s / 1024
         / 1e12, rel=1e-12)
