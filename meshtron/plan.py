@@ -318,9 +318,14 @@ def _check_context(cfg: Config, layout: MeshLayout) -> None:
             f"parallel.cp={cp} with model.moe.capacity_factor={m.moe.capacity_factor}: each cp "
             "rank would decide drops over its own chunks only; use a dropless MoE "
             "(capacity_factor=0) with context parallelism")
-    blocked = [recipe for recipe, _ in _block_recipes(cfg)]
-    require(not blocked, f"parallel.cp={cp} with {' and '.join(blocked)}: its weight-gradient "
-            "tiles run along the tokens that cp splits; use tensorwise or delayed scaling")
+    chunk = t.seq_len // (2 * cp)
+    for recipe, block in _block_recipes(cfg):
+        # MXFP8's 32-token blocks are those of one process when no block crosses a cp chunk
+        require("mxfp8" in recipe and chunk % block == 0, f"parallel.cp={cp} with {recipe}: "
+                "its weight-gradient tiles run along the tokens that cp splits; use tensorwise "
+                "or delayed scaling" + (f", or a train.seq_len that is a multiple of "
+                                        f"{2 * cp * block} (2*cp chunks of whole blocks)"
+                                        if "mxfp8" in recipe else ""))
 
 
 def _batch_split(cfg: Config, dp: int) -> tuple[int, int]:
