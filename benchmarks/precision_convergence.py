@@ -5,7 +5,8 @@ FP8 block-wise, MXFP8, NVFP4; the FP8/FP4 products emulated exactly on CPU), eva
 validation loss at intervals and prints a table of final validation losses and their gap to
 bf16, and writes the curves (JSON and a PNG) for docs/precision.md.
 
-    .venv/bin/python benchmarks/precision_convergence.py --steps 150 --out runs/precision
+    .venv/bin/python benchmarks/precision_convergence.py --steps 2000 --evals 20 \
+        --out runs/precision
 
 Each run goes through the trainer (``meshtron.training.trainer.Trainer``), as
 ``meshtron train`` would.
@@ -52,14 +53,16 @@ def emulate_per_tensor_products() -> None:
     fp8.scaled_mm_supported = cuda_only
 
 
-def run(name: str, knobs: list[str], steps: int, root: Path, cache: str) -> dict:
-    """One recipe's training: per-step losses, validation losses and seconds."""
+def run(name: str, knobs: list[str], steps: int, root: Path, cache: str, evals: int = 4,
+        data: tuple[str, ...] = ()) -> dict:
+    """One recipe's training: per-step losses, ``evals`` validation losses and seconds;
+    ``data``: overrides of the corpus size and evaluation batches."""
     from meshtron.config import load_config
     from meshtron.training.trainer import Trainer
 
-    every = max(1, steps // 4)
+    every = max(1, steps // evals)
     run_dir = root / name.replace(" ", "-")
-    cfg = load_config(overrides=MODEL + knobs + [
+    cfg = load_config(overrides=MODEL + list(data) + knobs + [
         f"--train.steps={steps}", f"--train.eval_every={every}", f"--train.log_every={every}",
         f"--data.cache_dir={cache}", f"--run.dir={run_dir}"])
     start = time.perf_counter()
@@ -71,15 +74,35 @@ def run(name: str, knobs: list[str], steps: int, root: Path, cache: str) -> dict
             "final_val_loss": result.val_loss, "seconds": seconds}
 
 
+def tail_mean(losses: list[float], fraction: float = 0.1) -> float:
+    """The mean training loss over the last ``fraction`` of the steps: steadier than one
+    evaluation of a few batches."""
+    tail = losses[-max(1, int(len(losses) * fraction)):]
+    return sum(tail) / len(tail)
+
+
 def table(results: list[dict]) -> str:
-    """Markdown rows: recipe, final validation loss, gap to bf16, seconds."""
-    base = results[0]["final_val_loss"]
-    lines = ["| recipe | final val loss | gap vs bf16 | seconds |", "| --- | --- | --- | --- |"]
+    """Markdown rows: recipe, final validation loss and its gap to bf16, the mean training loss
+    of the last 10% of the steps and its gap, seconds."""
+    base, base_train = results[0]["final_val_loss"], tail_mean(results[0]["losses"])
+    lines = ["| recipe | final val loss | gap vs bf16 | train loss, last 10% of steps | gap vs "
+             "bf16 | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         gap = (r["final_val_loss"] - base) / base
-        lines.append(f"| {r['recipe']} | {r['final_val_loss']:.4f} | {gap:+.2%} | "
-                     f"{r['seconds']:.0f} |")
+        train = tail_mean(r["losses"])
+        lines.append(f"| {r['recipe']} | {r['final_val_loss']:.4f} | {gap:+.2%} | {train:.4f} "
+                     f"| {(train - base_train) / base_train:+.2%} | {r['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def smoothed(losses: list[float], window: int = 50) -> list[float]:
+    """Each step's mean over the last ``window`` steps: the curves of several recipes differ
+    by less than one step's noise, which would hide them."""
+    out, total = [], 0.0
+    for i, loss in enumerate(losses):
+        total += loss - (losses[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -91,9 +114,11 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
-        train_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["recipe"], lw=1)
+        train_ax.plot(range(1, len(r["losses"]) + 1), smoothed(r["losses"]), label=r["recipe"],
+                      lw=1)
         val_ax.plot(*zip(*r["val"]), marker="o", label=r["recipe"], lw=1)
-    train_ax.set(title="training loss", xlabel="step", ylabel="loss")
+    train_ax.set(title="training loss (mean of the last 50 steps)", xlabel="step",
+                 ylabel="loss")
     val_ax.set(title="validation loss", xlabel="step")
     val_ax.legend()
     fig.tight_layout()
@@ -103,13 +128,28 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--evals", type=int, default=4,
+                        help="validation evaluations per run (the curve's points)")
     parser.add_argument("--out", type=Path, default=Path("runs/precision-convergence"))
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help="comma-separated subset of: " + ", ".join(RECIPES))
     parser.add_argument("--scaled-mm", action="store_true",
                         help="tensor-wise FP8 through torch's CPU _scaled_mm (slow), not the "
                         "emulation")
+    parser.add_argument("--corpus-mb", type=float, default=0.3,
+                        help="MB of the default corpus (0.3: the test model's; a 2,000-step "
+                        "run learns that by heart, its validation loss rising after ~1,600)")
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--tabulate", action="store_true",
+                        help="train nothing: the table and plot of the recipes' JSON files "
+                        "already in --out (from earlier invocations)")
     args = parser.parse_args()
+    if args.tabulate:
+        found = [args.out / f"{name.replace(' ', '-')}.json" for name in args.recipes.split(",")]
+        results = [json.loads(path.read_text()) for path in found if path.exists()]
+        plot(results, args.out / "curves.png")
+        print(table(results))
+        return
     if not args.scaled_mm:
         emulate_per_tensor_products()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +157,11 @@ def main() -> None:
     names = args.recipes.split(",")
     results = []
     for name in names:
-        results.append(run(name, RECIPES[name], args.steps, args.out, cache))
+        data = (f"--data.corpus_max_mb={args.corpus_mb}",
+                f"--train.eval_batches={args.eval_batches}")
+        results.append(run(name, RECIPES[name], args.steps, args.out, cache, args.evals, data))
+        slug = name.replace(" ", "-")
+        (args.out / f"{slug}.json").write_text(json.dumps(results[-1]))  # kept if a later dies
         print(f"{name}: final validation loss {results[-1]['final_val_loss']:.4f} "
               f"({results[-1]['seconds']:.0f} s)", flush=True)
     (args.out / "curves.json").write_text(json.dumps(results, indent=1))

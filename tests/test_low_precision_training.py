@@ -1,5 +1,6 @@
-"""MXFP8 and NVFP4 training: the same numbers under tp (with sp), pipelines and dp/ZeRO as in
-one process; the per-layer policy; the contract's flags and bad input refused in one line."""
+"""MXFP8 and NVFP4 training: the same numbers under tp (with sp), pipelines, dp/ZeRO (ZeRO-3
+with the FP8 parameter gather too), cp (MXFP8) and ep (NVFP4) as in one process; the
+per-layer policy; the contract's flags and bad input refused in one line."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ LAYOUTS = [
      "--precision.keep_layers=0", *NV],
     ["--parallel.zero=3", "--train.micro_batch=2", *NV],
     ["--parallel.zero=3", "--train.micro_batch=2", "--precision.fp8_param_gather=true", *MX],
+    ["--parallel.cp=2", "--train.seq_len=128", "--model.max_seq_len=128", *MX],
+    ["--parallel.ep=2", "--model.moe.num_experts=4", "--model.moe.top_k=2",
+     "--train.micro_batch=2", *NV],
 ]
 STEPS = 6
 
