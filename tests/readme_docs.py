@@ -54,6 +54,11 @@ DOCS_NOT_RUN: dict[tuple[str, str], str] = {
     ("training.md", "meshtron train --model.mup=true --model.mup_base_width=256 "
                     "--model.hidden_size=2048"): LONG,
     ("training.md", "meshtron plot runs/default runs/mine"): DUPLICATE,
+    ("training.md", "meshtron train --config ckpt/smollm2/train.yaml --data.path=chat.jsonl"):
+        "LoRA on the real model over a chat file: minutes here (tests/test_lora.py trains, "
+        "resumes, merges and exports adapters on the test model)",
+    ("training.md", "meshtron generate --checkpoint runs/lora/ckpt"): "needs the LoRA run above",
+    ("training.md", "meshtron convert --from runs/lora/ckpt"): "needs the LoRA run above",
 }
 """(doc, how the command starts) -> why tests/test_readme.py does not run it."""
 
