@@ -4,10 +4,12 @@ policy trained and evaluated on two tasks. Small: 32x32 frames, two tasks, one e
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from meshtron.envs import env_spec, make_env
 from meshtron.envs.metaworld import MetaWorldEnv, import_metaworld
 from meshtron.envs.metaworld_tasks import MT10_TASKS, PHRASINGS, phrasings, vocabulary
 from meshtron.errors import MeshtronError
+from meshtron.inference.evaluate_command import rollout_plan
 from meshtron.inference.policy_eval import EVAL_SEED_BASE, Evaluation, RolloutPlan, rollouts
 from tests.parity import run_layout
 from tests.test_vla import _vla_layouts, vla_overrides
@@ -103,6 +106,31 @@ def test_a_missing_renderer_is_one_line():
     assert "libegl1" in out.stdout and "Traceback" not in out.stdout + out.stderr
 
 
+def test_evaluate_plans_tasks_and_refuses_another_action_space():
+    """The rollout plan: the policy's own environment by default, ten episodes per MT10 task
+    with held-out phrasings; a policy for 3-D actions is refused on a 4-D environment (and
+    the reverse); two different episode counts are refused."""
+    args = argparse.Namespace(env=None, episodes=None, episodes_per_task=None, video=None,
+                              videos=8, max_steps=None, instructions="held-out")
+    plan = rollout_plan(args, "metaworld-mt10", 4, Path("run"))
+    assert plan.tasks == MT10_TASKS and plan.count == 10 and plan.env_name == "metaworld-mt10"
+    assert plan.env_options == {"held_out_instructions": True}
+    args.env, args.episodes_per_task, args.max_steps = TWO, 3, 50
+    plan = rollout_plan(args, "metaworld-mt10", 4, Path("run"))
+    assert plan.tasks == ("reach-v3", "push-v3") and plan.count == 3
+    assert plan.env_options["max_steps"] == 50
+    args.env = "metaworld-mt10"
+    with pytest.raises(MeshtronError, match=r"^run holds a policy for tabletop \(3-D actions\); "
+                                            r"metaworld-mt10 acts with 4-D actions$"):
+        rollout_plan(args, "tabletop", 3, Path("run"))
+    args.env = "tabletop"
+    with pytest.raises(MeshtronError, match="tabletop acts with 3-D actions"):
+        rollout_plan(args, "metaworld-mt10", 4, Path("run"))
+    args.env, args.episodes = None, 5
+    with pytest.raises(MeshtronError, match="--episodes 5 and --episodes-per-task 3 disagree"):
+        rollout_plan(args, "metaworld-mt10", 4, Path("run"))
+
+
 class ExpertTwinActor:
     """Plays a script per episode in a twin of its environment (the same task, seed and
     actions, so the same frames: asserted): the expert, the expert for its first 29 steps
@@ -144,6 +172,7 @@ def hand_made(scripts: list[tuple[str, int, str]], max_steps: int) -> list:
         actor.twin.close()
 
 
+@pytest.mark.slow
 def test_success_is_counted_per_task_with_the_failure_kinds():
     """Hand-made episodes: the expert succeeds at reach; standing still never gets near the
     puck; approaching it, then leaving, was near (once is enough) but not done. Success per
@@ -164,6 +193,7 @@ def test_success_is_counted_per_task_with_the_failure_kinds():
     assert summary["mean_episode_length"] == (episodes[0].steps + 80) / 3
 
 
+@pytest.mark.slow
 def test_vla_data_writes_successful_expert_episodes_of_each_task(mw_demos, tmp_path, capsys):
     dataset = EpisodeDataset.open(mw_demos)
     assert len(dataset) == 2 and dataset.action_dims == 4 and dataset.image_size == 32
