@@ -14,6 +14,7 @@ the ZeRO all-gather of updated parameters, and the optimizer step (bound by memo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshtron.costmodel.candidate import Candidate
@@ -38,7 +39,7 @@ from meshtron.parallel.pipeline.partition import (
     partition_layers,
     virtual_stage_of,
 )
-from meshtron.parallel.pipeline.schedules import Action, build_schedule
+from meshtron.parallel.pipeline.schedules import Action, Schedule, build_schedule
 
 SIMULATED_MICROBATCHES = 24
 """Above this many micro-batches the pipeline is simulated at two counts and extended."""
@@ -151,6 +152,10 @@ class Estimator:
         """Per stage shape and layout: (state, its sum, transient, collective copies) bytes,
         shared by the schedules, sp and recompute modes the search tries for one layout."""
         self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
+        self._chunks: dict[tuple, dict[ChunkShape, ActionCosts]] = {}
+        self._schedules: dict[tuple, Schedule] = {}
+        self._last_memory: tuple[tuple[Candidate, bool], MemoryEstimate] | None = None
+        """The last peak priced: the search asks for it again in the candidate's estimate."""
 
     # ------------------------------------------------------------------ compute
 
@@ -236,7 +241,15 @@ class Estimator:
         return self._pipelines[key]
 
     def chunk_costs(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
-        """Costs of every distinct chunk for one micro-batch."""
+        """Costs of every distinct chunk for one micro-batch; the same under every ZeRO stage
+        and schedule of one partition, so the search prices them once for those."""
+        key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.dp, c.sp, c.micro_batch,
+               c.recompute)
+        if key not in self._chunks:
+            self._chunks[key] = self._price_chunks(c)
+        return self._chunks[key]
+
+    def _price_chunks(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
         pr = self.problem
         _, _, unique = self.pipeline(c)
         groups = layout_groups(c, pr.profile.gpus_per_node)
@@ -272,6 +285,16 @@ class Estimator:
                 out[chunk] = ActionCosts(f, b, w, comm)
         return out
 
+    def schedule(self, c: Candidate, microbatches: int,
+                 order: Sequence[tuple[float, float, float]] | None) -> Schedule:
+        """The candidate's schedule with no receives posted ahead, built once for every
+        candidate of its pipeline (zb-v's for each order)."""
+        key = (c.schedule, c.pp, c.vpp, microbatches, None if order is None else tuple(order))
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(c.schedule, c.pp, c.vpp, microbatches,
+                                                  receives_ahead=0, costs=order)
+        return self._schedules[key]
+
     def in_flight(self, c: Candidate, microbatches: int, ordered: bool = False) -> list[int]:
         """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
         what the schedule's warm-up holds (it stops growing after a few rounds). ``ordered``:
@@ -288,8 +311,7 @@ class Estimator:
             order = tuple(zb_v_order_costs(c, shapes, self.chunk_costs(c)))
         key = (c.schedule, c.pp, c.vpp, m, order)
         if key not in self._in_flight:
-            self._in_flight[key] = build_schedule(c.schedule, c.pp, c.vpp, m, receives_ahead=0,
-                                                   costs=order).peak_in_flight()
+            self._in_flight[key] = self.schedule(c, m, order).peak_in_flight()
         return self._in_flight[key]
 
     def posted_receives(self, c: Candidate, stage: int) -> float:
@@ -363,8 +385,7 @@ class Estimator:
         order = zb_v_order_costs(c, shapes, costs) if c.vshape else None
 
         def makespan(m: int) -> float:
-            rows = build_schedule(c.schedule, c.pp, c.vpp, m, receives_ahead=0,
-                                  costs=order).timeline(action_cost=price)
+            rows = self.schedule(c, m, order).timeline(action_cost=price)
             return max(row[-1][1] for row in rows if row)
 
         if microbatches <= SIMULATED_MICROBATCHES:
@@ -404,6 +425,8 @@ class Estimator:
                ordered: bool = False) -> MemoryEstimate:
         """The peak over stages, or the peak of pipeline stage ``stage`` (a trainer's memory
         figure is rank 0's, which holds stage 0); ``ordered``: see :meth:`in_flight`."""
+        if stage is None and self._last_memory and self._last_memory[0] == (c, ordered):
+            return self._last_memory[1]
         pr = self.problem
         _, _, unique = self.pipeline(c)
         in_flight = self.in_flight(c, c.microbatches(pr.global_batch), ordered)
@@ -442,10 +465,13 @@ class Estimator:
                 worst, peak = (state, in_flight[s] * chunk + extra, transient, copies), total
         assert worst is not None
         state, activations, transient, copies = worst
-        return MemoryEstimate(**state, activations=activations, transient=transient,
+        peak = MemoryEstimate(**state, activations=activations, transient=transient,
                               reserved=pr.reserved_bytes,
                               correction=pr.profile.memory_correction,
                               collective_copies=copies, slack=pr.profile.memory_step_slack)
+        if stage is None:
+            self._last_memory = (c, ordered), peak
+        return peak
 
     # ------------------------------------------------------------------ the whole step
 

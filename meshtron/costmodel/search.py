@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from meshtron.config import Config
@@ -117,9 +117,25 @@ def _pipelines(pins: Pins, pp: int, layers: int) -> list[tuple[int, str]]:
     return out
 
 
-def candidates(problem: Problem, pins: Pins) -> Iterator[Candidate]:
-    """Every candidate that passes divisibility (memory is not checked here)."""
+def _micro_batches(pins: Pins, share: int, pp: int, schedule: str) -> list[int]:
+    """The micro-batch sizes that split a rank's ``share`` into counts the schedule runs."""
+    out = []
+    for mb in pins.allow("micro_batch", powers_of_two(min(share, 64))):
+        count = share // mb if share % mb == 0 else 0
+        if not count or (pp > 1 and schedule != "gpipe" and count < pp) \
+                or (schedule == "interleaved" and count % pp):
+            continue
+        out.append(mb)
+    return out
+
+
+def candidates(problem: Problem, pins: Pins, keep: Callable[[Candidate], bool] | None = None,
+               dropped: list[int] | None = None) -> Iterator[Candidate]:
+    """Every candidate that passes divisibility (memory is not checked here). ``keep``, given,
+    is asked once per layout (its first micro-batch and recompute mode standing for all):
+    a layout it refuses yields nothing, and its candidates are counted in ``dropped[0]``."""
     gb, layers = problem.global_batch, problem.model.num_layers
+    modes = pins.allow("recompute", list(RECOMPUTE_ORDER))
     for tp, cp, pp, dp in _structures(problem, pins):
         if gb % dp:
             continue
@@ -133,62 +149,46 @@ def candidates(problem: Problem, pins: Pins) -> Iterator[Candidate]:
                     for vpp, schedule in _pipelines(pins, pp, layers):
                         if schedule in ("zb-h1", "zb-v") and zero == 3 and dp * cp > 1:
                             continue
-                        for mb in pins.allow("micro_batch", powers_of_two(min(share, 64))):
-                            count = share // mb if share % mb == 0 else 0
-                            if not count or (pp > 1 and schedule != "gpipe" and count < pp) \
-                                    or (schedule == "interleaved" and count % pp):
-                                continue
-                            for recompute in pins.allow("recompute", list(RECOMPUTE_ORDER)):
+                        sizes = _micro_batches(pins, share, pp, schedule)
+                        if not sizes:
+                            continue
+                        if keep is not None and dropped is not None and not keep(Candidate(
+                                tp, cp, pp, vpp, schedule, ep, etp, dp, zero, sp, sizes[0],
+                                modes[0])):
+                            dropped[0] += len(sizes) * len(modes)
+                            continue
+                        for mb in sizes:
+                            for recompute in modes:
                                 yield Candidate(tp, cp, pp, vpp, schedule, ep, etp, dp, zero,
                                                 sp, mb, recompute)
 
 
-def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULATED
-           ) -> SearchResult:
+def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULATED,
+           prune: bool = True) -> SearchResult:
     """Rank every layout of ``problem`` that the trainer can run (``cfg`` gives the rest of
-    the run's settings for the plan checks)."""
+    the run's settings for the plan checks). ``prune=False`` prices every layout's memory
+    (the reference the pruned search is tested against; the answer is the same)."""
     check_layout_free(cfg, problem)
     estimator = Estimator(problem)
     limit = problem.memory_limit
-    considered = 0
-    state_fits: dict[tuple, bool] = {}
-    first_pass: list[tuple[float, Candidate]] = []
-    spill: list[Candidate] = []  # the least-memory layouts, for the "does not fit" report
-    kept: dict[tuple, str] = {}
-    for c in candidates(problem, pins):
-        considered += 1
-        key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.zero)
-        if key not in state_fits:
-            worst = max(sum(state_bytes(estimator.stage_params(c, s), c, problem.element_size,
-                                        problem.reduce_size).values()) for s in range(c.pp))
-            state_fits[key] = worst * problem.profile.memory_correction \
-                + problem.reserved_bytes <= limit
-        layout = (*key, c.schedule, c.sp, c.micro_batch)
-        if not state_fits[key]:
-            if c.recompute == "full":
-                spill.append(c)
-            continue
-        if layout in kept:  # a cheaper recompute mode of this layout already fits
-            continue
-        if estimator.memory(c).peak > limit:
-            if c.recompute == "full" or pins.recompute:
-                spill.append(c)
-            continue
-        kept[layout] = c.recompute
-        first_pass.append((estimator.estimate(c, simulate=False).step_time_s, c))
+    fits = FirstPass(problem, pins, estimator, prune)
+    first_pass, spill, considered = fits.run()
+    if prune and not first_pass:  # nothing fits: the report wants every least-memory layout
+        return search(problem, pins, cfg, simulate=simulate, prune=False)
     first_pass.sort(key=lambda item: item[0])
     ranked: list[Estimate] = []
     refused: Counter[str] = Counter()
+    checks = PlanChecks(cfg, problem.gpus)
     for _, c in first_pass:
         if len(ranked) >= simulate:
             break
-        error = plan_error(cfg, c, problem.gpus)
+        error = checks.error(c)
         if error is None:
             ranked.append(estimator.estimate(c))
         else:
             refused[error] += 1
     fitting = len(first_pass)
-    twins = v_twins(estimator, pins, cfg, ranked, limit)
+    twins = v_twins(estimator, pins, checks, ranked, limit)
     considered, fitting = considered + twins.tried, fitting + twins.fitting
     ranked += twins.simulated
     refusal = ""
@@ -202,6 +202,66 @@ def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULAT
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s, e.candidate.cp, e.candidate.pp,
                                e.candidate.zero, e.candidate.tp))
     return SearchResult(ranked, considered, fitting, refusal, refused)
+
+
+class FirstPass:
+    """The search's first pass: every layout that fits, with the least recompute that fits,
+    priced in closed form; and the least-memory ones that do not fit, for the report.
+
+    Pruning is exact (``prune``): a layout whose optimizer state alone overflows is dropped
+    with every schedule, micro-batch and recompute mode under it; and along the micro-batch
+    sizes of one layout (enumerated smallest first) memory only grows, so once a recompute
+    mode overflows at one size it overflows at every larger one, and once even full recompute
+    overflows, every larger size is dropped unpriced."""
+
+    def __init__(self, problem: Problem, pins: Pins, estimator: Estimator, prune: bool):
+        self.problem, self.pins, self.estimator, self.prune = problem, pins, estimator, prune
+        self.state_fits: dict[tuple, bool] = {}
+        self.least: dict[tuple, int] = {}
+        """Per layout but the micro-batch: the index (in :data:`RECOMPUTE_ORDER`) of the
+        least recompute that fit at the last size; past the last mode: none fits."""
+
+    def state_fit(self, c: Candidate) -> bool:
+        """The optimizer state of the layout's largest stage leaves room below the limit."""
+        key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.zero)
+        if key not in self.state_fits:
+            pr, est = self.problem, self.estimator
+            _, _, unique = est.pipeline(c)
+            worst = max(sum(state_bytes(est.stage_params(c, s), c, pr.element_size,
+                                        pr.reduce_size).values()) for s in unique.values())
+            self.state_fits[key] = worst * pr.profile.memory_correction \
+                + pr.reserved_bytes <= pr.memory_limit
+        return self.state_fits[key]
+
+    def run(self) -> tuple[list[tuple[float, Candidate]], list[Candidate], int]:
+        """(closed-form seconds and candidate of each fitting layout, the non-fitting ones
+        with full recompute (or the pinned mode), layouts that divide)."""
+        pr, pins, est, limit = self.problem, self.pins, self.estimator, self.problem.memory_limit
+        considered, first_pass, spill = 0, [], []
+        kept: set[tuple] = set()
+        dropped = [0]  # candidates of layouts whose state alone overflows, left unenumerated
+        for c in candidates(pr, pins, self.state_fit if self.prune else None, dropped):
+            considered += 1
+            if not self.state_fit(c):
+                if c.recompute == "full":
+                    spill.append(c)
+                continue
+            key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.zero)
+            layout = (*key, c.schedule, c.sp, c.micro_batch)
+            if layout in kept:  # a cheaper recompute mode of this layout already fits
+                continue
+            family, mode = layout[:-1], RECOMPUTE_ORDER.index(c.recompute)
+            if self.prune and mode < self.least.get(family, 0):
+                continue  # overflowed at a smaller micro-batch: overflows here too
+            if est.memory(c).peak > limit:
+                if c.recompute == "full" or pins.recompute:
+                    spill.append(c)
+                self.least[family] = max(self.least.get(family, 0), mode + 1)
+                continue
+            kept.add(layout)
+            self.least[family] = mode
+            first_pass.append((est.estimate(c, simulate=False).step_time_s, c))
+        return first_pass, spill, considered + dropped[0]
 
 
 def why_nothing_divides(problem: Problem, pins: Pins) -> str:
@@ -224,7 +284,7 @@ class Twins:
     """The most promising of those whose closed form beats the shortlist's best, simulated."""
 
 
-def v_twins(estimator: Estimator, pins: Pins, cfg: Config, shortlist: list[Estimate],
+def v_twins(estimator: Estimator, pins: Pins, checks: PlanChecks, shortlist: list[Estimate],
             limit: float) -> Twins:
     """The zb-v layouts of the shortlist's pipelines: the same split with its two chunks per
     stage in a V, each with the least recompute that fits.
@@ -260,7 +320,7 @@ def v_twins(estimator: Estimator, pins: Pins, cfg: Config, shortlist: list[Estim
             break
     promising.sort(key=lambda item: item[0])
     simulated = [estimator.estimate(twin) for _, twin in promising[:TWINS_SIMULATED]
-                 if runnable(cfg, twin, estimator.problem.gpus)]
+                 if checks.error(twin) is None]
     return Twins(tried, fitting, simulated)
 
 
@@ -275,6 +335,23 @@ def least_memory(estimator: Estimator, spill: list[Candidate], keep: int = 5) ->
 def runnable(cfg: Config, c: Candidate, gpus: int) -> bool:
     """The trainer's plan accepts the candidate."""
     return plan_error(cfg, c, gpus) is None
+
+
+class PlanChecks:
+    """:func:`plan_error` once per layout: the plan is asked with the fewest micro-batches
+    whatever the micro-batch size, reads no recompute mode and of ZeRO only whether it is
+    stage 3, so layouts differing only in those get one answer (each check builds the
+    pipeline's schedule: 0.2 s at pp=32)."""
+
+    def __init__(self, cfg: Config, gpus: int):
+        self.cfg, self.gpus = cfg, gpus
+        self.answers: dict[Candidate, str | None] = {}
+
+    def error(self, c: Candidate) -> str | None:
+        key = dataclasses.replace(c, micro_batch=1, recompute="none", zero=min(c.zero, 3) // 3)
+        if key not in self.answers:
+            self.answers[key] = plan_error(self.cfg, c, self.gpus)
+        return self.answers[key]
 
 
 def plan_error(cfg: Config, c: Candidate, gpus: int) -> str | None:
