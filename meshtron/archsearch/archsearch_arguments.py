@@ -75,6 +75,9 @@ def add_archsearch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
                        help="keep proxy runs here; a rerun reuses the finished ones")
     proxy.add_argument("--proxy-timeout", type=float, default=1800.0,
                        help="seconds before a proxy run is stopped (default 1800)")
+    proxy.add_argument("--max-minutes", type=float, metavar="M",
+                       help="wall-clock bound: no proxy starts after M minutes (a running one "
+                       "is stopped) and the fit uses the proxies that finished")
     proxy.add_argument("--nproc", type=int, default=1,
                        help="local processes of each proxy run and, without a cluster, of the "
                        "chosen model's run (default 1)")

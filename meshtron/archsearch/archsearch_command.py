@@ -229,7 +229,7 @@ def run_archsearch(args: argparse.Namespace, extra: list[str]) -> int:
           f"{pricer.min_steps} steps", flush=True)
     settings = ProxySettings(args.proxies, args.proxy_fraction, args.proxy_steps,
                              args.proxy_points, args.nproc, args.proxy_timeout, args.proxy_dir,
-                             args.refine)
+                             args.refine, args.max_minutes)
     law, fit, source, proxies = fitted_law(cfg, settings, budget,
                                            space_of(args, cfg, budget, given, proxy=True),
                                            first, args.law)

@@ -16,7 +16,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtron.archsearch.proxy_runs import Proxy, ProxyResult, choose, proxy_config, run_proxies
+from meshtron.archsearch.proxy_runs import (
+    Deadline,
+    Proxy,
+    ProxyResult,
+    choose,
+    plan_line,
+    proxy_config,
+    run_proxies,
+)
 from meshtron.archsearch.scaling_law import Fit, ScalingLaw, fit_law, parse_law
 from meshtron.archsearch.shape_cost import MIN_STEPS, Budget, Priced
 from meshtron.archsearch.shapes import Shape, ShapeSpace, enumerate_shapes, sizes_of
@@ -43,6 +51,8 @@ class ProxySettings:
     folder: str | None = None
     refine: int = 2
     """Shapes of the second round (0: none)."""
+    max_minutes: float | None = None
+    """``--max-minutes``: no proxy starts after it; the fit uses what finished."""
 
 
 def check_settings(s: ProxySettings, budget: Budget) -> None:
@@ -51,6 +61,9 @@ def check_settings(s: ProxySettings, budget: Budget) -> None:
                             f"{s.count}")
     if s.points < 2:
         raise MeshtronError(f"--proxy-points must be at least 2, got {s.points}")
+    if s.max_minutes is not None and not s.max_minutes > 0:
+        raise MeshtronError(f"--max-minutes must be a positive number of minutes, got "
+                            f"{s.max_minutes:g}")
     if s.refine < 0:
         raise MeshtronError(f"--refine must not be negative, got {s.refine}")
     if s.steps is None and budget.cluster is not None:
@@ -122,6 +135,9 @@ def fit_results(results: list[ProxyResult]) -> tuple[Fit, str]:
     """The law fitted to every finished proxy; one error when too few finished."""
     done = [r for r in results if r.failure is None]
     failed = [r for r in results if r.failure is not None]
+    if not results:
+        raise MeshtronError("--max-minutes passed before any proxy run finished: raise it, "
+                            "or give --law")
     if not done:
         raise MeshtronError(f"every proxy run failed (the first, "
                             f"{failed[0].proxy.shape.describe()}: {failed[0].failure})")
@@ -150,7 +166,7 @@ def second_round(cfg: Config, s: ProxySettings, budget: Budget, law: ScalingLaw,
 
 
 def fitted_law(cfg: Config, s: ProxySettings, budget: Budget, space: ShapeSpace,
-               priced: list[Priced], law_text: str | None
+               priced: list[Priced], law_text: str | None, deadline: Deadline | None = None
                ) -> tuple[ScalingLaw, Fit | None, str, list[ProxyResult]]:
     """The law and, when fitted, the fit, where it came from and every proxy's result (one
     per shape: a refined shape's longer run)."""
@@ -158,17 +174,22 @@ def fitted_law(cfg: Config, s: ProxySettings, budget: Budget, space: ShapeSpace,
         return parse_law(law_text), None, f"--law {law_text}", []
     check_settings(s, budget)
     proxies = first_round(cfg, s, budget, space)
+    deadline = deadline or Deadline(s.max_minutes)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    print(plan_line(proxies, tokens), file=sys.stderr, flush=True)
     with scratch_dir(cfg.data.cache_dir, "archsearch-") as scratch:
         folder = Path(s.folder) if s.folder else Path(scratch)
-        results = run_proxies(cfg, proxies, folder, s.nproc, s.points, s.timeout_s)
+        results = run_proxies(cfg, proxies, folder, s.nproc, s.points, s.timeout_s,
+                              deadline=deadline)
         fit, source = fit_results(results)
         refine = second_round(cfg, s, budget, fit.law, priced, results) \
-            if s.refine and budget.cluster is None else []
+            if s.refine and budget.cluster is None and not deadline.passed() else []
         if refine:
             print(f"refining: {len(refine)} shape{'s' if len(refine) > 1 else ''} the first "
-                  "law ranks best, trained twice as far", file=sys.stderr, flush=True)
+                  "law ranks best, trained twice as far; " + plan_line(refine, tokens, "refine"),
+                  file=sys.stderr, flush=True)
             again = run_proxies(cfg, refine, folder, s.nproc, s.points, s.timeout_s,
-                                label="refine")
+                                label="refine", deadline=deadline)
             longer = {r.proxy.shape: r for r in again if r.failure is None}
             results = [longer.pop(r.proxy.shape, r) for r in results] + list(longer.values())
             results += [r for r in again if r.failure is not None]

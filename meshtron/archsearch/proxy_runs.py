@@ -25,6 +25,8 @@ import json
 import math
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,53 @@ class ProxyResult:
     failure: str | None = None
     reused: bool = False
     run_dir: Path | None = None
+
+
+FLOPS_PER_S = 3e9
+"""What a proxy run trains at on this machine's 2 cores, for the estimate said before the
+runs start (measured from the README's example); the progress lines then use the rate the
+finished proxies measured."""
+START_S = 15.0
+"""A proxy run's start-up (the interpreter, torch, the data) beside its training."""
+
+
+class Deadline:
+    """``--max-minutes``: after it no proxy starts and a running one is stopped. The clock is
+    injected so a test passes the bound without waiting."""
+
+    def __init__(self, minutes: float | None, clock: Callable[[], float] | None = None):
+        self.minutes, self.clock = minutes, clock or time.monotonic
+        self.end = None if minutes is None else clock() + 60 * minutes
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - self.clock()
+
+    def passed(self) -> bool:
+        return self.left() <= 0
+
+
+def proxy_cost(proxy: Proxy, tokens_per_step: int) -> float:
+    """The proxy's training FLOPs (its last step's)."""
+    return proxy.steps * tokens_per_step * proxy.flops_per_token
+
+
+def plan_line(proxies: list[Proxy], tokens_per_step: int, label: str = "proxy") -> str:
+    """The runs about to start, what they cost and about how long they take here."""
+    flops = sum(proxy_cost(p, tokens_per_step) for p in proxies)
+    seconds = flops / FLOPS_PER_S + START_S * len(proxies)
+    shapes = ", ".join(f"{p.shape.describe()} x {p.steps}" for p in proxies)
+    return (f"planned: {len(proxies)} {label} runs ({shapes} steps), {flops:.3g} FLOPs, "
+            f"about {seconds / 60:.1f} min on 2 idle cores (--max-minutes bounds it)")
+
+
+def progress_line(name: str, done: list[tuple[float, float]], rest: list[Proxy],
+                  tokens_per_step: int) -> str:
+    """After a run: its time, and the time the others should take at the measured rate."""
+    flops, seconds = (sum(x) for x in zip(*done))
+    rate = max(flops, 1.0) / max(seconds - START_S * len(done), 1e-3)
+    left = sum(proxy_cost(p, tokens_per_step) / rate + START_S for p in rest)
+    return (f"{name}: done in {done[-1][1]:.0f} s; " + (f"about {left / 60:.1f} min left for "
+            f"the other {len(rest)}" if rest else "the last"))
 
 
 def choose(candidates: list[Proxy], count: int) -> list[Proxy]:
@@ -127,12 +176,21 @@ def resumable(run_dir: Path) -> bool:
 
 
 def run_proxies(cfg: Config, proxies: list[Proxy], folder: Path, nproc: int, points: int,
-                timeout_s: float, label: str = "proxy") -> list[ProxyResult]:
-    """Train, extend or reuse every proxy; each result has its points or its failure."""
+                timeout_s: float, label: str = "proxy", deadline: Deadline | None = None
+                ) -> list[ProxyResult]:
+    """Train, extend or reuse every proxy until ``deadline``; each result has its points or
+    its failure (the proxies not started by then have none)."""
     folder.mkdir(parents=True, exist_ok=True)
+    deadline = deadline or Deadline(None)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    results = []
+    results: list[ProxyResult] = []
+    timed: list[tuple[float, float]] = []
     for i, proxy in enumerate(proxies, 1):
+        if deadline.passed():
+            say(f"--max-minutes {deadline.minutes:g} reached: {i - 1} of {len(proxies)} "
+                f"{label} runs done, the fit uses what finished")
+            break
+        started = deadline.clock()
         probe = proxy_config(cfg, proxy, points, folder)
         run_dir = folder / f"{proxy.shape.slug()}-{run_key(probe)}"
         run_cfg = proxy_config(cfg, proxy, points, run_dir)
@@ -148,7 +206,8 @@ def run_proxies(cfg: Config, proxies: list[Proxy], folder: Path, nproc: int, poi
             config_path = run_dir.with_suffix(".yaml")
             run_cfg.save(config_path)
             say(f"{name}: {'extending' if extend else 'training'} {run_dir}")
-            failure = start_trial(config_path, nproc, run_dir.with_suffix(".log"), timeout_s)
+            failure = start_trial(config_path, nproc, run_dir.with_suffix(".log"),
+                                  max(1.0, min(timeout_s, deadline.left())))
         found: list[Point] = []
         if failure is None:
             found = points_of(run_dir, proxy, tokens_per_step, cfg.train.warmup_steps)
@@ -157,6 +216,9 @@ def run_proxies(cfg: Config, proxies: list[Proxy], folder: Path, nproc: int, poi
         if failure:
             say(f"{name} failed: {failure}; the fit goes on without it")
         results.append(ProxyResult(proxy, tuple(found), failure, reused, run_dir))
+        if not reused and failure is None:
+            timed.append((proxy_cost(proxy, tokens_per_step), deadline.clock() - started))
+            say(progress_line(name, timed, proxies[i:], tokens_per_step))
     return results
 
 
