@@ -77,3 +77,34 @@ def test_max_minutes_must_be_positive(capsys):
                               "--widths", "32,64", "--proxies", "2", "--proxy-steps", "12",
                               "--max-minutes", "0")
     assert_one_line(code, err, "--max-minutes must be a positive number of minutes, got 0")
+
+
+# ----------------------------------------------------------------------------- hpsearch
+
+
+def test_hpsearch_starts_no_trial_after_max_minutes(monkeypatch, tmp_path, capsys):
+    from meshtron.cli import main
+    from meshtron.hpsearch import loop
+    from meshtron.tune.deadline import Deadline
+
+    readings = iter([0.0, 61.0])  # the bound is set at 0 s; the first check reads 61 s
+    monkeypatch.setattr(loop, "Deadline",
+                        lambda minutes: Deadline(minutes, lambda: next(readings)))
+    monkeypatch.setattr(loop, "run_watched", lambda *a, **k: pytest.fail("a trial started"))
+    monkeypatch.chdir(tmp_path)
+    code = main(["hpsearch", "--model.preset=tiny", "--model.vocab_size=512", "--trials", "3",
+                 "--max-minutes", "1", "--json", str(tmp_path / "hp.json")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "hpsearch: --max-minutes 1 reached after 0 of 3 trials" in err
+    assert "no trial completed (0 ran" in err.strip().splitlines()[-1]
+
+
+def test_hpsearch_max_minutes_must_be_positive(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from meshtron.cli import main
+
+    assert main(["hpsearch", "--model.preset=tiny", "--model.vocab_size=512",
+                 "--max-minutes", "-1"]) == 2
+    assert "--max-minutes must be a positive number of minutes, got -1" in \
+        capsys.readouterr().err

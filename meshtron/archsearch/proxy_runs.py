@@ -25,8 +25,6 @@ import json
 import math
 import shutil
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from meshtron.archsearch.scaling_law import Point
 from meshtron.archsearch.shapes import Shape, shape_config
 from meshtron.config import Config, ParallelConfig
 from meshtron.training.metrics import read_metrics
+from meshtron.tune.deadline import Deadline
 from meshtron.tune.trials import start_trial
 
 
@@ -62,21 +61,6 @@ runs start (measured from the README's example); the progress lines then use the
 finished proxies measured."""
 START_S = 15.0
 """A proxy run's start-up (the interpreter, torch, the data) beside its training."""
-
-
-class Deadline:
-    """``--max-minutes``: after it no proxy starts and a running one is stopped. The clock is
-    injected so a test passes the bound without waiting."""
-
-    def __init__(self, minutes: float | None, clock: Callable[[], float] | None = None):
-        self.minutes, self.clock = minutes, clock or time.monotonic
-        self.end = None if minutes is None else clock() + 60 * minutes
-
-    def left(self) -> float:
-        return float("inf") if self.end is None else self.end - self.clock()
-
-    def passed(self) -> bool:
-        return self.left() <= 0
 
 
 def proxy_cost(proxy: Proxy, tokens_per_step: int) -> float:
@@ -207,7 +191,7 @@ def run_proxies(cfg: Config, proxies: list[Proxy], folder: Path, nproc: int, poi
             run_cfg.save(config_path)
             say(f"{name}: {'extending' if extend else 'training'} {run_dir}")
             failure = start_trial(config_path, nproc, run_dir.with_suffix(".log"),
-                                  max(1.0, min(timeout_s, deadline.left())))
+                                  deadline.timeout(timeout_s))
         found: list[Point] = []
         if failure is None:
             found = points_of(run_dir, proxy, tokens_per_step, cfg.train.warmup_steps)

@@ -62,6 +62,9 @@ def add_hpsearch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                    "F.runs, else a temporary folder)")
     p.add_argument("--trial-timeout", type=float, default=3600.0,
                    help="seconds before a trial is stopped as failed (default 3600)")
+    p.add_argument("--max-minutes", type=float, metavar="M",
+                   help="wall-clock bound: no trial starts after M minutes (a running one is "
+                   "stopped) and the table holds the trials that finished")
     p.add_argument("--plot", help="write loss against the learning rate, per width, to a PNG")
     p.set_defaults(func=cmd_hpsearch)
     return p

@@ -60,6 +60,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                                ("--min-steps", args.min_steps, 1)):
         if value is not None and value < least:
             raise MeshtronError(f"{flag} must be at least {least}, got {value}")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise MeshtronError(f"--max-minutes must be a positive number of minutes, got "
+                            f"{args.max_minutes:g}")
     if args.trial_timeout <= 0:
         raise MeshtronError(f"--trial-timeout must be positive, got {args.trial_timeout}")
     for flag, path in (("--json", args.json), ("--output-config", args.output_config),

@@ -37,17 +37,21 @@ from meshtron.hpsearch.study import (
     tell,
 )
 from meshtron.hpsearch.watch import Outcome, Reporter, run_watched
+from meshtron.tune.deadline import Deadline
 
 
 class Search:
     """The studies of one search (one per width) and how to run their trials."""
 
     def __init__(self, runs: Sequence[WidthProxy], dims: Sequence[Dimension], trials: int,
-                 args: argparse.Namespace, grid: Mapping[str, Sequence[Any]] | None):
+                 args: argparse.Namespace, grid: Mapping[str, Sequence[Any]] | None,
+                 deadline: Deadline | None = None):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.runs, self.trials = list(runs), trials
         self.nproc, self.timeout_s = args.nproc, args.trial_timeout
         self.study_path = args.study
+        self.deadline = deadline or Deadline(getattr(args, "max_minutes", None))
+        """``--max-minutes``: no trial starts after it, a running one gets what is left."""
         t, factor = runs[0].base.train, args.reduction_factor
         settings = SearchSettings(args.sampler, args.pruner, args.seed, factor,
                                   args.min_steps or first_rung(t.steps, t.warmup_steps, factor),
@@ -76,6 +80,11 @@ class Search:
         driver, proxy = self.studies[0], self.runs[0]
         self._catch_up(folder)
         while len(done(driver)) < self.trials:
+            if self.deadline.passed():
+                print(f"hpsearch: --max-minutes {self.deadline.minutes:g} reached after "
+                      f"{len(done(driver))} of {self.trials} trials; the table holds what "
+                      "finished", file=sys.stderr, flush=True)
+                return
             trial = driver.ask(self.distributions)
             self._run(driver, proxy, trial, folder)
             for study, other in zip(self.studies[1:], self.runs[1:]):
@@ -136,7 +145,8 @@ class Search:
             batch = cfg.train.global_batch
             reporter = Reporter(trial, lambda step: proxy.units(step, batch))
             outcome = run_watched(config_path, run_dir, here / f"{trial.number}.log",
-                                  self.nproc, reporter, self.timeout_s)
+                                  self.nproc, reporter,
+                                  self.deadline.timeout(self.timeout_s))
             shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)  # no trial is resumed
         seconds = round(time.monotonic() - started, 2)
         for key, value in (("width", proxy.width), ("steps", outcome.steps),
