@@ -108,3 +108,28 @@ def test_hpsearch_max_minutes_must_be_positive(tmp_path, capsys, monkeypatch):
                  "--max-minutes", "-1"]) == 2
     assert "--max-minutes must be a positive number of minutes, got -1" in \
         capsys.readouterr().err
+
+
+def test_proxy_cost_is_sub_linear_in_the_budget():
+    from meshtron.archsearch.proxy_rounds import PROXY_REFERENCE_FLOPS, proxy_flops_of
+
+    small = proxy_flops_of(PROXY_REFERENCE_FLOPS, 0.25)
+    assert small == 0.25 * PROXY_REFERENCE_FLOPS == proxy_flops_of(
+        PROXY_REFERENCE_FLOPS / 2, 0.25) * 2  # a quarter of a small budget, as before
+    # 100x the budget buys proxies 10x as long
+    assert proxy_flops_of(100 * PROXY_REFERENCE_FLOPS, 0.25) == pytest.approx(10 * small)
+    assert proxy_flops_of(4e12, 0.25) < 4e12 * 0.25 / 6
+
+
+def test_a_proxys_steps_follow_the_sub_linear_budget():
+    from meshtron.archsearch.proxy_rounds import ProxySettings, proxy_flops_of, proxy_of
+    from meshtron.archsearch.shape_cost import budget_of
+
+    cfg = load_config(overrides=TINY)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    for flops in (1e10, 4e12):
+        proxy = proxy_of(cfg, ProxySettings(), budget_of(flops, None, None, "fp32"),
+                         PROXIES[1].shape, 1.0)
+        assert isinstance(proxy, proxy_runs.Proxy), proxy
+        assert proxy.steps == int(proxy_flops_of(flops, 0.25) / proxy.flops_per_token
+                                  // tokens)

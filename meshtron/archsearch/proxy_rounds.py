@@ -1,7 +1,8 @@
 """The law ``meshtron archsearch`` predicts with: given (``--law``), or fitted to proxy runs.
 
 Proxy runs are spent in two rounds. The first trains ``count`` shapes log-spaced in size, each
-on ``fraction`` of the budget (or ``steps`` steps), and fits the law to all of them. The law's
+on ``fraction`` of the budget up to 1e11 FLOPs and sub-linearly beyond (:func:`proxy_flops_of`;
+or ``steps`` steps), and fits the law to all of them. The law's
 predictions matter most where the choice is made, and its error is largest where it
 extrapolates furthest in tokens, so the second round (``refine``) trains the shapes the first
 law ranks best to twice as far (a proxy already among them is extended: at a constant learning
@@ -12,6 +13,7 @@ again to every point. A proxy that fails is reported and left out; too few left 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +97,8 @@ def proxy_of(cfg: Config, s: ProxySettings, budget: Budget, shape: Shape, scale:
     if s.steps is not None:
         steps = int(s.steps * scale)
     else:
-        steps = int(min(1.0, s.fraction * scale) * budget.flops / fpt
-                    // (cfg.train.global_batch * cfg.train.seq_len))
+        flops = min(budget.flops, proxy_flops_of(budget.flops, s.fraction) * scale)
+        steps = int(flops / fpt // (cfg.train.global_batch * cfg.train.seq_len))
     if steps < least_steps(cfg, s):
         return f"{shape.describe()}: {steps} steps"
     if steps > SANITY_LIMITS["train.steps"]:  # refused here, not by the proxy's own train
@@ -105,6 +107,20 @@ def proxy_of(cfg: Config, s: ProxySettings, budget: Budget, shape: Shape, scale:
                             f"({SANITY_LIMITS['train.steps']:.0e}); lower the budget, or give "
                             "--proxy-steps or --law")
     return Proxy(shape, sizes_of(model).law, steps, fpt)
+
+
+PROXY_REFERENCE_FLOPS = 1e11
+"""Up to this budget a first-round proxy trains on ``--proxy-fraction`` of it; beyond, on that
+fraction of the geometric mean of the budget and this."""
+
+
+def proxy_flops_of(budget_flops: float, fraction: float) -> float:
+    """What one first-round proxy trains on: sub-linear in the budget, since the proxies are
+    for the law's shape, not the budget (a 100x budget buys proxies 10x as long; the README's
+    4e12 example six times shorter proxies than a quarter of its budget)."""
+    if budget_flops <= PROXY_REFERENCE_FLOPS:
+        return fraction * budget_flops
+    return fraction * math.sqrt(budget_flops * PROXY_REFERENCE_FLOPS)
 
 
 def first_round(cfg: Config, s: ProxySettings, budget: Budget, space: ShapeSpace
