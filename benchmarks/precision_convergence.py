@@ -24,6 +24,7 @@ RECIPES = {
     "bf16": [],
     "fp8 blockwise": ["--precision.fp8=blockwise", "--precision.fp8_block=32"],
     "mxfp8": ["--precision.fp8=mxfp8"],
+    "mxfp8 e4m3 grads": ["--precision.fp8=mxfp8", "--precision.fp8_grad=e4m3"],
     "nvfp4": ["--precision.fp4=nvfp4"],
     "fp8 tensorwise": ["--precision.fp8=tensorwise"],
 }
