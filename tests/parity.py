@@ -26,10 +26,14 @@ and raise them together (:class:`Failures`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint.model_io import read_model_tensors
@@ -249,8 +253,7 @@ def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], ca
         key = tuple(model_overrides(layout))
         if key not in references:
             try:
-                references[key] = run_layout(test_overrides(cache_dir, f"{root}/ref{i}")
-                                             + list(key))
+                references[key] = reference_run(cache_dir, f"{root}/ref{i}", key)
             except Exception:  # noqa: BLE001 - each layout of this model reports it
                 references[key] = {"error": traceback.format_exc()}
         for rank, per_rank in enumerate(results):
@@ -258,3 +261,23 @@ def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], ca
             with failures.check(what):
                 assert_parity(references[key], per_rank[i], what, rtol_of(layout))
     failures.raise_any()
+
+
+def reference_run(cache_dir: str, run_dir: str, model: tuple[str, ...]) -> dict:
+    """:func:`run_layout` of one process for a model (its overrides), trained once per test
+    session: kept in the session's data cache, whose path is part of every run's overrides,
+    so each parity test of the same model (tp, dp, pp, cp, at every world size) compares with
+    the same run instead of training it again (4-7 CPU-s each). A run that raises is not
+    kept."""
+    overrides = test_overrides(cache_dir, "-") + list(model)
+    digest = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:20]
+    path = Path(cache_dir) / "parity-references" / f"{digest}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    result = run_layout(test_overrides(cache_dir, run_dir) + list(model))
+    path.parent.mkdir(exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(result, partial)
+    partial.replace(path)
+    return result
+
