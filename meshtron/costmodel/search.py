@@ -358,11 +358,17 @@ def plan_error(cfg: Config, c: Candidate, gpus: int) -> str | None:
     """Why the trainer's plan refuses the candidate, or None. The enumeration has checked the
     batch split already, so the plan is asked with the fewest micro-batches the schedule
     takes: every other check is the same, and building a schedule of hundreds of
-    micro-batches is not."""
+    micro-batches is not. Nor does any check read ``parallel.receives_ahead``, so an unset one
+    is not worked out."""
     fewest = 1 if c.pp == 1 else c.pp
     small = dataclasses.replace(cfg.train, global_batch=c.dp * c.micro_batch * fewest)
+    checked = apply(dataclasses.replace(cfg, train=small), c)
+    if checked.parallel.receives_ahead is None:  # no check reads it; finding the need
+        # simulates the schedule twice more
+        checked = dataclasses.replace(checked, parallel=dataclasses.replace(
+            checked.parallel, receives_ahead=0))
     try:
-        check_run(apply(dataclasses.replace(cfg, train=small), c), gpus)
+        check_run(checked, gpus)
     except MeshtronError as err:
         return str(err)
     return None
