@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshtron.data import IndexedDataset, open_source, preprocess, train_tokenizer
+from tests.distributed import run_python
 from tests.parity import test_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,8 +27,7 @@ _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 def meshtron(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in _JOB_VARIABLES and not k.startswith("SLURM_")}
-    return subprocess.run([sys.executable, "-m", "meshtron", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python(["-m", "meshtron", *args], cwd, env, timeout)
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, fragment: str) -> str:

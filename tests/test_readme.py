@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.distributed import run_python as forked_python
 from tests.readme_docs import DOCS_NOT_RUN, docs_commands, not_run_reason
 from tests.test_cli import _JOB_VARIABLES
 
@@ -110,11 +111,11 @@ def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
 
 
 def run_python(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python ARGS`` in ``cwd``, outside any launcher's job environment."""
+    """``python ARGS`` in ``cwd``, outside any launcher's job environment (forked from the
+    tests' fork server: the same interpreter start without re-importing torch each time)."""
     env = {k: v for k, v in os.environ.items()
            if k not in _JOB_VARIABLES and not k.startswith("SLURM_")}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return forked_python(args, cwd, env, timeout=600)
 
 
 COMMANDS = readme_commands((ROOT / "README.md").read_text())
