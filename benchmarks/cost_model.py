@@ -65,7 +65,8 @@ import harness
 
 from meshtron.config import Config, load_config
 from meshtron.costmodel.candidate import Candidate
-from meshtron.costmodel.estimate import Estimate, Estimator
+from meshtron.costmodel.estimate import Estimator
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.profiles import load_profile, profile_to_dict, save_profile
 from meshtron.costmodel.search import runnable
 from meshtron.tune.trials import Trial, error, run_trial

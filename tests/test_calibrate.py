@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from meshtron.costmodel.candidate import Candidate
-from meshtron.costmodel.estimate import Estimate
 from meshtron.costmodel.memory_model import MemoryEstimate
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.profiles import load_profile, save_profile
 from meshtron.errors import MeshtronError
 from meshtron.tune import calibrate, calibrate_command, copy_probe

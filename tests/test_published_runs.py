@@ -148,7 +148,8 @@ def test_a_group_with_several_ranks_per_node_leaves_through_as_many_cards():
 
 
 def estimator_for(name: str, **software):
-    from meshtron.costmodel.estimate import Estimator, Software
+    from meshtron.costmodel.estimate import Estimator
+    from meshtron.costmodel.priced import Software
 
     run = next(r for r in load_published_runs() if r.name == name)
     return run, Estimator(run.problem, Software(**software), run.pp_layers)

@@ -16,8 +16,9 @@ from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.costmodel import workload
 from meshtron.costmodel.candidate import Candidate
-from meshtron.costmodel.estimate import ActionCosts, Estimator, Problem, zb_v_order_costs
+from meshtron.costmodel.estimate import Estimator, Problem, zb_v_order_costs
 from meshtron.costmodel.memory_model import stage_params, state_bytes, with_vocab
+from meshtron.costmodel.priced import ActionCosts
 from meshtron.costmodel.profiles import load_profile
 from meshtron.costmodel.search import Pins, search
 from meshtron.models.flops import layer_size, model_size, training_flops_per_token

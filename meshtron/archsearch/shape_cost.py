@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from meshtron.archsearch.shapes import Shape, Sizes, shape_config, sizes_of
 from meshtron.config import Config, validate
 from meshtron.costmodel.candidate import Candidate
-from meshtron.costmodel.estimate import Estimate, Estimator
+from meshtron.costmodel.estimate import Estimator
 from meshtron.costmodel.memory_model import StageParams, state_bytes, with_vocab
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.problem import Cluster, Problem, problem_of
 from meshtron.costmodel.profiles import ClusterProfile, Link
 from meshtron.costmodel.search import Pins, search

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from meshtron.costmodel.candidate import Candidate
 from meshtron.costmodel.comms import collective_seconds, layout_groups, send_seconds
@@ -30,6 +29,7 @@ from meshtron.costmodel.memory_model import (
     state_bytes,
     transient_bytes,
 )
+from meshtron.costmodel.priced import ActionCosts, Estimate, Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.stages import ChunkShape, StageShape, representative_layers, stage_shapes
 from meshtron.costmodel.workload import LayerWork, head_work, layer_work, mtp_merge_work
@@ -49,72 +49,6 @@ product writes it, the scaled, masked softmax reads and writes it, dropout reads
 it with its mask, and the product with v reads it."""
 
 
-@dataclass(frozen=True)
-class Software:
-    """What the training software overlaps and fuses. The defaults are meshtron's own trainer;
-    published runs of other software (:mod:`meshtron.costmodel.published`) say theirs."""
-
-    grad_reduce_overlap: bool = True
-    """The data-parallel reduction starts during the last backward (bucketed)."""
-    param_gather_overlap: bool = False
-    """ZeRO 1/2's gather of updated parameters runs behind the next step's first forward
-    (Megatron's ``--overlap-param-gather``); meshtron gathers after the optimizer step."""
-    fused_attention: bool = True
-    """A fused (flash) attention core; else the score matrices are products and memory-bound
-    softmax and dropout passes (Megatron-LM before 2022)."""
-    attention_efficiency: float | None = None
-    """The fused core's fraction of peak where the software's kernel differs from the one the
-    profile assumes (PyTorch's SDPA runs FlashAttention-2 on an H100, below cuDNN's and
-    FlashAttention-3's rate); None: the profile's."""
-
-
-@dataclass
-class Estimate:
-    candidate: Candidate
-    step_time_s: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
-    memory: MemoryEstimate
-    fits: bool
-    bottleneck: str
-    breakdown: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by cause: compute, bubble, tp/cp/ep/pp communication that the
-    pipeline waits for, exposed dp communication, the optimizer, fixed overhead."""
-
-    @property
-    def memory_per_gpu_bytes(self) -> int:
-        return int(self.memory.peak)
-
-    def row(self) -> dict:
-        """The JSON entry of the contract."""
-        c = self.candidate
-        return {"tp": c.tp, "cp": c.cp, "pp": c.pp, "vpp": c.vpp, "schedule": c.schedule,
-                "ep": c.ep, "etp": c.etp, "dp": c.dp, "zero": c.zero, "sp": c.sp,
-                "micro_batch": c.micro_batch, "recompute": c.recompute,
-                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
-                "memory_per_gpu_bytes": self.memory_per_gpu_bytes, "fits": self.fits,
-                "bottleneck": self.bottleneck,
-                "breakdown_s": {k: round(v, 9) for k, v in self.breakdown.items()}}
-
-
-@dataclass(frozen=True)
-class ActionCosts:
-    """Seconds of one chunk's actions for one micro-batch, and the communication inside."""
-
-    forward: float
-    backward: float
-    """The input-gradient backward (with a whole backward, ``backward + weight``)."""
-    weight: float
-    """The weight gradients, which zb-h1 defers to their own action."""
-    communication: float
-
-    @property
-    def total(self) -> float:
-        return self.forward + self.backward + self.weight
-
-
 def zb_v_order_costs(c: Candidate, shapes: list[StageShape],
                      costs: dict[ChunkShape, ActionCosts]) -> list[tuple[float, float, float]]:
     """Each virtual stage's (F, B, W) seconds, which zb-v's order is made for (the plan,
@@ -132,10 +66,10 @@ class Estimator:
     """Prices candidates of one problem, caching what candidates share (partitions and stage
     shapes, layer costs, stage parameters)."""
 
-    def __init__(self, problem: Problem, software: Software = Software(),
+    def __init__(self, problem: Problem, software: Software | None = None,
                  pp_layers: tuple[float, ...] | None = None):
         self.problem = problem
-        self.software = software
+        self.software = software or Software()  # None: meshtron's own trainer
         self.pp_layers = pp_layers
         """An explicit layer split (``parallel.pp_layers``) for the pipelines of its length."""
         self.dense_layer, self.moe_layer = representative_layers(problem.model)

@@ -21,7 +21,7 @@ import yaml
 from meshtron.config import ModelConfig
 from meshtron.config.sections import FP8_RECIPES
 from meshtron.costmodel.candidate import Candidate
-from meshtron.costmodel.estimate import Software
+from meshtron.costmodel.priced import Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.profiles import builtin_profiles
 from meshtron.errors import MeshtronError

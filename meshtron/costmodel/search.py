@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 from meshtron.config import Config
 from meshtron.costmodel.candidate import Candidate, Pins
-from meshtron.costmodel.estimate import Estimate, Estimator, Problem
+from meshtron.costmodel.estimate import Estimator, Problem
 from meshtron.costmodel.memory_model import state_bytes
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.refusals import check_layout_free, divisibility_refusal, plan_refusal
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import padded_vocab_size

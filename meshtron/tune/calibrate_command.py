@@ -46,9 +46,10 @@ from types import MappingProxyType
 import torch.distributed as dist
 
 from meshtron.config import Config, load_config
-from meshtron.costmodel.estimate import Estimate, Estimator
+from meshtron.costmodel.estimate import Estimator
 from meshtron.costmodel.memory_model import MemoryEstimate
 from meshtron.costmodel.online import candidate_of
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.problem import Cluster, problem_of
 from meshtron.costmodel.profiles import ClusterProfile, load_profile, save_profile
 from meshtron.errors import MeshtronError

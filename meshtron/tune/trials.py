@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtron.config import Config
-from meshtron.costmodel.estimate import Estimate
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.profiles import ClusterProfile, builtin_profiles, load_profile, save_profile
 from meshtron.costmodel.search import apply
 from meshtron.data.cache import scratch as scratch_dir

@@ -20,7 +20,7 @@ import yaml
 
 from meshtron.config import Config, load_config, parse_override
 from meshtron.costmodel.against_published import plan_confidence
-from meshtron.costmodel.estimate import Estimate
+from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.problem import Cluster, Problem, problem_of
 from meshtron.costmodel.profiles import load_profile
 from meshtron.costmodel.search import Pins, SearchResult, apply, search
