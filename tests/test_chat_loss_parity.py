@@ -104,6 +104,7 @@ def test_a_chat_run_logs_its_answer_tokens_and_keeps_its_template(chat_files, da
     moved checkpoint still serves /v1/chat/completions."""
     import json
 
+    from meshtron.checkpoint.loading import open_for_inference
     from meshtron.data.chat_template import find_chat_template
 
     overrides = chat_overrides(data_cache, str(tmp_path / "run"), chat_files)
@@ -115,3 +116,5 @@ def test_a_chat_run_logs_its_answer_tokens_and_keeps_its_template(chat_files, da
     assert tokens and all(0 < t < window / 2 for t in tokens), tokens
     saved = find_chat_template(result.checkpoint / "tokenizer.json")
     assert saved.source == find_chat_template(Path(chat_files[1])).source
+    opened = open_for_inference(result.checkpoint)  # what generate and serve read
+    assert {"tokenizer_config.json", "tokenizer.json"} <= set(opened.manifest["files"])

@@ -24,7 +24,10 @@ READ_FORMATS = (2, 3)
 """Format 3 records XXH3-128 checksums; format 2 (sha256) is still read."""
 MANIFEST = "meta.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-READABLE_FILES = re.compile(r"^(shard-\d{5}\.(safetensors|json)|tokenizer\.json)$")
+READABLE_FILES = re.compile(
+    r"^(shard-\d{5}\.(safetensors|json)|tokenizer\.json|tokenizer_config\.json|chat_template\.jinja)$")
+"""The files a checkpoint may list: shards, and the tokenizer with its config and chat template
+(text read as JSON or rendered in jinja2's sandbox; never a pickled format)."""
 MAX_STEP = 10**12
 
 
@@ -61,8 +64,9 @@ def _check_files(path: Path, manifest: dict[str, Any]) -> None:
             raise MeshtronError(f"checkpoint {path} names a file outside itself: {filename!r}")
         if not READABLE_FILES.match(filename):
             raise MeshtronError(
-                f"checkpoint {path} lists {filename!r}: only shard-NNNNN.safetensors/.json and "
-                "tokenizer.json are read (never pickled formats)")
+                f"checkpoint {path} lists {filename!r}: only shard-NNNNN.safetensors/.json, "
+                "tokenizer.json, tokenizer_config.json and chat_template.jinja are read (never "
+                "pickled formats)")
         if not isinstance(digest, str) or not DIGEST.match(digest):
             raise MeshtronError(f"checkpoint {path}: the checksum of {filename} is neither an "
                                 "xxh3-128 nor a sha256 digest")
