@@ -129,6 +129,7 @@ def clone(tmp_path_factory) -> tuple[Path, Path]:
     cwd = root / "clone"
     cwd.mkdir()
     shutil.copytree(ROOT / "configs", cwd / "configs")
+    shutil.copytree(ROOT / "docs" / "examples", cwd / "docs" / "examples")
     return cwd, root / "cache"
 
 
