@@ -14,9 +14,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	@echo "setup: installing meshtron and its Python packages (tokenizers, metaworld/mujoco, pytest, ...)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	@echo "setup: installing torch (CPU build) unless the environment has one, then meshtron and its Python packages (tokenizers, metaworld/mujoco, pytest, ...): a few minutes, pip shows each download"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test]"
 	# headless rendering for Meta-World (MuJoCo on Mesa's EGL): the system libraries when
 	# missing, through apt when root; otherwise a note says what to install
 	@if ! ldconfig -p 2>/dev/null | grep -q libEGL_mesa; then \
