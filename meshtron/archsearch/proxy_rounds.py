@@ -94,16 +94,20 @@ def proxy_of(cfg: Config, s: ProxySettings, budget: Budget, shape: Shape, scale:
         return f"{shape.describe()}: {err}"
     model = with_vocab(run.model, run.data.vocab_size)
     fpt = training_flops_per_token(model, cfg.train.seq_len)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
     if s.steps is not None:
-        steps = int(s.steps * scale)
+        steps = at_scale = int(s.steps * scale)
     else:
         flops = min(budget.flops, proxy_flops_of(budget.flops, s.fraction) * scale)
-        steps = int(flops / fpt // (cfg.train.global_batch * cfg.train.seq_len))
+        steps = int(flops / fpt // tokens)
+        # the proxies grow sub-linearly, so an absurd budget is judged at its own scale: the
+        # share of it a proxy would have trained on were it linear
+        at_scale = int(min(budget.flops, s.fraction * budget.flops * scale) / fpt // tokens)
     if steps < least_steps(cfg, s):
         return f"{shape.describe()}: {steps} steps"
-    if steps > SANITY_LIMITS["train.steps"]:  # refused here, not by the proxy's own train
-        raise MeshtronError(f"the budget ({budget.describe()}) gives the proxy {shape.describe()}"
-                            f" {steps:.3g} steps, more than a run may have "
+    if max(steps, at_scale) > SANITY_LIMITS["train.steps"]:  # before any proxy trains
+        raise MeshtronError(f"the budget ({budget.describe()}) is {at_scale:.3g} steps of "
+                            f"{shape.describe()} at its scale, more than a run may have "
                             f"({SANITY_LIMITS['train.steps']:.0e}); lower the budget, or give "
                             "--proxy-steps or --law")
     return Proxy(shape, sizes_of(model).law, steps, fpt)
