@@ -42,6 +42,9 @@ from meshtron.inference.completion_api import (
 from meshtron.inference.engine import Engine, EngineClosed, Job, Progress
 from meshtron.models.generation import Sampling
 
+Prepared = tuple[CompletionRequest, list[list[int]]]
+"""A request checked and its prompts tokenised (done off the event loop)."""
+
 Event = tuple[int, Progress | BaseException]
 """A report for prompt ``index`` of a request."""
 
@@ -76,7 +79,7 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
 
     limits = Limits.of(engine.max_len, longest_token_bytes(tokenizer))
 
-    def prepare(body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    def prepare(body: bytes) -> Prepared:
         """The checked request and its tokens (run in a worker thread)."""
         req = parse_request(body, defaults)
         limits.check_prompts(req.prompts)
@@ -98,16 +101,25 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
                            reporter(i)) for i, tokens in enumerate(encoded)])
         return events
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def accept(request: Request, prepare_body: Callable[[bytes], Prepared]
+                     ) -> tuple[CompletionRequest, list[list[int]], asyncio.Queue[Event]] \
+            | JSONResponse:
+        """The request read, prepared off the event loop and submitted; or its error reply."""
         try:
             body = await read_body(request, limits)
-            req, encoded = await asyncio.to_thread(prepare, body)
-            events = submit(req, encoded)
+            req, encoded = await asyncio.to_thread(prepare_body, body)
+            return req, encoded, submit(req, encoded)
         except RequestError as err:
             return JSONResponse(error_body(err), err.status)
         except EngineClosed as err:
             return JSONResponse(error_body(RequestError(str(err), status=503)), 503)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        accepted = await accept(request, prepare)
+        if isinstance(accepted, JSONResponse):
+            return accepted
+        req, encoded, events = accepted
         reply = Reply.new(model_name)
         prompt_tokens = sum(len(tokens) for tokens in encoded)
         if req.stream:
@@ -116,7 +128,7 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(reply, len(encoded), events, prompt_tokens)
 
-    def prepare_chat(body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    def prepare_chat(body: bytes) -> Prepared:
         """The checked chat request, its messages rendered, and its tokens (a worker thread)."""
         req = parse_chat_request(body, chat_template, defaults)
         limits.check_prompts(req.prompts)
@@ -126,14 +138,10 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits)
-            req, encoded = await asyncio.to_thread(prepare_chat, body)
-            events = submit(req, encoded)
-        except RequestError as err:
-            return JSONResponse(error_body(err), err.status)
-        except EngineClosed as err:
-            return JSONResponse(error_body(RequestError(str(err), status=503)), 503)
+        accepted = await accept(request, prepare_chat)
+        if isinstance(accepted, JSONResponse):
+            return accepted
+        req, encoded, events = accepted
         reply, prompt_tokens = ChatReply.new(model_name), len(encoded[0])
         if req.stream:
             return StreamingResponse(_chat_stream(reply, req, events, prompt_tokens),
