@@ -79,9 +79,10 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
 
     limits = Limits.of(engine.max_len, longest_token_bytes(tokenizer))
 
-    def prepare(body: bytes) -> Prepared:
-        """The checked request and its tokens (run in a worker thread)."""
-        req = parse_request(body, defaults)
+    def prepare(body: bytes, parse: Callable[[bytes], CompletionRequest]) -> Prepared:
+        """The request ``parse`` reads from ``body``, checked, and its tokens (run in a worker
+        thread)."""
+        req = parse(body)
         limits.check_prompts(req.prompts)
         encoded = [tokenizer.encode(p) for p in req.prompts]
         check_fits(encoded, req.max_tokens, engine.max_len)
@@ -101,13 +102,13 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
                            reporter(i)) for i, tokens in enumerate(encoded)])
         return events
 
-    async def accept(request: Request, prepare_body: Callable[[bytes], Prepared]
+    async def accept(request: Request, parse: Callable[[bytes], CompletionRequest]
                      ) -> tuple[CompletionRequest, list[list[int]], asyncio.Queue[Event]] \
             | JSONResponse:
         """The request read, prepared off the event loop and submitted; or its error reply."""
         try:
             body = await read_body(request, limits)
-            req, encoded = await asyncio.to_thread(prepare_body, body)
+            req, encoded = await asyncio.to_thread(prepare, body, parse)
             return req, encoded, submit(req, encoded)
         except RequestError as err:
             return JSONResponse(error_body(err), err.status)
@@ -116,7 +117,7 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        accepted = await accept(request, prepare)
+        accepted = await accept(request, lambda body: parse_request(body, defaults))
         if isinstance(accepted, JSONResponse):
             return accepted
         req, encoded, events = accepted
@@ -128,17 +129,10 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str,
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(reply, len(encoded), events, prompt_tokens)
 
-    def prepare_chat(body: bytes) -> Prepared:
-        """The checked chat request, its messages rendered, and its tokens (a worker thread)."""
-        req = parse_chat_request(body, chat_template, defaults)
-        limits.check_prompts(req.prompts)
-        encoded = [tokenizer.encode(p) for p in req.prompts]
-        check_fits(encoded, req.max_tokens, engine.max_len)
-        return req, encoded
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        accepted = await accept(request, prepare_chat)
+        accepted = await accept(  # its messages rendered with the model's template
+            request, lambda body: parse_chat_request(body, chat_template, defaults))
         if isinstance(accepted, JSONResponse):
             return accepted
         req, encoded, events = accepted
