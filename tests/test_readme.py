@@ -32,6 +32,9 @@ from tests.distributed import run_python as forked_python
 from tests.readme_docs import DOCS_NOT_RUN, docs_commands, not_run_reason
 from tests.test_cli import _JOB_VARIABLES
 
+pytestmark = pytest.mark.xdist_group("readme")
+"""The commands run in order in one working directory: under ``pytest -n`` they stay on one worker."""
+
 ROOT = Path(__file__).resolve().parent.parent
 SCALED = ("--train.steps", "--checkpoint.every", "--checkpoint.resume_from",
           "--train.eval_every", "--train.log_every")
