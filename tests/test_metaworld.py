@@ -140,15 +140,16 @@ class ExpertTwinActor:
     def __init__(self, scripts: list[tuple[str, int, str]], max_steps: int):
         self.scripts = scripts
         self.twin = MetaWorldEnv(TWO, image_size=16, max_steps=max_steps)
-        self.index, self.steps, self.image = -1, 0, None
+        self.index, self.steps, self.image, self.state = -1, 0, None, None
 
-    def __call__(self, images, instructions):
+    def __call__(self, images, instructions, states):
         if self.image is None:
             self.index += 1
             task, seed, _ = self.scripts[self.index]
-            self.image = self.twin.reset(seed=seed, options={"task": task})[0]["image"]
-            self.steps = 0
+            obs = self.twin.reset(seed=seed, options={"task": task})[0]
+            self.image, self.state, self.steps = obs["image"], obs["state"], 0
         assert len(images) == 1 and np.array_equal(self.image, images[0])
+        assert np.array_equal(self.state, states[0])  # the policy is handed the state
         kind = self.scripts[self.index][2]
         action = self.twin.expert_action()
         if kind == "still":
@@ -158,6 +159,7 @@ class ExpertTwinActor:
         obs, _, terminated, truncated, _ = self.twin.step(action)
         self.steps += 1
         self.image = None if terminated or truncated else obs["image"]
+        self.state = obs["state"]
         return action[None, None, :]
 
 
@@ -244,17 +246,41 @@ def test_a_policy_trains_on_metaworld_frames_and_is_evaluated_per_task(mw_demos,
 
 @pytest.mark.slow
 def test_training_on_metaworld_frames_keeps_parity_under_tp_sp(mw_demos, tmp_path):
-    """The VLA parity machinery on Meta-World's 4-D actions: tp=2 with sp against one process
-    (per-step loss and grad norm, fp32 at 1e-4 and fp64 at 1e-9)."""
+    """The VLA parity machinery on Meta-World's 4-D actions and its proprioceptive state (the
+    state token placed before the actions, its encoder replicated over tp): tp=2 with sp
+    against one process (per-step loss and grad norm, fp32 at 1e-4 and fp64 at 1e-9)."""
     from tests.distributed import run_distributed
     from tests.parity import assert_parity
 
     cache = str(tmp_path / "cache")
     extra = [f"--model.vision.env={TWO}", "--model.vision.action_dims=4",
-             "--model.vision.instruction_len=10"]  # a window of 30: sp splits it over tp=2
+             "--model.vision.state_dims=4",
+             "--model.vision.instruction_len=9"]  # a window of 30: sp splits it over tp=2
     layouts = [["--parallel.tp=2", "--parallel.sp=true", *extra]]
     results = run_distributed(_vla_layouts, 2, mw_demos, cache, str(tmp_path), layouts)
     reference = run_layout(vla_overrides(mw_demos, cache, str(tmp_path / "ref")) + extra)
     assert reference["loss"][-1] < reference["loss"][0]
     for rank, per_rank in enumerate(results):
         assert_parity(reference, per_rank[0], f"tp=2 sp (rank {rank})")
+
+
+@pytest.mark.slow
+def test_states_of_a_set_written_without_them_are_recovered_by_replay(mw_demos, tmp_path):
+    """Demonstrations record the hand's x, y, z and gripper opening per frame; a set written
+    before they were (the same episodes, no states) gets exactly those back by replaying its
+    episodes without rendering, and a replay that departs from the recording is refused."""
+    from meshtron.data.episodes import Episode, write_episodes
+    from meshtron.data.metaworld_states import add_states
+
+    dataset = EpisodeDataset.open(mw_demos)
+    assert dataset.state_dims == 4 and dataset.states is not None
+    bare = [Episode(e.images, e.actions, e.instruction, e.seed, e.success)
+            for e in map(dataset.__getitem__, range(len(dataset)))]
+    old = write_episodes(tmp_path / "old", bare, env=dataset.env, words=dataset.words)
+    assert EpisodeDataset.open(old).state_dims == 0
+    add_states(old, TWO, 5, log=lambda m: None)
+    assert np.array_equal(EpisodeDataset.open(old).states, dataset.states)
+    bare[0].actions[3, 0] += 0.01
+    write_episodes(tmp_path / "bent", bare, env=dataset.env, words=dataset.words)
+    with pytest.raises(MeshtronError, match="departs from the recording at step 3"):
+        add_states(tmp_path / "bent", TWO, 5, log=lambda m: None)

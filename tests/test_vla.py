@@ -218,7 +218,7 @@ class ScriptedActor:
             self.twins.append([env, env.reset(seed=EVAL_SEED_BASE + i)[0]["image"]])
         self.running = list(range(len(scripts)))
 
-    def __call__(self, images, instructions):
+    def __call__(self, images, instructions, states=None):
         assert len(images) == len(self.running)
         actions, still = [], []
         for i, image in zip(self.running, images, strict=True):

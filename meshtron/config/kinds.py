@@ -10,7 +10,7 @@ in each registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshtron.config.sections import ModelConfig
 
@@ -20,6 +20,9 @@ VLA = "vla"
 """A vision-language-action policy: a camera frame, an instruction and action tokens."""
 VISION = "vision"
 """The input name of a vision-language-action policy's camera frames (uint8 [b, H, W, C])."""
+STATE = "state"
+"""The input name of a policy's proprioceptive state (float [b, model.vision.state_dims]), read
+only when ``model.vision.state_dims`` is set."""
 
 
 @dataclass(frozen=True)
@@ -41,5 +44,10 @@ KINDS: dict[str, ModelKind] = {
 
 
 def model_kind(model: ModelConfig) -> ModelKind:
-    """The kind of ``model`` (one of :data:`KINDS`)."""
-    return KINDS[VLA if model.vision.enabled else TEXT]
+    """The kind of ``model`` (one of :data:`KINDS`; a policy that reads the proprioceptive
+    state is the ``vla`` kind with that input too, so the registries keyed by the kind's name
+    serve it)."""
+    kind = KINDS[VLA if model.vision.enabled else TEXT]
+    if model.vision.state_tokens:
+        kind = replace(kind, inputs=(*kind.inputs, STATE))
+    return kind

@@ -52,6 +52,11 @@ class VisionConfig:
     instruction_keypoints: int | None = None
     """Keypoint maps of the readout token queried by the instruction's words, beside the
     ``keypoints`` fixed ones: they can point at the block the instruction names."""
+    state_dims: int | None = None
+    """Entries of the environment's proprioceptive state the policy reads (Meta-World: 4, the
+    hand's x, y, z and the gripper's opening); 0: none. The state is projected into one token
+    right before the actions (after the readout token), as SmolVLA and LeRobot's policies
+    feed the robot's state beside the image and the instruction."""
     env: str | None = None
     """The environment the policy acts in (``tabletop``, ``metaworld-mt10``,
     ``metaworld:<task>``): its demonstrations are the default data and its action space must
@@ -80,6 +85,16 @@ class VisionConfig:
         return 1 if self.enabled and (self.keypoints or self.instruction_keypoints) else 0
 
     @property
+    def state_tokens(self) -> int:
+        """Proprioceptive state tokens per observation: 1 when ``state_dims``, else 0."""
+        return 1 if self.enabled and self.state_dims else 0
+
+    @property
+    def state_token_positions(self) -> list[int]:
+        """Where the state token goes: after the readout token, right before the actions."""
+        return [self.num_patches + self.instruction_len + self.readout_tokens] * self.state_tokens
+
+    @property
     def image_token_positions(self) -> list[int]:
         """Where the encoder's tokens go in the window: the patches first (0 .. patches - 1),
         the readout token right after the instruction, before the actions."""
@@ -89,9 +104,10 @@ class VisionConfig:
     @property
     def seq_len(self) -> int:
         """The decoder's input length per observation: image patches, instruction tokens, the
-        readout token and the action tokens but the last (which is only predicted)."""
+        readout token, the state token and the action tokens but the last (which is only
+        predicted)."""
         return (self.num_patches + self.instruction_len + self.readout_tokens
-                + self.action_tokens - 1)
+                + self.state_tokens + self.action_tokens - 1)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -116,7 +132,7 @@ def check_vision(v: VisionConfig) -> None:
     if v.hidden_size % v.num_heads:
         raise MeshtronError(f"model.vision.hidden_size={v.hidden_size} is not divisible by "
                             f"model.vision.num_heads={v.num_heads}")
-    for name in ("keypoints", "instruction_keypoints"):
+    for name in ("keypoints", "instruction_keypoints", "state_dims"):
         if getattr(v, name) < 0:
             raise MeshtronError(f"model.vision.{name} must not be negative, got "
                                 f"{getattr(v, name)}")
@@ -130,6 +146,9 @@ def check_vision(v: VisionConfig) -> None:
     if spec.action_dims != v.action_dims:
         raise MeshtronError(f"model.vision.env={v.env} acts with {spec.action_dims}-dimensional "
                             f"actions, but model.vision.action_dims={v.action_dims}")
+    if v.state_dims > spec.state_dims:
+        raise MeshtronError(f"model.vision.env={v.env} observes a {spec.state_dims}-entry state, "
+                            f"but model.vision.state_dims={v.state_dims}")
     ranges = (v.action_low, v.action_high)
     if (ranges[0] is None) != (ranges[1] is None):
         raise MeshtronError("model.vision.action_low and action_high are set together (or "
@@ -148,5 +167,5 @@ def check_vision(v: VisionConfig) -> None:
 VISION_DEFAULTS: dict[str, Any] = dict(
     image_size=0, patch_size=8, channels=3, hidden_size=128, num_layers=2, num_heads=4,
     ffn_hidden_size=512, norm_eps=1e-6, action_dims=3, action_bins=256, action_chunk=1,
-    instruction_len=11, keypoints=16, instruction_keypoints=4, env="tabletop",
+    instruction_len=11, keypoints=16, instruction_keypoints=4, state_dims=0, env="tabletop",
 )

@@ -65,7 +65,7 @@ def build_run_data(cfg: Config, log: Log = print) -> RunData:
 
 ROW_FORMATS: dict[str, Callable[[ModelConfig], Any]] = {
     TEXT: lambda model: None,
-    VLA: lambda model: ObservationRows(model.vision.image_shape),
+    VLA: lambda model: ObservationRows(model.vision.image_shape, model.vision.state_dims),
 }
 """Per model kind, how its batch rows carry more than a token window (None: they do not)."""
 

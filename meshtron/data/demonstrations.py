@@ -93,9 +93,11 @@ def generate_demonstrations(episodes: int, seed: int, image_size: int, output: s
 
 def default_demonstrations(cache_dir: str | Path, episodes: int, seed: int, image_size: int,
                            log: Callable[[str], object] = print,
-                           env: str = DEFAULT_ENV) -> Path:
+                           env: str = DEFAULT_ENV, states: bool = False) -> Path:
     """The path of the cached demonstration set for these arguments, generated on first use
-    at ``<cache_dir>/demonstrations/<key>/episodes``."""
+    at ``<cache_dir>/demonstrations/<key>/episodes``; with ``states``, a Meta-World set cached
+    before states were recorded gets them by replay (:mod:`.metaworld_states`, minutes
+    instead of the set's regeneration)."""
     parts = [] if env == DEFAULT_ENV else [env, dataset_env_id(env)]
     key = cache.content_key("demonstrations", str(DEMO_VERSION), ENV_NAME, str(episodes),
                             str(seed), str(image_size), str(MOTION_NOISE), *parts)
@@ -106,5 +108,10 @@ def default_demonstrations(cache_dir: str | Path, episodes: int, seed: int, imag
             dataset = EpisodeDataset.open(path)
         except MeshtronError:
             return generate_demonstrations(episodes, seed, image_size, path, log, env=env)
+        if states and not dataset.state_dims and env != DEFAULT_ENV:
+            from meshtron.data.metaworld_states import add_states
+
+            log(f"vla-data: the cached set at {path} predates recorded states; replaying it")
+            return add_states(path, env, seed, log)
     log(f"vla-data: cached {len(dataset)} expert episodes at {path}")
     return path

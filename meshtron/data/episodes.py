@@ -3,12 +3,13 @@
 A dataset is a directory::
 
     episodes.json            the index (below), checked before any shard is read
-    shard-00000.safetensors  images uint8 [T, H, W, 3], actions float32 [T, A] and
-    shard-00001.safetensors  offsets int64 [E + 1]: frames of E episodes back to back
-    ...
+    shard-00000.safetensors  images uint8 [T, H, W, 3], actions float32 [T, A], offsets
+    shard-00001.safetensors  int64 [E + 1] and, with a state, states float32 [T, D]: frames
+    ...                      of E episodes back to back
 
 The index holds ``format`` and ``version``; ``env`` (the task's name and version);
-``image_size``; ``action_dims``; ``action_low`` / ``action_high`` (per dimension, over the
+``image_size``; ``action_dims``; ``state_dims`` (the proprioceptive state's entries per
+frame, 0 or absent: none recorded); ``action_low`` / ``action_high`` (per dimension, over the
 data); ``words`` (the task's fixed instruction vocabulary, to build a tokenizer from);
 ``num_episodes`` and ``num_frames``; ``shards`` (file, episodes, frames each); and
 ``episodes``: per episode its ``instruction``, ``length``, ``seed``, ``success``, ``shard`` and
@@ -58,6 +59,9 @@ class Episode:
     seed: int | None = None
     """The environment seed that replays it; held-out evaluation seeds avoid these."""
     success: bool = True
+    states: np.ndarray | None = None
+    """float32 [T, D]: the proprioceptive state of each frame (Meta-World's hand position and
+    gripper opening), or None when not recorded."""
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -88,6 +92,7 @@ class EpisodeWriter:
         self._entries: list[dict[str, Any]] = []
         self._shards: list[dict[str, Any]] = []
         self._shape: tuple[int, ...] | None = None
+        self._state_dims: int | None = None
         self._low: np.ndarray | None = None
         self._high: np.ndarray | None = None
 
@@ -103,6 +108,7 @@ class EpisodeWriter:
         if self._shape is not None and shape != self._shape:
             raise MeshtronError(f"episode shapes differ: {shape} after {self._shape}")
         self._shape = shape
+        self._check_states(episode)
         low, high = actions.min(axis=0), actions.max(axis=0)
         self._low = low if self._low is None else np.minimum(self._low, low)
         self._high = high if self._high is None else np.maximum(self._high, high)
@@ -110,6 +116,19 @@ class EpisodeWriter:
         self._pending_frames += len(episode)
         if self._pending_frames >= self.frames_per_shard:
             self._flush()
+
+    def _check_states(self, episode: Episode) -> None:
+        """Every episode of a dataset records a state of one width, or none does."""
+        states = episode.states
+        dims = 0 if states is None else int(states.shape[-1]) if states.ndim == 2 else -1
+        if states is not None and (states.dtype != np.float32 or dims <= 0
+                                   or len(states) != len(episode)):
+            raise MeshtronError(f"an episode's states must be float32 [T, D] with T = "
+                                f"{len(episode)}, got {states.dtype} {list(states.shape)}")
+        if self._state_dims is not None and dims != self._state_dims:
+            raise MeshtronError(f"episodes record states of {dims} entries after "
+                                f"{self._state_dims} (0: none)")
+        self._state_dims = dims
 
     def close(self) -> Path:
         """Write the last shard and the index, then move the dataset into place."""
@@ -121,6 +140,7 @@ class EpisodeWriter:
         index = {
             "format": FORMAT, "version": VERSION, "env": self.env,
             "image_size": int(image_shape[0]), "action_dims": int(action_shape[0]),
+            "state_dims": self._state_dims or 0,
             "action_low": [float(v) for v in self._low],
             "action_high": [float(v) for v in self._high], "words": self.words,
             "num_episodes": len(self._entries),
@@ -154,6 +174,8 @@ class EpisodeWriter:
         tensors = {"images": np.concatenate([e.images for e in episodes]),
                    "actions": np.concatenate([e.actions for e in episodes]),
                    "offsets": offsets}
+        if self._state_dims:
+            tensors["states"] = np.concatenate([e.states for e in episodes])
         try:
             save_file(tensors, self.tmp_dir / shard_name(number), metadata={"format": FORMAT})
         except (OSError, SafetensorError) as err:
@@ -199,10 +221,12 @@ class EpisodeDataset:
     """A dataset read back whole: every frame as one array, episodes as slices of it."""
 
     def __init__(self, path: Path, index: dict[str, Any], images: np.ndarray,
-                 actions: np.ndarray) -> None:
+                 actions: np.ndarray, states: np.ndarray | None = None) -> None:
         self.path, self.index = path, index
-        self.images, self.actions = images, actions
-        """All frames of all episodes in index order: uint8 [N, H, W, 3], float32 [N, A]."""
+        self.images, self.actions, self.states = images, actions, states
+        """All frames of all episodes in index order: uint8 [N, H, W, 3], float32 [N, A] and
+        float32 [N, D] (None: the dataset records no state)."""
+        self.state_dims = 0 if states is None else int(states.shape[1])
         lengths = np.array([e["length"] for e in index["episodes"]], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.lengths = lengths
@@ -227,13 +251,15 @@ class EpisodeDataset:
         order = [(e["shard"], e["offset"]) for e in index["episodes"]]
         if order != sorted(order):
             raise MeshtronError(f"{path / INDEX} lists episodes out of shard order")
-        images, actions = [], []
+        images, actions, states = [], [], []
         for number, shard in enumerate(index["shards"]):
             entries = [e for e in index["episodes"] if e["shard"] == number]
-            shard_images, shard_actions = _read_shard(path, shard, entries, index)
-            images.append(shard_images)
-            actions.append(shard_actions)
-        return cls(path, index, np.concatenate(images), np.concatenate(actions))
+            tensors = _read_shard(path, shard, entries, index)
+            images.append(tensors["images"])
+            actions.append(tensors["actions"])
+            states.append(tensors.get("states"))
+        return cls(path, index, np.concatenate(images), np.concatenate(actions),
+                   np.concatenate(states) if index.get("state_dims") else None)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -244,7 +270,8 @@ class EpisodeDataset:
         entry = self.index["episodes"][i]
         frames = slice(int(self.starts[i]), int(self.starts[i] + self.lengths[i]))
         return Episode(self.images[frames], self.actions[frames], entry["instruction"],
-                       entry["seed"], entry["success"])
+                       entry["seed"], entry["success"],
+                       None if self.states is None else self.states[frames])
 
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -281,6 +308,10 @@ def read_index(path: Path) -> dict[str, Any]:
             raise MeshtronError(f"{file} has an episode of length {entry['length']} at offset "
                                 f"{entry['offset']}")
     dims = index["action_dims"]
+    state_dims = index.setdefault("state_dims", 0)  # absent in sets written before states
+    if not isinstance(state_dims, int) or isinstance(state_dims, bool) or state_dims < 0:
+        raise MeshtronError(f"{file} is not a valid episode index: state_dims is "
+                            f"{state_dims!r}, not a count")
     if len(index["action_low"]) != dims or len(index["action_high"]) != dims:
         raise MeshtronError(f"{file}: action_low/high do not have action_dims={dims} entries")
     counts = [(len(index["episodes"]), sum(s["episodes"] for s in index["shards"])),
@@ -307,8 +338,9 @@ def _check_fields(entry: Any, fields: dict[str, type | tuple[type, ...]], file: 
 
 
 def _read_shard(path: Path, shard: dict[str, Any], entries: list[dict[str, Any]],
-                index: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's images and actions, checked against what the index says it holds."""
+                index: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A shard's images, actions (and states), checked against what the index says it
+    holds."""
     file = path / shard["file"]
     if Path(shard["file"]).name != shard["file"] or not file.is_file():
         raise MeshtronError(f"episode shard {file} is missing")
@@ -324,6 +356,8 @@ def _read_shard(path: Path, shard: dict[str, Any], entries: list[dict[str, Any]]
     expected = {"images": (np.uint8, (frames, size, size, 3)),
                 "actions": (np.float32, (frames, dims)),
                 "offsets": (np.int64, (shard["episodes"] + 1,))}
+    if index["state_dims"]:
+        expected["states"] = (np.float32, (frames, index["state_dims"]))
     for name, (dtype, shape) in expected.items():
         tensor = tensors.get(name)
         if tensor is None or tensor.dtype != dtype or tensor.shape != shape:
@@ -336,4 +370,4 @@ def _read_shard(path: Path, shard: dict[str, Any], entries: list[dict[str, Any]]
             or [b - a for a, b in zip(offsets, offsets[1:])] != lengths):
         raise MeshtronError(f"episode shard {file} disagrees with the index about where its "
                             "episodes start")
-    return tensors["images"], tensors["actions"]
+    return tensors

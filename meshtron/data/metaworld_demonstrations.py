@@ -60,12 +60,13 @@ def expert_episode(env, task: str, seed: int, noise: float,
                    rng: np.random.Generator) -> Episode:
     """One noisy-executed expert episode of ``task`` from scene ``seed``."""
     obs, _ = env.reset(seed=seed, options={"task": task})
-    images, actions, done, info = [], [], False, {"success": False}
+    images, states, actions, done, info = [], [], [], False, {"success": False}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the experts' "constants may be too high"
         while not done:
             action = env.expert_action()
             images.append(obs["image"])
+            states.append(obs["state"])
             actions.append(action)
             executed = action.copy()
             if noise > 0:
@@ -73,7 +74,7 @@ def expert_episode(env, task: str, seed: int, noise: float,
             obs, _, terminated, truncated, info = env.step(executed)
             done = terminated or truncated
     return Episode(np.stack(images), np.stack(actions).astype(np.float32), obs["instruction"],
-                   seed, bool(info["success"]))
+                   seed, bool(info["success"]), np.stack(states).astype(np.float32))
 
 
 def quotas(episodes: int, tasks: int) -> list[int]:

@@ -3,11 +3,13 @@
 Every frame of a demonstration is one sample: the camera image, the episode's instruction and
 the next ``action_chunk`` expert actions (the last action repeats past the episode's end). Its
 token window is ``patches`` placeholders (the model puts the image there), the instruction
-left-padded to ``instruction_len``, the readout token's placeholder (``model.vision.keypoints``)
-and the action tokens; every token but the actions is stored as
+left-padded to ``instruction_len``, the readout token's placeholder (``model.vision.keypoints``),
+the state token's placeholder (``model.vision.state_dims``) and the action tokens; every token
+but the actions is stored as
 -(id + 1), "read, never predicted", so the loss counts the action tokens only
 (:class:`~meshtron.parallel.context.sequence.SequenceSplit` undoes it). A row of a batch is
-that window followed by the image's pixels (:meth:`Observations.rows` packs it,
+that window followed by the image's pixels and, with a state, the state's float32 bits
+(:meth:`Observations.rows` packs it,
 :class:`ObservationRows` unpacks it), so batches split over data parallelism and micro-batches
 as text batches do. The last ``valid_fraction`` of the episodes (at least one) is held out for
 validation; global batch k is a function of (seed, k) as for text (:class:`GlobalSampler`).
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from meshtron.config import Config, VisionConfig
-from meshtron.config.kinds import VISION
+from meshtron.config.kinds import STATE, VISION
 from meshtron.data.demonstrations import default_demonstrations
 from meshtron.data.episodes import EpisodeDataset
 from meshtron.data.sampler import GlobalSampler
@@ -50,29 +52,42 @@ class ObservationRows:
 
     image_shape: tuple[int, int, int]
     """[H, W, C] of one camera image."""
+    state_dims: int = 0
+    """Entries of the proprioceptive state after the pixels (0: none)."""
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rows [b, S + 1 + pixels] -> windows [b, S + 1] and the images, uint8 [b, H, W, C],
-        as the policy's ``vision`` input."""
-        pixels = math.prod(self.image_shape)
-        window, image = rows[:, :-pixels], rows[:, -pixels:]
-        return window, {VISION: image.to(torch.uint8).view(rows.shape[0], *self.image_shape)}
+        """Rows [b, S + 1 + pixels (+ state)] -> windows [b, S + 1] and the images, uint8 [b,
+        H, W, C], as the policy's ``vision`` input (and the states, float32 [b, D], as its
+        ``state`` input, bit for bit as stored)."""
+        pixels, dims = math.prod(self.image_shape), self.state_dims
+        body, state = rows[:, :rows.shape[1] - dims], rows[:, rows.shape[1] - dims:]
+        window, image = body[:, :-pixels], body[:, -pixels:]
+        inputs = {VISION: image.to(torch.uint8).view(rows.shape[0], *self.image_shape)}
+        if dims:
+            inputs[STATE] = state.to(torch.int32).view(torch.float32)
+        return window, inputs
 
 
 @dataclass
 class Observations:
-    """Samples as the model reads them: windows int64 [n, S + 1], images uint8 [n, H, W, C]."""
+    """Samples as the model reads them: windows int64 [n, S + 1], images uint8 [n, H, W, C]
+    and, for a policy that reads it, the proprioceptive states float32 [n, D]."""
 
     windows: np.ndarray
     images: np.ndarray
+    states: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.windows)
 
     def rows(self, index: np.ndarray) -> torch.Tensor:
-        """Samples ``index`` as batch rows: the window, then the image's pixels."""
-        pixels = self.images[index].reshape(len(index), -1).astype(np.int64)
-        return torch.from_numpy(np.concatenate([self.windows[index], pixels], axis=1))
+        """Samples ``index`` as batch rows: the window, the image's pixels, then the state's
+        float32 bits (int64 rows carry them exactly)."""
+        parts = [self.windows[index],
+                 self.images[index].reshape(len(index), -1).astype(np.int64)]
+        if self.states is not None:
+            parts.append(self.states[index].view(np.int32).astype(np.int64))
+        return torch.from_numpy(np.concatenate(parts, axis=1))
 
 
 def encode_instruction(tokenizer: Tokenizer, instruction: str, length: int) -> list[int]:
@@ -92,32 +107,39 @@ def encode_instruction(tokenizer: Tokenizer, instruction: str, length: int) -> l
 
 def observation_window(vision: VisionConfig, instruction_ids: list[int],
                        action_ids: np.ndarray) -> np.ndarray:
-    """One sample's window [S + 1]: patch placeholders, instruction, readout placeholder (all
-    read only), actions."""
+    """One sample's window [S + 1]: patch placeholders, instruction, readout and state
+    placeholders (all read only), actions."""
     read_only = np.asarray([0] * vision.num_patches + instruction_ids
-                           + [0] * vision.readout_tokens, dtype=np.int64)
+                           + [0] * (vision.readout_tokens + vision.state_tokens), dtype=np.int64)
     return np.concatenate([-read_only - 1, np.asarray(action_ids, dtype=np.int64).ravel()])
 
 
 def episode_observations(vision: VisionConfig, tokenizer: Tokenizer, codec: ActionCodec,
-                         images: np.ndarray, actions: np.ndarray,
-                         instruction: str) -> Observations:
-    """Every frame of one episode as a sample (its next ``action_chunk`` actions)."""
+                         images: np.ndarray, actions: np.ndarray, instruction: str,
+                         states: np.ndarray | None = None) -> Observations:
+    """Every frame of one episode as a sample (its next ``action_chunk`` actions; the first
+    ``state_dims`` entries of its states when the policy reads them)."""
     steps, chunk = len(actions), vision.action_chunk
     ahead = np.minimum(np.arange(steps)[:, None] + np.arange(chunk)[None, :], steps - 1)
     action_ids = codec.encode(actions[ahead]).reshape(steps, -1)
     instruction_ids = encode_instruction(tokenizer, instruction, vision.instruction_len)
     windows = np.stack([observation_window(vision, instruction_ids, a) for a in action_ids])
-    return Observations(windows, images)
+    if not vision.state_tokens:
+        return Observations(windows, images)
+    assert states is not None
+    return Observations(windows, images,
+                        np.ascontiguousarray(states[:, :vision.state_dims], dtype=np.float32))
 
 
 def _observations_of(dataset: EpisodeDataset, episodes: range, vision: VisionConfig,
                      tokenizer: Tokenizer, codec: ActionCodec) -> Observations:
     parts = [episode_observations(vision, tokenizer, codec, episode.images, episode.actions,
-                                  episode.instruction)
+                                  episode.instruction, episode.states)
              for episode in map(dataset.__getitem__, episodes)]
     return Observations(np.concatenate([p.windows for p in parts]),
-                        np.concatenate([p.images for p in parts]))
+                        np.concatenate([p.images for p in parts]),
+                        np.concatenate([p.states for p in parts]) if vision.state_tokens
+                        else None)
 
 
 @dataclass
@@ -168,7 +190,8 @@ def build_policy_data(cfg: Config, log: Callable[[str], None] = print,
     else:
         episodes = DEFAULT_EPISODES if vision.env == DEFAULT_ENV else DEFAULT_METAWORLD_EPISODES
         path = default_demonstrations(cache_dir, episodes, DEFAULT_DATA_SEED,
-                                      vision.image_size, log, env=vision.env)
+                                      vision.image_size, log, env=vision.env,
+                                      states=bool(vision.state_tokens))
     dataset = EpisodeDataset.open(path)
     expected = env_spec(vision.env).dataset_env
     if dataset.env != expected:
@@ -193,6 +216,11 @@ def build_vla_data(vision: VisionConfig, dataset: EpisodeDataset, tokenizer: Tok
     if dataset.action_dims != vision.action_dims:
         raise MeshtronError(f"{path} holds {dataset.action_dims}-dimensional actions, but "
                             f"model.vision.action_dims={vision.action_dims}")
+    if dataset.state_dims < vision.state_dims:
+        raise MeshtronError(f"{path} records {dataset.state_dims} state entries per frame, but "
+                            f"model.vision.state_dims={vision.state_dims}; write the "
+                            "demonstrations again with `meshtron vla-data` (which records the "
+                            "state) or set model.vision.state_dims=0")
     if len(dataset) < 2:
         raise MeshtronError(f"{path} holds {len(dataset)} episode(s); training and validation "
                             "need at least 2")

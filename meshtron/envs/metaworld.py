@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from meshtron.envs.metaworld_tasks import OUTCOMES, phrasings, tasks_of
+from meshtron.envs.metaworld_tasks import OUTCOMES, STATE_DIMS, phrasings, tasks_of
 from meshtron.errors import MeshtronError
 
 CAMERA = "corner4"
@@ -132,7 +132,7 @@ class MetaWorldEnv(gym.Env):
     OUTCOMES = OUTCOMES
 
     def __init__(self, name: str, image_size: int = 64, max_steps: int = DEFAULT_MAX_STEPS,
-                 held_out_instructions: bool = False) -> None:
+                 held_out_instructions: bool = False, images: bool = True) -> None:
         if not isinstance(image_size, int) or not 16 <= image_size <= 512:
             raise MeshtronError(f"image_size must be an integer from 16 to 512, not {image_size}")
         if not isinstance(max_steps, int) or max_steps < 1:
@@ -140,10 +140,14 @@ class MetaWorldEnv(gym.Env):
         self.name, self.tasks = name, tasks_of(name)
         self.image_size, self.max_steps = image_size, max_steps
         self.held_out = held_out_instructions
+        self.images = images
+        """False: observations carry a black frame instead of rendering one (replaying
+        demonstrations for their states needs no frames, and rendering is most of a step)."""
+        self._black = np.zeros((image_size, image_size, 3), np.uint8)
         self.observation_space = spaces.Dict({
             "image": spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
             "instruction": spaces.Text(INSTRUCTION_CHARS, charset=string.ascii_lowercase + " "),
-            "state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
+            "state": spaces.Box(-np.inf, np.inf, (STATE_DIMS,), np.float32),
         })
         self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
         self._sims: dict[str, _Task] = {}
@@ -220,5 +224,6 @@ class MetaWorldEnv(gym.Env):
 
     def _observation(self) -> dict[str, Any]:
         assert self._task is not None
-        return {"image": self._task.image(), "instruction": self._instruction,
-                "state": self._state[:4].astype(np.float32)}
+        image = self._task.image() if self.images else self._black.copy()
+        return {"image": image, "instruction": self._instruction,
+                "state": self._state[:STATE_DIMS].astype(np.float32)}

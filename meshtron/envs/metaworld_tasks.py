@@ -15,6 +15,9 @@ from meshtron.errors import MeshtronError
 MT10_ENV = "metaworld-mt10"
 """The environment name of the ten MT10 tasks."""
 TASK_PREFIX = "metaworld:"
+STATE_DIMS = 4
+"""The observation's proprioceptive ``state``: the hand's x, y, z and the gripper's opening
+(the first four entries of Meta-World's observation vector)."""
 """``metaworld:<task>`` names one Meta-World task, e.g. ``metaworld:reach-v3``;
 ``metaworld:<task>+<task>...`` several (a small suite, as the tests use)."""
 

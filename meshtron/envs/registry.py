@@ -37,6 +37,8 @@ class EnvSpec:
     """The instruction vocabulary."""
     tasks: tuple[str, ...]
     """Its tasks (evaluation reports each); one for the tabletop task."""
+    state_dims: int = 0
+    """Entries of the proprioceptive ``state`` its observations carry (0: none)."""
 
 
 def env_names() -> str:
@@ -51,7 +53,8 @@ def env_spec(name: str) -> EnvSpec:
         return EnvSpec(name, 3, ENV_NAME, WORDS, (name,))
     if name == metaworld_tasks.MT10_ENV or name.startswith(metaworld_tasks.TASK_PREFIX):
         return EnvSpec(name, 4, metaworld_tasks.dataset_env_id(name),
-                       metaworld_tasks.vocabulary(), metaworld_tasks.tasks_of(name))
+                       metaworld_tasks.vocabulary(), metaworld_tasks.tasks_of(name),
+                       metaworld_tasks.STATE_DIMS)
     raise MeshtronError(f"unknown environment {name!r}; the environments are {env_names()}")
 
 

@@ -25,6 +25,7 @@ from meshtron.data.vla_data import VLATrainingData, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec
 from meshtron.envs import DEFAULT_ENV, TabletopEnv, make_env
 from meshtron.envs.tabletop import TabletopState, block_under
+from meshtron.errors import MeshtronError
 from meshtron.models.policy_runner import PolicyRunner
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
@@ -118,11 +119,19 @@ class PolicyActor:
         self.runner, self.codec, self.tokenizer = runner, codec, tokenizer
         self.vision = runner.vision
 
-    def __call__(self, images: list[np.ndarray], instructions: list[str]) -> np.ndarray:
-        """Action chunks float32 [b, action_chunk, action_dims]."""
+    def __call__(self, images: list[np.ndarray], instructions: list[str],
+                 states: list[np.ndarray] | None = None) -> np.ndarray:
+        """Action chunks float32 [b, action_chunk, action_dims]; ``states``: the observations'
+        proprioceptive states, read by a policy with ``model.vision.state_dims``."""
         ids = torch.tensor([encode_instruction(self.tokenizer, text, self.vision.instruction_len)
                             for text in instructions])
-        tokens = self.runner.act(torch.from_numpy(np.stack(images)), ids)
+        state = None
+        if self.vision.state_tokens:
+            if states is None or any(s is None for s in states):
+                raise MeshtronError("the policy reads the proprioceptive state, but the "
+                                    "environment's observations carry none")
+            state = torch.from_numpy(np.stack(states)[:, :self.vision.state_dims]).float()
+        tokens = self.runner.act(torch.from_numpy(np.stack(images)), ids, state)
         actions = self.codec.decode(tokens.numpy())
         return actions.reshape(len(images), self.vision.action_chunk, self.vision.action_dims)
 
@@ -178,7 +187,8 @@ def _lockstep(actor: PolicyActor, envs: list, seeds: list[int], task: str | None
     running = list(range(len(envs)))
     while running:
         chunks = actor([obs[i]["image"] for i in running],
-                       [obs[i]["instruction"] for i in running])
+                       [obs[i]["instruction"] for i in running],
+                       [obs[i].get("state") for i in running])
         still = []
         for i, chunk in zip(running, chunks, strict=True):
             done, episode = False, results[i]
@@ -223,7 +233,7 @@ def control_latency(actor: PolicyActor, image_size: int, steps: int = 20,
     times = []
     for _ in range(steps + 1):
         started = time.perf_counter()
-        actor([obs["image"]], [obs["instruction"]])
+        actor([obs["image"]], [obs["instruction"]], [obs.get("state")])
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
 

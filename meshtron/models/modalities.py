@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshtron.config import ModelConfig
-from meshtron.config.kinds import TEXT, VISION, VLA, model_kind
+from meshtron.config.kinds import STATE, TEXT, VISION, VLA, model_kind
 from meshtron.models.input_encoder import InputEncoder
+from meshtron.models.state_encoder import StateEncoder
 from meshtron.models.vision import VisionEncoder
 from meshtron.parallel.tensor.layers import TPRegion
 
@@ -24,8 +25,13 @@ def _no_encoders(cfg: ModelConfig, region: TPRegion) -> dict[str, InputEncoder]:
 
 
 def _vision_encoder(cfg: ModelConfig, region: TPRegion) -> dict[str, InputEncoder]:
-    """The ViT, projector and readout token of a vision-language-action policy."""
-    return {VISION: VisionEncoder(cfg.vision, cfg.hidden_size, region, cfg.vocab_size)}
+    """The ViT, projector and readout token of a vision-language-action policy (and its
+    proprioceptive state's token when ``model.vision.state_dims`` is set)."""
+    encoders: dict[str, InputEncoder] = {
+        VISION: VisionEncoder(cfg.vision, cfg.hidden_size, region, cfg.vocab_size)}
+    if cfg.vision.state_tokens:
+        encoders[STATE] = StateEncoder(cfg.vision, cfg.hidden_size, region)
+    return encoders
 
 
 ENCODER_BUILDERS: dict[str, EncoderBuilder] = {TEXT: _no_encoders, VLA: _vision_encoder}

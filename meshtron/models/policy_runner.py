@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from meshtron.config.kinds import VISION
+from meshtron.config.kinds import STATE, VISION
+from meshtron.errors import MeshtronError
 from meshtron.models.input_encoder import ModelInputs
 from meshtron.models.transformer import Transformer
 
@@ -28,17 +29,25 @@ class PolicyRunner:
         return bins.argmax(dim=-1) + self.first
 
     @torch.no_grad()
-    def act(self, images: torch.Tensor, instructions: torch.Tensor) -> torch.Tensor:
-        """Action token ids [b, action_chunk x action_dims] for uint8 images [b, H, W, C] and
-        padded instruction ids [b, instruction_len]."""
+    def act(self, images: torch.Tensor, instructions: torch.Tensor,
+            states: torch.Tensor | None = None) -> torch.Tensor:
+        """Action token ids [b, action_chunk x action_dims] for uint8 images [b, H, W, C],
+        padded instruction ids [b, instruction_len] and, for a policy that reads it, the
+        proprioceptive states float [b, state_dims]."""
         batch = images.shape[0]
         v = self.vision
         prefix = torch.cat([torch.zeros(batch, v.num_patches, dtype=torch.long),
                             instructions.long().cpu(),
-                            torch.zeros(batch, v.readout_tokens, dtype=torch.long)],
+                            torch.zeros(batch, v.readout_tokens + v.state_tokens,
+                                        dtype=torch.long)],
                            dim=1).to(images.device)
+        inputs = {VISION: images}
+        if v.state_tokens:
+            if states is None:
+                raise MeshtronError("the policy reads the proprioceptive state; pass states")
+            inputs[STATE] = states.to(images.device)
         cache = self.model.new_cache(batch, prefix.shape[1] + self.vision.action_tokens)
-        logits = self.model(prefix, cache=cache, inputs={VISION: images})[:, -1]
+        logits = self.model(prefix, cache=cache, inputs=inputs)[:, -1]
         tokens = [self._action_token(logits.float())]
         for _ in range(self.vision.action_tokens - 1):
             logits = self.model(tokens[-1][:, None], cache=cache)[:, -1]
