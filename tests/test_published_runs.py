@@ -4,6 +4,7 @@ docs/tuning.md recomputed with its error bounds, and the band `meshtron tune` pr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -73,6 +74,28 @@ def test_the_file_spans_the_classes_the_issue_asks_for():
     assert all(r.url.startswith("https://") and r.where for r in runs)
 
 
+def test_torchtitan_runs_are_pinned_as_its_code_ran_them():
+    """TorchTitan's Grand Teton H100s (96 GB HBM2e at 2.4 TB/s, 500 W) are their own profile,
+    whose peak no data sheet gives (so no run on it counts as a data sheet's); its pipelines
+    split the local batch into as many micro-batches as stages (config_manager.py's default
+    at the benchmarked commit) and reduce each stage's gradients after its last backward."""
+    from meshtron.costmodel.profiles import load_profile
+
+    hbm2e = load_profile("h100-hbm2e")
+    assert (hbm2e.memory_bytes, hbm2e.memory_bandwidth) == (96e9, 2.4e12)
+    assert hbm2e.peak("bf16") == load_profile("h100-sxm").peak("bf16")  # the upper bound
+    titan = [r for r in load_published_runs() if r.name.startswith("torchtitan")]
+    assert len(titan) == 7 and all(r.hardware == "h100-hbm2e" and not r.data_sheet
+                                   for r in titan)
+    for r in titan:
+        c = r.candidate
+        if c.pp > 1:
+            assert r.problem.global_batch // (c.dp * c.micro_batch) == c.pp
+            assert not r.software.grad_reduce_overlap
+        if r.candidate.recompute == "selective":
+            assert r.software.selective == "ops"
+
+
 def test_megatron_readme_138_tflops_counts_the_recomputed_forward():
     """The README's GPT-3 175B step (1536 x 2048 tokens in about 32 s on 1024 A100s) is 138
     TFLOP/s per GPU only with full recomputation's extra forward counted (Narayanan et al.'s
@@ -94,7 +117,7 @@ def test_the_table_of_docs_tuning_is_recomputed_within_its_bounds():
     figures tune prints are these runs'."""
     comparisons = ap.published_comparisons()
     mae, worst = ap.summary(comparisons)
-    assert mae <= 0.17 and worst <= 0.88, (mae, worst)
+    assert mae <= 0.143 and worst <= 0.362, (mae, worst)
     mae, worst = ap.summary(tuple(c for c in comparisons if c.run.data_sheet))
     assert mae <= 0.08 and worst <= 0.24, (mae, worst)
     docs = DOCS.read_text()
@@ -206,4 +229,72 @@ def test_an_overlapped_parameter_gather_hides_behind_the_next_forward():
 def test_a_wrong_recipe_field_is_one_line(tmp_path, change, words):
     with pytest.raises(MeshtronError) as err:
         load_published_runs(write_runs(tmp_path, {**first_run(), **change}))
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
+
+
+# ----------------------------------------------------------------- selective recompute's styles
+
+
+def test_torchtitan_op_checkpointing_recomputes_every_second_matmul():
+    """TorchTitan's per-op policy saves the attention kernel's and the odd matmuls' outputs:
+    of Llama 3 8B's q, k, v, o, gate, up, down it recomputes k (1024 of q/k/v's 4096 + 2 x
+    1024 columns), o and up, 37% of the block's product FLOPs, with every memory-bound
+    operator, and not the attention core (Megatron's selective recomputes only the core)."""
+    from meshtron.costmodel.recompute import recomputed_gemm_shares
+    from meshtron.costmodel.workload import layer_work
+
+    run, ops = estimator_for("torchtitan-llama3-8b-8gpu-fsdp", selective="ops")
+    _, core = estimator_for("torchtitan-llama3-8b-8gpu-fsdp")
+    shares = recomputed_gemm_shares(run.model, 0)
+    assert shares == pytest.approx((1 / 6, 1.0, 1 / 3), rel=1e-12)
+    c = run.candidate
+    work = layer_work(run.model, 0, 8192, c, 2)
+    weights = (4096 * 1024 + 4096 * 4096 + 4096 * 14336) / (4096 * (4096 + 2048 + 4096)
+                                                            + 3 * 4096 * 14336)
+    assert sum(s * g.flops for s, g in zip(shares, work.gemms)) / work.gemm_flops \
+        == pytest.approx(weights, rel=1e-12) and weights == pytest.approx(0.365, abs=1e-3)
+    gemms = ops._gemm_seconds(work, 1.0)
+    gemm, attention, memory = ops._work_seconds(work, 1.0)
+    none = dataclasses.replace(c, recompute="none")
+    extra = ops.layer_seconds(0, c)[1] - ops.layer_seconds(0, none)[1]
+    assert extra == pytest.approx(memory + sum(s * g for s, g in zip(shares, gemms)), rel=1e-9)
+    assert core.layer_seconds(0, c)[1] - core.layer_seconds(0, none)[1] == pytest.approx(
+        attention, rel=1e-9)
+
+
+def test_what_each_selective_style_saves():
+    """Per block and micro-batch (no tp): ``ops`` keeps the input, q, v, the attention output
+    and its log-sum-exp, the gate product's output and the MLP's output; ``layers`` every
+    N-th block as ``full`` and the others as ``none``."""
+    from meshtron.costmodel.memory_model import layer_activation_bytes
+
+    run, _ = estimator_for("torchtitan-llama3-8b-8gpu-fsdp")
+    c, n = run.candidate, 2 * 8192
+    ops = layer_activation_bytes(run.model, 0, c, 8192, 2, "ops")
+    assert ops == 2 * (2 * n * 4096 + 2 * n * 4096 + n * 1024 + n * 32 + n * 14336)
+    whole, kept = (layer_activation_bytes(run.model, 0, dataclasses.replace(c, recompute=r),
+                                          8192, 2) for r in ("full", "none"))
+    assert layer_activation_bytes(run.model, 0, c, 8192, 2, "layers", 4) \
+        == pytest.approx((whole + 3 * kept) / 4)
+    assert whole < ops < kept
+
+
+def test_layer_level_checkpointing_repeats_one_block_in_n():
+    run, layers = estimator_for("torchtitan-llama3-8b-8gpu-fsdp", selective="layers",
+                                selective_every=3)
+    c = run.candidate
+    none = dataclasses.replace(c, recompute="none")
+    full = dataclasses.replace(c, recompute="full")
+    every = layers.layer_seconds(0, full)[1] - layers.layer_seconds(0, none)[1]
+    assert layers.layer_seconds(0, c)[1] - layers.layer_seconds(0, none)[1] == pytest.approx(
+        every / 3, rel=1e-9)
+
+
+@pytest.mark.parametrize("software, words", [
+    ({"selective": "some"}, ("'selective'", "core, ops, layers", "some")),
+    ({"selective": "layers", "selective_every": 0}, ("'selective_every'", ">= 1")),
+])
+def test_a_wrong_selective_style_is_one_line(tmp_path, software, words):
+    with pytest.raises(MeshtronError) as err:
+        load_published_runs(write_runs(tmp_path, {**first_run(), "software": software}))
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value

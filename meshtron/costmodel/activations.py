@@ -35,8 +35,11 @@ def formula_covers(cfg: ModelConfig) -> bool:
 
 def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1,
                                sp: bool = False, recompute: str = "none",
-                               element_size: int = 4) -> int:
-    """Bytes one llama block keeps for backward per micro-batch on one tensor-parallel rank."""
+                               element_size: int = 4, selective: str = "core") -> int:
+    """Bytes one llama block keeps for backward per micro-batch on one tensor-parallel rank;
+    ``selective`` says what ``selective`` recompute means (:mod:`meshtron.costmodel.recompute`:
+    ``ops`` keeps the block's input, q, v, the attention output with its log-sum-exp, the
+    MLP's gate and its output; ``layers`` is priced by the caller as a mix of full and none)."""
     n = micro_batch * seq_len
     h = cfg.hidden_size
     d = cfg.head_size
@@ -46,6 +49,9 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
     local = n // tp if sp else n  # tokens of the residual stream held on this rank
     if recompute == "full":
         return element_size * local * h
+    if recompute == "selective" and selective == "ops":
+        return element_size * (2 * local * h + 2 * n * heads * d + n * kv_heads * d
+                               + n * heads + n * ffn)
     norm = local * h + local + n * h
     attention = 2 * n * heads * d + 3 * n * kv_heads * d + n * heads
     if recompute == "selective":

@@ -31,6 +31,7 @@ from meshtron.costmodel.memory_model import (
 )
 from meshtron.costmodel.priced import ActionCosts, Estimate, Software
 from meshtron.costmodel.problem import Problem
+from meshtron.costmodel.recompute import recomputed_gemm_shares, recomputed_seconds
 from meshtron.costmodel.stages import ChunkShape, StageShape, representative_layers, stage_shapes
 from meshtron.costmodel.workload import LayerWork, head_work, layer_work, mtp_merge_work
 from meshtron.models.flops import layer_and_head_cost
@@ -142,10 +143,12 @@ class Estimator:
             work = layer_work(cfg, layer, self.problem.seq_len, c, self.problem.element_size,
                               self.problem.gemm_dtype in ("fp8", "fp4"))
             gemm, core, memory = self._work_seconds(work, self.rate_scale(c))
+            gemms = self._gemm_seconds(work, self.rate_scale(c))
             comm_f, comm_b = layer_communication(self.problem, layer, c, core, self.overlaps,
-                                                 self._gemm_seconds(work, self.rate_scale(c)))
+                                                 gemms)
             forward = gemm + core + memory
-            redo = {"full": forward, "selective": core}.get(c.recompute, 0.0)
+            redo = recomputed_seconds(c.recompute, self.software, recomputed_gemm_shares(
+                cfg, layer), gemms, core, memory)
             backward_input = gemm + 2.5 * core + 2 * memory + redo
             self._layers[key] = (forward + comm_f, backward_input + comm_b, gemm,
                                  comm_f + comm_b)
@@ -352,7 +355,8 @@ class Estimator:
         if key not in self._activations:
             self._activations[key] = layer_activation_bytes(
                 self.problem.model, layer, dataclasses.replace(c, recompute=recompute),
-                self.problem.seq_len, self.problem.element_size)
+                self.problem.seq_len, self.problem.element_size, self.software.selective,
+                self.software.selective_every)
         return self._activations[key]
 
     def memory(self, c: Candidate, stage: int | None = None,
@@ -369,7 +373,9 @@ class Estimator:
         per_shape = []
         for number, (shape, first) in enumerate(unique.items()):
             chunk = max(k.dense * dense + k.moe * moe for k in shape.chunks)
-            if c.recompute == "full":  # one layer's whole activations while it is recomputed
+            if c.recompute == "full" or (c.recompute == "selective"
+                                         and self.software.selective != "core"):
+                # one layer's whole activations while it is recomputed
                 chunk_extra = self.layer_activations(
                     self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
             else:

@@ -172,12 +172,19 @@ def state_bytes(stage: StageParams, c: Candidate, param_bytes: int,
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, c: Candidate, seq_len: int,
-                           element_size: int) -> float:
-    """What one layer keeps for backward per micro-batch on one rank."""
+                           element_size: int, selective: str = "core",
+                           every: int = 2) -> float:
+    """What one layer keeps for backward per micro-batch on one rank; ``selective`` and
+    ``every``: what ``selective`` recompute means (:mod:`meshtron.costmodel.recompute`; one
+    block in ``every`` kept as under ``full`` is the mean over blocks)."""
+    if c.recompute == "selective" and selective == "layers":
+        whole, kept = (layer_activation_bytes(cfg, layer, dataclasses.replace(c, recompute=r),
+                                              seq_len, element_size) for r in ("full", "none"))
+        return (whole + (every - 1) * kept) / every
     local_seq = seq_len // c.cp
     if formula_covers(cfg):
         return activation_bytes_per_layer(cfg, c.micro_batch, local_seq, c.tp, c.sp,
-                                          c.recompute, element_size)
+                                          c.recompute, element_size, selective)
     n, h, tp = c.micro_batch * local_seq, cfg.hidden_size, c.tp
     residual = n // tp if c.sp and tp > 1 else n
     if c.recompute == "full":

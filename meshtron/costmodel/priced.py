@@ -26,6 +26,13 @@ class Software:
     """The fused core's fraction of peak where the software's kernel differs from the one the
     profile assumes (PyTorch's SDPA runs FlashAttention-2 on an H100, below cuDNN's and
     FlashAttention-3's rate); None: the profile's."""
+    selective: str = "core"
+    """What ``selective`` recompute recomputes (:mod:`meshtron.costmodel.recompute`): ``core``
+    the attention core (Megatron-LM, meshtron), ``ops`` TorchTitan's per-op policy (every
+    second matmul and the memory-bound operators), ``layers`` every ``selective_every``-th
+    block whole (TorchTitan's layer-level option)."""
+    selective_every: int = 2
+    """Under ``selective = "layers"``: one block in this many is checkpointed."""
 
 
 @dataclass

@@ -142,6 +142,13 @@ def builtin_profiles() -> dict[str, ClusterProfile]:
               450, 50, HOPPER_GEMMS),
         _spec("h200", "NVIDIA H200 SXM data sheet; DGX H200", 141, 4.8, 989, 67, 1979, 450, 50,
               HOPPER_GEMMS),
+        # Meta's Grand Teton H100: an SXM H100 with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W
+        # limit, 400 Gb/s RDMA per GPU (TorchTitan's benchmark pages); no data sheet gives
+        # the peak at 500 W (TorchTitan: "between SXM and NVL ... we don't know its exact
+        # value"), so the die's SXM figures stand as the upper bound
+        _spec("h100-hbm2e", "TorchTitan benchmarks/llama3_h100_202412_torchtitan.md "
+              "(Grand Teton H100, 96 GB HBM2e, 2.4 TB/s, 500 W); peaks: the H100 SXM5 data "
+              "sheet's, an upper bound", 96, 2.4, 989, 67, 1979, 450, 50, HOPPER_GEMMS),
         _spec("b200", "NVIDIA HGX B200 data sheet; DGX B200", 180, 8.0, 2250, 75, 4500, 900, 50,
               BLACKWELL_GEMMS, fp4_tflops=9000),
         # one NVLink domain of 72 GPUs (the node of the alpha-beta model); per GPU: the NVL72

@@ -24,6 +24,7 @@ from meshtron.costmodel.candidate import Candidate
 from meshtron.costmodel.priced import Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.profiles import builtin_profiles
+from meshtron.costmodel.recompute import SELECTIVE_STYLES
 from meshtron.errors import MeshtronError
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
@@ -38,6 +39,8 @@ MEASURES = ("step_time_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu",
             "recompute_tflops_per_gpu")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")
 HARDWARE_CHANGES = ("memory_bytes", "memory_bandwidth", "bf16_tflops")
+UNPUBLISHED_PEAKS = ("h100-hbm2e",)
+"""Built-in profiles whose peak no data sheet gives (an upper bound stands in)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class PublishedRun:
     software: Software = Software()
     pp_layers: tuple[float, ...] | None = None
     data_sheet: bool = True
-    """Whether the hardware is the built-in profile's as it is (no ``hardware_changes``)."""
+    """Whether the hardware is a data sheet's: a built-in profile as it is (no
+    ``hardware_changes``) whose peak is published (not in :data:`UNPUBLISHED_PEAKS`)."""
 
     @property
     def moe(self) -> bool:
@@ -204,13 +208,19 @@ def _problem(raw: dict, model: ModelConfig, gpus: int, where: str) -> Problem:
 def _software(raw: object, where: str) -> Software:
     if raw is None:
         return Software()
+    valued = ("attention_efficiency", "selective", "selective_every")
     if not isinstance(raw, dict) or set(raw) - set(SOFTWARE) or not all(
-            isinstance(v, bool) for k, v in raw.items() if k != "attention_efficiency"):
+            isinstance(v, bool) for k, v in raw.items() if k not in valued):
         raise _fail(where, f"'software' must map {', '.join(SOFTWARE)} (true or false; "
                            "attention_efficiency a fraction of peak)")
     if "attention_efficiency" in raw and not 0 < _positive(raw, "attention_efficiency",
                                                            where) <= 1:
         raise _fail(where, "software 'attention_efficiency' must be in (0, 1]")
+    if raw.get("selective", "core") not in SELECTIVE_STYLES:
+        raise _fail(where, f"software 'selective' must be one of {', '.join(SELECTIVE_STYLES)}"
+                           f", got {raw.get('selective')!r}")
+    if "selective_every" in raw:
+        _whole(raw, "selective_every", f"{where} software")
     return Software(**raw)
 
 
@@ -265,7 +275,8 @@ def run_of(raw: object, index: int, path: Path) -> PublishedRun:
     return PublishedRun(raw["name"], source["url"], source["where"], raw["hardware"], gpus,
                         model, problem, candidate, measure, value, tuple(assumed),
                         _software(raw.get("software"), where), _pp_layers(raw["layout"], where),
-                        not raw.get("hardware_changes"))
+                        not raw.get("hardware_changes")
+                        and raw["hardware"] not in UNPUBLISHED_PEAKS)
 
 
 def load_published_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
