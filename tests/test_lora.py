@@ -14,7 +14,9 @@ from meshtron.checkpoint.lora_merge import base_config, seed_weights
 from meshtron.checkpoint.model_io import write_model_checkpoint
 from meshtron.config import load_config
 from meshtron.errors import MeshtronError
-from meshtron.parallel.tensor.lora import is_adapter
+from meshtron.parallel.mesh.groups import ParallelMesh
+from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
+from meshtron.parallel.tensor.lora import column_adapter, is_adapter, row_adapter
 from meshtron.training.trainer import Trainer
 
 LORA = ["--model.lora.rank=4", "--model.lora.alpha=8", "--model.num_kv_heads=2"]
@@ -147,3 +149,29 @@ def test_base_held_in_bf16_computes_in_the_run_dtype(tiny_overrides, tmp_path):
     assert full.model.layers["0"].attn.q.weight.dtype == torch.float32
     for a, b in zip(full.losses, narrow.losses, strict=True):
         assert a != b and abs(a - b) < 1e-2 * abs(a)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_an_adapted_layer_adds_the_scaled_low_rank_product(kind):
+    """The fused addition (one addmm, the scale inside) is ``x W^T + s (x A^T) B^T``, and the
+    adapter's gradients are that formula's, in fp64 to 1e-12; the base gets none."""
+    torch.manual_seed(0)
+    region = TPRegion(ParallelMesh.single().tp)
+    layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(
+        12, 10, False, region).double()
+    make = column_adapter if kind == "column" else row_adapter
+    layer.lora = make(layer.weight, 3, 2.5, 0.0, region.group).double()
+    for param in (layer.weight, layer.lora.a, layer.lora.b):
+        torch.nn.init.normal_(param)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    grad = torch.randn(2, 5, 10, dtype=torch.float64)
+    layer(x).backward(grad)
+    a = layer.lora.a.detach().clone().requires_grad_(True)
+    b = layer.lora.b.detach().clone().requires_grad_(True)
+    want = x @ layer.weight.T + 2.5 * (x @ a.T) @ b.T
+    want.backward(grad)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.lora.a.grad, a.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.lora.b.grad, b.grad, rtol=0, atol=1e-12)
+    assert layer.weight.grad is None

@@ -117,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = base_product(self, x)
-        return y if self.lora is None else y + self.lora(x)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
 
 class RowParallelLinear(nn.Module):
@@ -145,7 +145,7 @@ class RowParallelLinear(nn.Module):
         else:
             partial = base_product(self, x, with_bias=False)
             if self.lora is not None:
-                partial = partial + self.lora(x)
+                partial = self.lora.add_to(partial, x)
             y = region.exit(partial)
         return y if self.bias is None else y + self.bias
 
