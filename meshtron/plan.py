@@ -320,12 +320,14 @@ def _check_context(cfg: Config, layout: MeshLayout) -> None:
             "(capacity_factor=0) with context parallelism")
     chunk = t.seq_len // (2 * cp)
     for recipe, block in _block_recipes(cfg):
-        # MXFP8's 32-token blocks are those of one process when no block crosses a cp chunk
-        require("mxfp8" in recipe and chunk % block == 0, f"parallel.cp={cp} with {recipe}: "
+        # MXFP8's 32-token and NVFP4's 16-token blocks (its Hadamard runs too) are those of
+        # one process when no block crosses a cp chunk; block-wise FP8's 128 x 128 tiles are not
+        chunked = "blockwise" not in recipe
+        require(chunked and chunk % block == 0, f"parallel.cp={cp} with {recipe}: "
                 "its weight-gradient tiles run along the tokens that cp splits; use tensorwise "
                 "or delayed scaling" + (f", or a train.seq_len that is a multiple of "
                                         f"{2 * cp * block} (2*cp chunks of whole blocks)"
-                                        if "mxfp8" in recipe else ""))
+                                        if chunked else ""))
 
 
 def _batch_split(cfg: Config, dp: int) -> tuple[int, int]:
@@ -391,10 +393,11 @@ def _check_fp8_blocks(cfg: Config, recipe: str, block: int) -> None:
         etp = 1 if cfg.parallel.etp == 1 else tp
         dims["model.moe.expert_ffn_size per expert-tp rank"] = \
             (m.moe.expert_ffn_size or m.ffn_hidden_size) // etp
-        require(cfg.parallel.ep == 1, f"{recipe} quantises each expert's weight gradient in "
-                f"blocks of 32 of its tokens, which parallel.ep={cfg.parallel.ep} gathers from "
-                "other ranks (other blocks than one process); use parallel.ep=1 or tensorwise "
-                "scaling")
+        # under ep each source rank's rows are blocked on their own (models/moe.py), as one
+        # process blocks that rank's micro-batch; a cp rank's rows are parts of sequences
+        require(cfg.parallel.cp == 1, f"{recipe} quantises each expert's weight gradient in "
+                f"blocks of 32 of its tokens, which parallel.cp={cfg.parallel.cp} splits "
+                "(other blocks than one process); use parallel.cp=1 or tensorwise scaling")
     for name, value in dims.items():
         require(value % block == 0,
                 f"{recipe} needs {name} = {value} divisible by {size}; pad the model, or use "

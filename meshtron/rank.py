@@ -28,12 +28,13 @@ from meshtron.models.adapters import cast_base, seed_base
 from meshtron.models.init import initialize
 from meshtron.models.transformer import Transformer
 from meshtron.optim.data_parallel import DataParallelOptimizer, build_optimizer
-from meshtron.parallel.context.sequence import MicroBatch, SequenceSplit
+from meshtron.parallel.context.sequence import MicroBatch, SequenceSplit, split_sequence
 from meshtron.parallel.mesh.groups import ParallelMesh
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.tensor.collectives import all_reduce
 from meshtron.parallel.tensor.linear import FP8Options
 from meshtron.plan import RunPlan
+from meshtron.precision.nvfp4 import TokenIndex
 from meshtron.precision.policy import PARAM_DTYPES, Precision
 from meshtron.precision.recipes import LayerPolicy, fp8_recipe, uses_low_precision
 
@@ -166,4 +167,13 @@ def layer_policy(pc: PrecisionConfig, mesh: ParallelMesh, num_layers: int,
     linear layer stays in high precision."""
     if not uses_low_precision(pc):
         return None
-    return LayerPolicy(pc, num_layers, seed, amax_agreement(mesh))
+    return LayerPolicy(pc, num_layers, seed, amax_agreement(mesh), cp_token_index(mesh))
+
+
+def cp_token_index(mesh: ParallelMesh) -> TokenIndex | None:
+    """Where this cp rank's ``L`` local positions sit in a sequence of ``L * cp`` (its two
+    chunks, :func:`split_sequence`); None without context parallelism."""
+    rank, cp = mesh.cp.rank, mesh.cp.size
+    if cp == 1:
+        return None
+    return lambda local: (split_sequence(torch.arange(local * cp), rank, cp, dim=0), local * cp)

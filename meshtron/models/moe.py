@@ -227,10 +227,12 @@ class RowRouting:
         return RowRouting(self.routed, local_copy, rows_per_expert, rows)
 
 
-def _low_precision_product(mx: MXExperts, grouped: Callable, rows: torch.Tensor,
-                           weights: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
-    """``grouped(rows, weights, counts)`` with its operands (and its backward's) in MXFP8."""
-    return mx.matmul(rows, torch.stack(weights), counts, grouped)
+def _low_precision_product(mx: MXExperts, grouped: Callable, sources: torch.Tensor,
+                           rows: torch.Tensor, weights: list[torch.Tensor],
+                           counts: torch.Tensor) -> torch.Tensor:
+    """``grouped(rows, weights, counts)`` with its operands (and its backward's) in MXFP8;
+    ``sources``: each local expert's rows by the ep rank they came from."""
+    return mx.matmul(rows, torch.stack(weights), counts, grouped, sources)
 
 
 class MoE(nn.Module):
@@ -326,20 +328,22 @@ class MoE(nn.Module):
             send = send.new_zeros(int(routing.rows_per_expert.sum()), send.shape[1]).index_copy(
                 0, routing.rows, send)
         dispatch = Dispatch(routing.rows_per_expert, self.ep)
-        out = dispatch.back(self._experts(dispatch.send(send), dispatch.expert_counts))
+        out = dispatch.back(self._experts(dispatch.send(send), dispatch.expert_counts,
+                                          dispatch.source_counts))
         if routing.rows is not None:
             out = out[routing.rows]
         out = out * weights.reshape(-1)[routing.order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, source, out)
 
-    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The local experts' FFNs on rows grouped by expert (counts per local expert); each tp
-        rank's partial sum of the down projection."""
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor,
+                 sources: torch.Tensor) -> torch.Tensor:
+        """The local experts' FFNs on rows grouped by expert (counts per local expert, and
+        per expert and source rank); each tp rank's partial sum of the down projection."""
         experts = list(self.experts.values())
         grouped = self.moe.compute == "grouped"
         product = partial(grouped_matmul, grouped=grouped)
         if self.low_precision is not None:  # stacked weights, every product in MXFP8
-            product = partial(_low_precision_product, self.low_precision, product)
+            product = partial(_low_precision_product, self.low_precision, product, sources)
         up = product(rows, [e.up_weight for e in experts], counts)
         if self.gated:
             gate, up = up.chunk(2, dim=-1)

@@ -201,22 +201,39 @@ def _mx_weights(w: Tensor, rule: ScaleRule, role: str) -> Tensor:
     return mx_dequantize(*mx_quantize(w.detach(), E4M3, MX_BLOCK, rule))
 
 
+def _segments_along_rows(x: Tensor, sizes: list[int], fmt: FP8Format, rule: ScaleRule,
+                         role: str) -> list[Quantized]:
+    """``x`` [rows, k] cut into segments of ``sizes`` rows, each MX-quantised along its rows
+    on its own (its blocks of 32 start at its first row; empty segments left out)."""
+    return [mx_operand_along_rows(part, fmt, rule, role)
+            for part in x.split(sizes) if len(part)]
+
+
+def _joined(parts: list[Quantized]) -> Tensor:
+    """The dequantised segments of :func:`_segments_along_rows`, one below the other."""
+    return torch.cat([q.dequantize() for q in parts])
+
+
 class _MXGrouped(torch.autograd.Function):
     """The MoE experts' grouped product in MXFP8: each of its three products quantises its
-    operands along its own reduction, as :class:`MXScaling` does for one layer (the weight
-    gradient's token blocks run inside each expert's rows)."""
+    operands along its own reduction, as :class:`MXScaling` does for one layer. The weight
+    gradient's token blocks run inside each expert's rows, and inside the rows of each source
+    where ``sources`` [G, S] counts them (expert parallelism: a micro-batch's rows from each
+    ep rank, quantised as that rank's one-process micro-batch is)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, counts: Tensor, rule: ScaleRule,
-                grad_fmt: FP8Format, matmul: GroupedMatmul) -> Tensor:
+                grad_fmt: FP8Format, matmul: GroupedMatmul, sources: Tensor | None) -> Tensor:
         check_mx_shape(w.shape[-1], "input")
         qx = mx_operand(x.detach(), E4M3, rule, "input").dequantize()
         y = matmul(qx, _mx_weights(w, rule, "weight"), counts)
+        sizes = (counts[:, None] if sources is None else sources).tolist()
         # the weight gradient's operand, quantised now: x itself is not kept for backward
-        ctx.qx_rows = [mx_operand_along_rows(xg, E4M3, rule, "input") if len(xg) else None
-                       for xg in x.detach().split(counts.tolist())]
+        ctx.qx_rows = [_segments_along_rows(xg, parts, E4M3, rule, "input")
+                       for xg, parts in zip(x.detach().split(counts.tolist()), sizes)]
         ctx.save_for_backward(w, counts)
         ctx.rule, ctx.grad_fmt, ctx.matmul, ctx.x_dtype = rule, grad_fmt, matmul, x.dtype
+        ctx.sizes = sizes
         return y.to(x.dtype)
 
     @staticmethod
@@ -227,11 +244,12 @@ class _MXGrouped(torch.autograd.Function):
         wt = _mx_weights(w.transpose(1, 2).contiguous(), ctx.rule, "weight")
         grad_x = ctx.matmul(gy.dequantize(), wt, counts).to(ctx.x_dtype)
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for g, (qx, gyg) in enumerate(zip(ctx.qx_rows, grad_y.split(counts.tolist()))):
-            if qx is not None:
-                qg = mx_operand_along_rows(gyg, ctx.grad_fmt, ctx.rule, "output gradient")
-                grad_w[g] = qg.dequantize().t() @ qx.dequantize()
-        return grad_x, grad_w.to(w.dtype), None, None, None, None
+        groups = zip(ctx.qx_rows, grad_y.split(counts.tolist()), ctx.sizes)
+        for g, (qx, gyg, parts) in enumerate(groups):
+            if qx:
+                qg = _segments_along_rows(gyg, parts, ctx.grad_fmt, ctx.rule, "output gradient")
+                grad_w[g] = _joined(qg).t() @ _joined(qx)
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -241,7 +259,9 @@ class MXExperts:
     rule: ScaleRule = "rceil"
     grad_format: FP8Format = E5M2
 
-    def matmul(self, x: Tensor, weights: Tensor, counts: Tensor,
-               grouped: GroupedMatmul) -> Tensor:
-        """``grouped(x, weights, counts)`` with every product's operands in MXFP8."""
-        return _MXGrouped.apply(x, weights, counts, self.rule, self.grad_format, grouped)
+    def matmul(self, x: Tensor, weights: Tensor, counts: Tensor, grouped: GroupedMatmul,
+               sources: Tensor | None = None) -> Tensor:
+        """``grouped(x, weights, counts)`` with every product's operands in MXFP8;
+        ``sources`` [G, S]: each group's rows by the ep rank they came from (None: one)."""
+        return _MXGrouped.apply(x, weights, counts, self.rule, self.grad_format, grouped,
+                                sources)

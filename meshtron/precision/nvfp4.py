@@ -20,11 +20,13 @@ The training recipe of NVIDIA's NVFP4 pre-training report, as :func:`nvfp4_linea
 
 Stochastic rounding draws each element's uniform number from a hash of (the layer's seed, the
 product, the element's token number in its micro-batch, its global output-feature number, the
-top 20 bits of its value), not from a generator's stream: the draw is deterministic given the
-seed and the same however tensor parallelism splits the features or pipeline and data
-parallelism split the work (the parity contract); the low bits that another summation order
-changes are left out, and a value that changes (the next step) draws anew. Per-tensor amaxes
-are agreed across the ranks holding parts of a tensor (``reduce_amax``).
+top 12 bits of its value: sign, exponent and 3 mantissa bits), not from a generator's stream:
+the draw is deterministic given the seed and the same however tensor parallelism splits the
+features, context parallelism the tokens (a cp rank numbers its tokens by their places in the
+whole sequence, ``token_index``) or pipeline and data parallelism the work (the parity
+contract); the low bits that another summation order changes are left out, and a value that
+changes (the next step) draws anew.
+Per-tensor amaxes are agreed across the ranks holding parts of a tensor (``reduce_amax``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ NAN_ROUNDING = (1 - 127 << 23) + (1 << 21) - 1
 take: their code comes from their fp32 bits (1.5, 2 or 3 for the usual payloads)."""
 
 AmaxReduce = Callable[[Tensor], Tensor]
+TokenIndex = Callable[[int], tuple[Tensor, int]]
+"""A rank's ``L`` local positions -> (their indices in the whole sequence [L], its length):
+context parallelism's split."""
 
 
 def e2m1_codes(v: Tensor, uniform: Tensor | None = None) -> Tensor:
@@ -87,6 +92,13 @@ def e2m1_values(codes: Tensor) -> Tensor:
     return table[codes.long()]
 
 
+VALUE_BITS = 12
+"""The bits of a value that key its stochastic-rounding draw: sign, exponent, 3 mantissa bits.
+With 20 (11 mantissa bits) about one gradient element in 500 drew anew under tp or cp, whose
+summation order moves a gradient by ~1e-6 relative, and the first step's grad norm differed
+from one process by 5e-4 to 1e-3; with 12 by under 1e-6 (tests/test_low_precision_training)."""
+
+
 def _mix32(h: Tensor) -> Tensor:
     """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding [0, 2**32);
     the multipliers stay below 2**31 so no product leaves int64."""
@@ -100,9 +112,10 @@ def _mix32(h: Tensor) -> Tensor:
 def hashed_uniform(v: Tensor, tokens: Tensor, features: Tensor, seed: int) -> Tensor:
     """A number in [0, 1) (24 random bits) per element of fp32 ``v`` from ``seed``, the
     element's token and global feature numbers (broadcast against ``v``) and its value's top
-    20 bits: the same element draws the same number in every layout, a last-bit difference
-    from another summation order almost never changes the draw, a new value draws anew."""
-    coarse = (v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 12
+    :data:`VALUE_BITS` bits: the same element draws the same number in every layout, another
+    summation order's rounding (relative 1e-6 in a gradient, many ulps) almost never changes
+    the draw, a value that moves by more than an eighth of an octave draws anew."""
+    coarse = (v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> (32 - VALUE_BITS)
     h = _mix32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64, device=v.device))
     h = _mix32(h ^ (tokens.to(torch.int64) & 0xFFFFFFFF))
     h = _mix32(h ^ (features.to(torch.int64) & 0xFFFFFFFF))
@@ -184,6 +197,8 @@ class NVFP4Options:
     stochastic: bool = True
     gather: WeightGather | None = None
     """``precision.fp8_param_gather``: the weight is quantised from its FP8 round trip."""
+    token_index: TokenIndex | None = None
+    """Where a rank's tokens sit in their sequences under cp (None: the whole sequence)."""
 
     def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None,
               defer: WeightGradHook | None = None, features: Tensor | None = None) -> Tensor:
@@ -214,6 +229,26 @@ class NVFP4Options:
         return nvfp4_quantize(x, self.agreed_scale(x, what), tile, uniform)
 
 
+    def token_numbers(self, shape: torch.Size, device: torch.device) -> Tensor | None:
+        """The numbers one process gives the rows of an input of ``shape`` [..., L, k]
+        (sequence ``i``'s token ``t`` is ``i * S + t``) where cp holds parts of the sequences;
+        None where the rows are numbered 0, 1, ... anyway."""
+        if self.token_index is None or len(shape) < 3:
+            return None
+        index, length = self.token_index(shape[-2])
+        sequences = torch.arange(shape[:-2].numel(), device=device)[:, None] * length
+        return (sequences + index.to(device)).reshape(-1)
+
+
+def _numbers(tokens: Tensor | None, count: int, device: torch.device) -> Tensor:
+    """``count`` token numbers: ``tokens``' (then on past their largest, for the padding of
+    the weight-gradient layout), or 0, 1, ..."""
+    if tokens is None:
+        return torch.arange(count, device=device)
+    extra = torch.arange(count - len(tokens), device=device) + int(tokens.max()) + 1
+    return torch.cat([tokens, extra])
+
+
 def _wgrad_operand(x: Tensor, opts: NVFP4Options) -> Tensor:
     """``x`` [tokens, k] as the weight gradient's operand [k, tokens']: Hadamard-transformed
     along the tokens (or only transposed and padded)."""
@@ -241,6 +276,7 @@ class _NVFP4Linear(torch.autograd.Function):
         ctx.w_scale, ctx.opts, ctx.defer = qw.tensor_scale, opts, defer  # codes not kept
         ctx.features = torch.arange(weight.shape[0], device=weight.device) \
             if features is None else features
+        ctx.tokens = opts.token_numbers(x.shape, x.device)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(weight)
@@ -255,13 +291,15 @@ class _NVFP4Linear(torch.autograd.Function):
         with torch.autocast(gy2.device.type, enabled=False):
             features = ctx.features
             if ctx.needs_input_grad[0]:
-                qgy = opts.quantize(gy2, "output gradient", salt=1, features=features)
+                rows = None if ctx.tokens is None else ctx.tokens[:, None]
+                qgy = opts.quantize(gy2, "output gradient", salt=1, tokens=rows,
+                                    features=features)
                 grad_x = (qgy.dequantize() @ _weight_again(weight, ctx.w_scale, opts)
                           ).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 gyt = _wgrad_operand(gy2, opts)
-                tokens = torch.arange(gyt.shape[1], device=gyt.device)
+                tokens = _numbers(ctx.tokens, gyt.shape[1], gyt.device)
                 gyt = opts.quantize(gyt, "output gradient", salt=2, tokens=tokens,
                                     features=features[:, None])
                 gy_w, x_w = gyt.dequantize(), ctx.qx_w.dequantize()

@@ -27,7 +27,7 @@ from meshtron.precision.fp8 import (
     make_recipe,
 )
 from meshtron.precision.mx import MXExperts, MXScaling
-from meshtron.precision.nvfp4 import NVFP4Options
+from meshtron.precision.nvfp4 import NVFP4Options, TokenIndex
 from meshtron.precision.param_gather import GatheredWeights, WeightGather
 
 Format = Literal["fp4", "fp8", "high"]
@@ -93,14 +93,16 @@ def fp8_recipe(pc: PrecisionConfig, reduce_amax: AmaxReduce | None) -> ScalingRe
 class LayerPolicy:
     """Makes each linear layer's low-precision options by its block (``options(layer)``);
     None keeps the layer in high precision. ``reduce_amax`` agrees an amax over the ranks
-    holding parts of one tensor (tp and cp)."""
+    holding parts of one tensor (tp and cp); ``token_index`` places a cp rank's tokens in their
+    sequences (NVFP4's stochastic rounding keys its draws by token numbers)."""
 
     def __init__(self, pc: PrecisionConfig, num_layers: int, seed: int = 0,
-                 reduce_amax: AmaxReduce | None = None):
+                 reduce_amax: AmaxReduce | None = None, token_index: TokenIndex | None = None):
         self.pc = pc
         self.num_layers = num_layers
         self.seed = seed
         self.reduce_amax = reduce_amax
+        self.token_index = token_index
 
     def options(self, layer: int | None) -> LowPrecision | None:
         fmt = layer_format(self.pc, self.num_layers, layer)
@@ -113,7 +115,8 @@ class LayerPolicy:
                 recipe = GatheredWeights(recipe, gather)
             return FP8Options(recipe, self.pc.fp8_grad, gather)
         return NVFP4Options(layer_seed(self.seed, layer), self.reduce_amax,
-                            self.pc.fp4_hadamard, self.pc.fp4_stochastic, gather)
+                            self.pc.fp4_hadamard, self.pc.fp4_stochastic, gather,
+                            self.token_index)
 
     def experts(self, layer: int | None) -> MXExperts | None:
         """The MoE experts' grouped products of block ``layer``: MXFP8 where the block's

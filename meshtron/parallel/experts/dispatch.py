@@ -77,6 +77,9 @@ class Dispatch:
         self.recv_splits = received.sum(1).tolist()
         self.expert_counts = received.sum(0)
         """Rows per local expert after regrouping."""
+        self.source_counts = received.t()
+        """Rows per local expert from each source rank [local, ep], in the order regrouping
+        leaves them (a micro-batch of each rank, one after the other)."""
         self.regroup: torch.Tensor | None = None
         if ep > 1 and local > 1:
             # received rows are (source, expert)-major; order them (expert, source)-major
