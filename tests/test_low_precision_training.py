@@ -17,7 +17,13 @@ from meshtron.plan import check_run
 from meshtron.precision.nvfp4 import NVFP4Options
 from meshtron.precision.recipes import FP8Options
 from tests.distributed import run_distributed
-from tests.parity import Failures, reference_run, run_layouts, test_overrides
+from tests.parity import (
+    Failures,
+    assert_weights_equal,
+    reference_run,
+    run_layouts,
+    test_overrides,
+)
 
 MX = ["--precision.fp8=mxfp8"]
 NV = ["--precision.fp4=nvfp4"]
@@ -90,13 +96,18 @@ def test_mxfp8_and_nvfp4_layouts_match_one_process(data_cache, tmp_path):
 
 
 def assert_close(reference: dict, got: dict, what: str) -> None:
-    """Step 1's loss within 1e-5 and grad norm within 1e-4 of one process; every step's loss
-    within 1e-3."""
+    """Step 1's loss and grad norm within 1e-5 of one process (measured: at most 2.5e-6, MXFP8
+    under cp; NVFP4 under cp with its tokens numbered locally: 8.6e-5), every step's loss
+    within 1e-3, the final weights (rank 0 reads them whole) within 1e-2 in relative norm
+    (measured: at most 2.1e-3, MXFP8 under cp, where flips to the next grid point compound
+    through Adam; NVFP4 under cp numbered locally: 2.6e-2)."""
     first = {k: abs(got[k][0] - reference[k][0]) / reference[k][0] for k in ("loss", "grad_norm")}
-    assert first["loss"] <= 1e-5 and first["grad_norm"] <= 1e-4, f"step 1: {first}"
+    assert max(first.values()) <= 1e-5, f"step 1: {first}"
     assert len(got["loss"]) == len(reference["loss"]) == STEPS, len(got["loss"])
     for step, (a, b) in enumerate(zip(reference["loss"], got["loss"]), 1):
         assert abs(a - b) <= 1e-3 * a, f"loss at step {step} {b} vs {a}"
+    if got.get("weights") is not None:
+        assert_weights_equal(reference["weights"], got["weights"], what, 1e-2)
 
 
 def test_the_policy_keeps_chosen_blocks_in_high_precision(tiny_overrides):

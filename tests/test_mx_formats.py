@@ -254,3 +254,43 @@ def test_mxfp8_expert_products_equal_one_mxfp8_layer_per_expert(grouped):
         assert torch.equal(y[start:start + len(rows)], ye), e
         assert torch.equal(x.grad[start:start + len(rows)], xe.grad), e
         assert torch.equal(w.grad[e], we.grad), e
+
+
+def test_mxfp8_expert_rows_from_several_ep_ranks_quantise_as_each_ranks_alone():
+    """Under expert parallelism an expert's rows are a micro-batch's rows from each ep rank,
+    one after the other (``sources``): the weight gradient's token blocks restart at each
+    rank's rows, so the expert's weight gradient is the sum of what each rank's rows give
+    alone (one process's micro-batches), and outputs and input gradients are theirs. A block
+    scale is a power of two, so another blocking changes an element only where it falls below
+    E4M3's normal range, 2^14 under its block's amax: the ranks' rows here are 2^18 apart (their
+    output gradients 2^-18, so both ranks' shares of the weight gradient count)."""
+    from functools import partial
+
+    from meshtron.parallel.experts.grouped import grouped_matmul
+    from meshtron.precision.mx import MXExperts
+
+    g = torch.Generator().manual_seed(9)
+    sources = torch.tensor([[20, 13], [0, 9], [25, 0], [7, 40]])
+    counts = sources.sum(1)
+    rows = int(counts.sum())
+    apart = torch.cat([torch.tensor([2.0**9] * a + [2.0**-9] * b)
+                       for a, b in sources.tolist()])
+    x0 = torch.randn(rows, 64, generator=g) * apart[:, None]
+    w0 = torch.randn(4, 32, 64, generator=g)
+    gy = torch.randn(rows, 32, generator=g) / apart[:, None]  # each rank's share alike
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y = MXExperts().matmul(x, w, counts, partial(grouped_matmul, grouped=True), sources)
+    y.backward(gy)
+    start = 0
+    for e, sizes in enumerate(sources.tolist()):
+        grad_w = torch.zeros_like(w0[e])
+        for size in sizes:
+            xs, we = x0[start:start + size].clone().requires_grad_(), w0[e].clone()
+            ys = fp8_linear(xs, we.requires_grad_(), None, MXScaling(), "e5m2")
+            ys.backward(gy[start:start + size])
+            assert torch.equal(y[start:start + size], ys), e
+            assert torch.equal(x.grad[start:start + size], xs.grad), e
+            grad_w += we.grad
+            start += size
+        torch.testing.assert_close(w.grad[e], grad_w, rtol=1e-5,
+                                   atol=1e-5 * float(grad_w.abs().max()))
