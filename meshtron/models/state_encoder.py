@@ -30,6 +30,10 @@ class StateEncoder(InputEncoder):
 
     def __init__(self, vision: VisionConfig, decoder_hidden: int, region: TPRegion):
         super().__init__()
+        # never sequence-parallel: every tp rank encodes the whole batch's states and the
+        # placement's backward gathers the token's gradient, so the parameters' gradients are
+        # whole on each rank already (an SP region would sum them over tp a second time)
+        region = TPRegion(region.group)
         self.vision = vision
         self.fc1 = nn.Linear(vision.state_dims, decoder_hidden)
         self.fc2 = nn.Linear(decoder_hidden, decoder_hidden)
