@@ -88,11 +88,16 @@ class Rotary(nn.Module):
         self.interleaved = interleaved
         self.local = (Rotary(head_dim, max_len, local_theta, interleaved=interleaved)
                       if local_theta is not None else None)
-        inv_freq, attention_factor = inverse_frequencies(head_dim, theta, rope, max_len)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
+        # On the CPU even inside ``torch.device("meta")`` (a checkpoint's shape check): meta's
+        # division runs through a Python reference that imports torch._dynamo, ~1.5 s of CPU
+        # per process; the tables are not parameters and not saved, so nothing else changes.
+        with torch.device("cpu"):
+            inv_freq, attention_factor = inverse_frequencies(head_dim, theta, rope, max_len)
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
+            cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def for_layer(self, windowed: bool) -> Rotary:
         """The table of a layer with a sliding window (``windowed``) or without."""
