@@ -13,33 +13,28 @@ the ZeRO all-gather of updated parameters, and the optimizer step (bound by memo
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from meshtron.costmodel.candidate import Candidate
 from meshtron.costmodel.comms import collective_seconds, layout_groups, send_seconds
+from meshtron.costmodel.estimate_memory import MemoryPricing
 from meshtron.costmodel.layer_comms import edge_communication, layer_communication
 from meshtron.costmodel.memory_model import (
-    MemoryEstimate,
-    StageParams,
-    collective_copy_bytes,
-    layer_activation_bytes,
     rank_params,
-    stage_params,
-    state_bytes,
-    transient_bytes,
 )
 from meshtron.costmodel.priced import ActionCosts, Estimate, Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.recompute import recomputed_gemm_shares, recomputed_seconds
-from meshtron.costmodel.stages import ChunkShape, StageShape, representative_layers, stage_shapes
+from meshtron.costmodel.stages import (
+    ChunkShape,
+    StageShape,
+    representative_layers,
+    stage_shapes,
+    zb_v_order_costs,
+)
 from meshtron.costmodel.workload import LayerWork, head_work, layer_work, mtp_merge_work
 from meshtron.models.flops import layer_and_head_cost
-from meshtron.parallel.pipeline.partition import (
-    PipelinePartition,
-    partition_layers,
-    virtual_stage_of,
-)
+from meshtron.parallel.pipeline.partition import PipelinePartition, partition_layers
 from meshtron.parallel.pipeline.schedules import Action, Schedule, build_schedule
 
 SIMULATED_MICROBATCHES = 24
@@ -50,20 +45,7 @@ product writes it, the scaled, masked softmax reads and writes it, dropout reads
 it with its mask, and the product with v reads it."""
 
 
-def zb_v_order_costs(c: Candidate, shapes: list[StageShape],
-                     costs: dict[ChunkShape, ActionCosts]) -> list[tuple[float, float, float]]:
-    """Each virtual stage's (F, B, W) seconds, which zb-v's order is made for (the plan,
-    which has only FLOPs, prices the three alike)."""
-    order = [(0.0, 0.0, 0.0)] * (c.pp * c.vpp)
-    for stage, shape in enumerate(shapes):
-        for chunk, piece in enumerate(shape.chunks):
-            a = costs[piece]
-            order[virtual_stage_of(c.pp, stage, chunk, True)] = (a.forward, a.backward,
-                                                                 a.weight)
-    return order
-
-
-class Estimator:
+class Estimator(MemoryPricing):
     """Prices candidates of one problem, caching what candidates share (partitions and stage
     shapes, layer costs, stage parameters)."""
 
@@ -77,20 +59,11 @@ class Estimator:
         self._pipelines: dict[tuple[int, int], tuple[PipelinePartition, list[StageShape],
                                                      dict[StageShape, int]]] = {}
         self._layers: dict[tuple, tuple[float, float, float, float]] = {}
-        self._stage_params: dict[tuple[int, int, int], StageParams] = {}
-        self._activations: dict[tuple, float] = {}
-        self._in_flight: dict[tuple, list[int]] = {}
-        self._receives_ahead: dict[tuple, int] = {}
-        self._shape_index: dict[tuple[int, int], list[int]] = {}
-        self._peak_stages: dict[tuple, list[int]] = {}
-        self._shape_bytes: dict[tuple, tuple[dict[str, float], float, float, float]] = {}
-        """Per stage shape and layout: (state, its sum, transient, collective copies) bytes,
-        shared by the schedules, sp and recompute modes the search tries for one layout."""
         self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
         self._chunks: dict[tuple, dict[ChunkShape, ActionCosts]] = {}
         self._schedules: dict[tuple, Schedule] = {}
-        self._last_memory: tuple[tuple[Candidate, bool], MemoryEstimate] | None = None
-        """The last peak priced: the search asks for it again in the candidate's estimate."""
+        self._shape_index: dict[tuple, list[int]] = {}
+        self.init_memory_caches()
 
     # ------------------------------------------------------------------ compute
 
@@ -232,65 +205,6 @@ class Estimator:
                                                   receives_ahead=0, costs=order)
         return self._schedules[key]
 
-    def in_flight(self, c: Candidate, microbatches: int, ordered: bool = False) -> list[int]:
-        """Micro-batches each stage keeps in flight at its peak: all of them under GPipe, else
-        what the schedule's warm-up holds (it stops growing after a few rounds). ``ordered``:
-        zb-v's order made for the chunks' costs, as the plan makes it (it may admit one
-        micro-batch more); else the order for equal chunks, which the first pass prices."""
-        if c.pp == 1:
-            return [1]
-        if c.schedule == "gpipe":
-            return [microbatches] * c.pp
-        m = min(microbatches, 4 * c.pp)
-        order = None
-        if c.vshape and ordered:
-            _, shapes, _ = self.pipeline(c)
-            order = tuple(zb_v_order_costs(c, shapes, self.chunk_costs(c)))
-        key = (c.schedule, c.pp, c.vpp, m, order)
-        if key not in self._in_flight:
-            self._in_flight[key] = self.schedule(c, m, order).peak_in_flight()
-        return self._in_flight[key]
-
-    def posted_receives(self, c: Candidate, stage: int) -> float:
-        """Bytes of a stage's pipeline receives posted ahead of their consumers
-        (``build_schedule``'s default): that many hidden-state messages on every stream the
-        stage receives on (from the stage before, from the stage after; both on every stage
-        when interleaved), beyond the consumed one its activations count."""
-        if c.pp == 1:
-            return 0.0
-        key = (c.schedule, c.pp, c.vpp)
-        if key not in self._receives_ahead:  # at most 1 unless interleaved; an interleaved
-            # schedule's need is highest from 4 * pp micro-batches on (tests/test_schedules.py)
-            self._receives_ahead[key] = 1 if c.vpp == 1 else build_schedule(
-                c.schedule, c.pp, c.vpp, 4 * c.pp).receives_ahead
-        wraps = c.vpp > 1 and not c.vshape  # looped chunks: every stage has both peers
-        streams = (stage > 0 or wraps) + (stage < c.pp - 1 or wraps)
-        return self._receives_ahead[key] * self.stage_message_bytes(c) * streams
-
-    def stage_message_bytes(self, c: Candidate) -> float:
-        """One micro-batch's hidden states between pipeline stages on one rank: this rank's
-        share of the sequence (over cp, and over tp under sequence parallelism)."""
-        pr = self.problem
-        tokens = c.micro_batch * pr.seq_len / c.cp
-        return tokens * pr.model.hidden_size * pr.element_size / (c.tp if c.sp else 1)
-
-    def peak_candidates(self, c: Candidate, in_flight: list[int]) -> list[int]:
-        """The stages, in order, that can hold the peak: of each stage shape its first stage
-        and its first with the most micro-batches in flight. A stage's memory grows with its
-        micro-batches in flight, so no other stage of the shape is higher, nor equal and
-        earlier; pricing only these keeps a deep pipeline's search from visiting every stage
-        of every candidate."""
-        key = (c.pp, c.vpp, c.vshape, tuple(in_flight))
-        if key not in self._peak_stages:
-            first: dict[int, int] = {}
-            most: dict[int, int] = {}
-            for s, number in enumerate(self._shape_index[(c.pp, c.vpp, c.vshape)]):
-                first.setdefault(number, s)
-                if number not in most or in_flight[s] > in_flight[most[number]]:
-                    most[number] = s
-            self._peak_stages[key] = sorted({*first.values(), *most.values()})
-        return self._peak_stages[key]
-
     def closed_form_seconds(self, c: Candidate, busiest: float, microbatches: int) -> float:
         """The busiest stage's work over one minus the schedule's theoretical bubble: the
         search's first pass (the plan itself uses :meth:`pipeline_seconds`)."""
@@ -325,93 +239,16 @@ class Estimator:
             rows = self.schedule(c, m, order).timeline(action_cost=price)
             return max(row[-1][1] for row in rows if row)
 
-        if microbatches <= SIMULATED_MICROBATCHES:
-            return makespan(microbatches)
         step = c.pp  # keeps interleaved's multiple of pp
         m1 = max(c.pp, SIMULATED_MICROBATCHES // step * step)
+        if microbatches <= max(SIMULATED_MICROBATCHES, m1 + step):  # the line would end here
+            return makespan(microbatches)
         if c.vshape:  # zb-v's list-scheduled order is not periodic (its choices differ from
             # one count to the next): past the start its busiest stage sets the pace
             busiest = max(sum(costs[k].total for k in shape.chunks) for shape in shapes)
             return makespan(m1 + step) + (microbatches - m1 - step) * busiest
         t1, t2 = makespan(m1), makespan(m1 + step)
         return t2 + (microbatches - m1 - step) * (t2 - t1) / step
-
-    # ------------------------------------------------------------------ memory
-
-    def stage_params(self, c: Candidate, stage: int) -> StageParams:
-        key = (c.pp, c.vpp, c.vshape, stage)
-        if key not in self._stage_params:
-            part, _, _ = self.pipeline(c)
-            held = part.stage_layers(stage)
-            layers = [i for chunk in held.chunks for i in chunk]
-            self._stage_params[key] = stage_params(self.problem.model, layers, held.embedding,
-                                                   held.head, c.pp)
-        return self._stage_params[key]
-
-    def layer_activations(self, layer: int | None, c: Candidate, recompute: str) -> float:
-        if layer is None:
-            return 0.0
-        key = (layer, c.tp, c.cp, c.sp, c.micro_batch, recompute)
-        if key not in self._activations:
-            self._activations[key] = layer_activation_bytes(
-                self.problem.model, layer, dataclasses.replace(c, recompute=recompute),
-                self.problem.seq_len, self.problem.element_size, self.software.selective,
-                self.software.selective_every)
-        return self._activations[key]
-
-    def memory(self, c: Candidate, stage: int | None = None,
-               ordered: bool = False) -> MemoryEstimate:
-        """The peak over stages, or the peak of pipeline stage ``stage`` (a trainer's memory
-        figure is rank 0's, which holds stage 0); ``ordered``: see :meth:`in_flight`."""
-        if stage is None and self._last_memory and self._last_memory[0] == (c, ordered):
-            return self._last_memory[1]
-        pr = self.problem
-        _, _, unique = self.pipeline(c)
-        in_flight = self.in_flight(c, c.microbatches(pr.global_batch), ordered)
-        dense = self.layer_activations(self.dense_layer, c, c.recompute)
-        moe = self.layer_activations(self.moe_layer, c, c.recompute)
-        per_shape = []
-        for number, (shape, first) in enumerate(unique.items()):
-            chunk = max(k.dense * dense + k.moe * moe for k in shape.chunks)
-            if c.recompute == "full" or (c.recompute == "selective"
-                                         and self.software.selective != "core"):
-                # one layer's whole activations while it is recomputed
-                chunk_extra = self.layer_activations(
-                    self.moe_layer if shape.chunks[0].moe else self.dense_layer, c, "none")
-            else:
-                chunk_extra = 0.0
-            key = (c.pp, c.vpp, c.vshape, number, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero,
-                   c.micro_batch)
-            if key not in self._shape_bytes:
-                params = self.stage_params(c, first)
-                state = state_bytes(params, c, pr.element_size, pr.reduce_size)
-                self._shape_bytes[key] = (
-                    state, sum(state.values()),
-                    transient_bytes(pr.model, params, c, pr.seq_len, shape.head,
-                                    pr.element_size, pr.reduce_size),
-                    collective_copy_bytes(params, c, pr.reduce_size,
-                                          pr.profile.reduce_scatter_copy))
-            state, held, transient, copies = self._shape_bytes[key]
-            per_shape.append((state, held, chunk, chunk_extra, transient, copies))
-        index = self._shape_index[(c.pp, c.vpp, c.vshape)]
-        stages = [stage] if stage is not None else self.peak_candidates(c, in_flight)
-        worst, peak = None, -1.0
-        for s in stages:
-            state, held, chunk, extra, transient, copies = per_shape[index[s]]
-            transient += self.posted_receives(c, s)
-            buffers = max(in_flight[s] * chunk + extra + transient, copies)
-            total = held + (1 + pr.profile.memory_step_slack) * buffers
-            if total > peak:
-                worst, peak = (state, in_flight[s] * chunk + extra, transient, copies), total
-        assert worst is not None
-        state, activations, transient, copies = worst
-        peak = MemoryEstimate(**state, activations=activations, transient=transient,
-                              reserved=pr.reserved_bytes,
-                              correction=pr.profile.memory_correction,
-                              collective_copies=copies, slack=pr.profile.memory_step_slack)
-        if stage is None:
-            self._last_memory = (c, ordered), peak
-        return peak
 
     # ------------------------------------------------------------------ the whole step
 
@@ -433,7 +270,7 @@ class Estimator:
                 per_group.append((collective_seconds(pr.profile, kind, group, grads),
                                   gather if c.zero in (1, 2) else 0.0,
                                   gather if c.zero == 3 else 0.0))
-            state = sum(state_bytes(params, c, pr.element_size, pr.reduce_size).values())
+            state = self.stage_state(c, stage)[1]
             bandwidth = pr.profile.memory_bandwidth * self.rate_scale(c)
             self._dp[key] = tuple(per_group), 2 * state / bandwidth
         return self._dp[key]

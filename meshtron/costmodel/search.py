@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from meshtron.config import Config
 from meshtron.costmodel.candidate import Candidate, Pins
 from meshtron.costmodel.estimate import Estimator, Problem
-from meshtron.costmodel.memory_model import state_bytes
 from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.refusals import check_layout_free, divisibility_refusal, plan_refusal
 from meshtron.errors import MeshtronError
@@ -228,8 +227,7 @@ class FirstPass:
         if key not in self.state_fits:
             pr, est = self.problem, self.estimator
             _, _, unique = est.pipeline(c)
-            worst = max(sum(state_bytes(est.stage_params(c, s), c, pr.element_size,
-                                        pr.reduce_size).values()) for s in unique.values())
+            worst = max(est.stage_state(c, s)[1] for s in unique.values())
             self.state_fits[key] = worst * pr.profile.memory_correction \
                 + pr.reserved_bytes <= pr.memory_limit
         return self.state_fits[key]

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.config import ModelConfig
-from meshtron.parallel.pipeline.partition import PipelinePartition
+from meshtron.costmodel.candidate import Candidate
+from meshtron.costmodel.priced import ActionCosts
+from meshtron.parallel.pipeline.partition import PipelinePartition, virtual_stage_of
 
 
 @dataclass(frozen=True)
@@ -65,3 +67,16 @@ def representative_layers(cfg: ModelConfig) -> tuple[int | None, int | None]:
     if dense is None and cfg.mtp_depth and not cfg.is_moe_layer(cfg.num_layers):
         dense = cfg.num_layers
     return dense, moe
+
+
+def zb_v_order_costs(c: Candidate, shapes: list[StageShape],
+                     costs: dict[ChunkShape, ActionCosts]) -> list[tuple[float, float, float]]:
+    """Each virtual stage's (F, B, W) seconds, which zb-v's order is made for (the plan,
+    which has only FLOPs, prices the three alike)."""
+    order = [(0.0, 0.0, 0.0)] * (c.pp * c.vpp)
+    for stage, shape in enumerate(shapes):
+        for chunk, piece in enumerate(shape.chunks):
+            a = costs[piece]
+            order[virtual_stage_of(c.pp, stage, chunk, True)] = (a.forward, a.backward,
+                                                                 a.weight)
+    return order
