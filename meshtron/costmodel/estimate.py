@@ -298,9 +298,10 @@ class Estimator(MemoryPricing):
                 exposed += microbatches * max(0.0, 2 * gather_3 - hidden)
         return exposed, optimizer
 
-    def estimate(self, c: Candidate, simulate: bool = True) -> Estimate:
-        """The candidate's step time, memory and throughput; ``simulate=False`` prices the
-        pipeline in closed form (the search's first pass)."""
+    def step_parts(self, c: Candidate, simulate: bool
+                   ) -> tuple[float, float, float, tuple[float, float], float]:
+        """(pipeline makespan, busiest stage's work and communication per micro-batch, its
+        exposed data-parallel and optimizer seconds, the step's seconds)."""
         pr = self.problem
         m = c.microbatches(pr.global_batch)
         costs = self.chunk_costs(c)
@@ -317,11 +318,20 @@ class Estimator(MemoryPricing):
                                                           first_forward), key=sum)
         makespan = (self.pipeline_seconds(c, costs, m) if simulate
                     else self.closed_form_seconds(c, busy, m))
+        step = (makespan + after[0] + after[1] + pr.profile.step_overhead_s) \
+            * pr.profile.time_correction
+        return makespan, busy, comm, after, step
+
+    def estimate(self, c: Candidate, simulate: bool = True) -> Estimate:
+        """The candidate's step time, memory and throughput; ``simulate=False`` prices the
+        pipeline in closed form (the search's first pass, which reads only
+        :meth:`step_parts`'s step)."""
+        pr = self.problem
+        m = c.microbatches(pr.global_batch)
+        makespan, busy, comm, (dp_exposed, optimizer), step = self.step_parts(c, simulate)
         memory = self.memory(c, ordered=simulate)
-        dp_exposed, optimizer = after
         busy, comm = busy * m, comm * m
         overhead = pr.profile.step_overhead_s
-        step = (makespan + dp_exposed + optimizer + overhead) * pr.profile.time_correction
         breakdown = {"compute": busy - comm, "bubble": max(0.0, makespan - busy),
                      "communication": comm + dp_exposed, "optimizer": optimizer,
                      "overhead": overhead}

@@ -241,7 +241,7 @@ class FirstPass:
         dropped = [0]  # candidates of layouts whose state alone overflows, left unenumerated
         for c in candidates(pr, pins, self.state_fit if self.prune else None, dropped):
             considered += 1
-            if not self.state_fit(c):
+            if not (self.prune or self.state_fit(c)):  # pruned: the enumeration asked
                 if c.recompute == "full":
                     spill.append(c)
                 continue
@@ -259,7 +259,7 @@ class FirstPass:
                 continue
             kept.add(layout)
             self.least[family] = mode
-            first_pass.append((est.estimate(c, simulate=False).step_time_s, c))
+            first_pass.append((est.step_parts(c, simulate=False)[-1], c))
         return first_pass, spill, considered + dropped[0]
 
 
