@@ -20,6 +20,7 @@ from meshtron.envs import env_spec
 from meshtron.envs.metaworld_tasks import phrasings, vocabulary
 from meshtron.errors import MeshtronError
 from meshtron.models.init import initialize
+from meshtron.models.state_encoder import state_parameters
 from meshtron.models.transformer import Transformer
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
@@ -91,6 +92,8 @@ def test_the_state_token_sits_before_the_actions_and_reaches_them(tmp_path):
     model = Transformer(dataclasses.replace(data.resolved(cfg).model,
                                             vocab_size=data.tokenizer.vocab_size))
     initialize(model, seed=1, std=0.05, num_layers=cfg.model.num_layers)
+    assert state_parameters(v, cfg.model.hidden_size) == sum(
+        p.numel() for name, p in model.named_parameters() if name.startswith("state."))
     with torch.no_grad():
         base = model(mb.tokens, inputs=mb.inputs)
         moved = dict(mb.inputs, **{STATE: mb.inputs[STATE] + 0.5})
