@@ -129,11 +129,14 @@ def _micro_batches(pins: Pins, share: int, pp: int, schedule: str) -> list[int]:
     return out
 
 
-def candidates(problem: Problem, pins: Pins, keep: Callable[[Candidate], bool] | None = None,
-               dropped: list[int] | None = None) -> Iterator[Candidate]:
-    """Every candidate that passes divisibility (memory is not checked here). ``keep``, given,
-    is asked once per layout (its first micro-batch and recompute mode standing for all):
-    a layout it refuses yields nothing, and its candidates are counted in ``dropped[0]``."""
+def layouts(problem: Problem, pins: Pins, keep: Callable[[Candidate], bool] | None = None,
+            dropped: list[int] | None = None
+            ) -> Iterator[tuple[tuple, list[int], list[str]]]:
+    """Every layout that passes divisibility, as (its fields tp, cp, pp, vpp, schedule, ep,
+    etp, dp, zero, sp; its micro-batch sizes; the recompute modes): :func:`candidates` without
+    building the candidates, which the first pass builds only for what it prices. ``keep``,
+    given, is asked once per layout (its first micro-batch and recompute mode standing for
+    all): a layout it refuses is left out, its candidates counted in ``dropped[0]``."""
     gb, layers = problem.global_batch, problem.model.num_layers
     modes = pins.allow("recompute", list(RECOMPUTE_ORDER))
     for tp, cp, pp, dp in _structures(problem, pins):
@@ -152,15 +155,22 @@ def candidates(problem: Problem, pins: Pins, keep: Callable[[Candidate], bool] |
                         sizes = _micro_batches(pins, share, pp, schedule)
                         if not sizes:
                             continue
-                        if keep is not None and dropped is not None and not keep(Candidate(
-                                tp, cp, pp, vpp, schedule, ep, etp, dp, zero, sp, sizes[0],
-                                modes[0])):
+                        fields = (tp, cp, pp, vpp, schedule, ep, etp, dp, zero, sp)
+                        if keep is not None and dropped is not None and not keep(
+                                Candidate(*fields, sizes[0], modes[0])):
                             dropped[0] += len(sizes) * len(modes)
                             continue
-                        for mb in sizes:
-                            for recompute in modes:
-                                yield Candidate(tp, cp, pp, vpp, schedule, ep, etp, dp, zero,
-                                                sp, mb, recompute)
+                        yield fields, sizes, modes
+
+
+def candidates(problem: Problem, pins: Pins, keep: Callable[[Candidate], bool] | None = None,
+               dropped: list[int] | None = None) -> Iterator[Candidate]:
+    """Every candidate that passes divisibility (memory is not checked here); ``keep`` and
+    ``dropped``: see :func:`layouts`."""
+    for fields, sizes, modes in layouts(problem, pins, keep, dropped):
+        for mb in sizes:
+            for recompute in modes:
+                yield Candidate(*fields, mb, recompute)
 
 
 def search(problem: Problem, pins: Pins, cfg: Config, *, simulate: int = SIMULATED,
@@ -239,27 +249,31 @@ class FirstPass:
         considered, first_pass, spill = 0, [], []
         kept: set[tuple] = set()
         dropped = [0]  # candidates of layouts whose state alone overflows, left unenumerated
-        for c in candidates(pr, pins, self.state_fit if self.prune else None, dropped):
-            considered += 1
-            if not (self.prune or self.state_fit(c)):  # pruned: the enumeration asked
-                if c.recompute == "full":
-                    spill.append(c)
-                continue
-            key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.zero)
-            layout = (*key, c.schedule, c.sp, c.micro_batch)
-            if layout in kept:  # a cheaper recompute mode of this layout already fits
-                continue
-            family, mode = layout[:-1], RECOMPUTE_ORDER.index(c.recompute)
-            if self.prune and mode < self.least.get(family, 0):
-                continue  # overflowed at a smaller micro-batch: overflows here too
-            if est.memory(c).peak > limit:
-                if c.recompute == "full" or pins.recompute:
-                    spill.append(c)
-                self.least[family] = max(self.least.get(family, 0), mode + 1)
-                continue
-            kept.add(layout)
-            self.least[family] = mode
-            first_pass.append((est.step_parts(c, simulate=False)[-1], c))
+        for fields, sizes, modes in layouts(pr, pins, self.state_fit if self.prune else None,
+                                            dropped):
+            key = (*fields[:4], fields[4] == "zb-v", *fields[5:7], fields[8])
+            for mb in sizes:
+                layout = (*key, fields[4], fields[9], mb)
+                for recompute in modes:
+                    considered += 1
+                    if layout in kept:  # a cheaper recompute mode of this layout already fits
+                        continue
+                    family, mode = layout[:-1], RECOMPUTE_ORDER.index(recompute)
+                    if self.prune and mode < self.least.get(family, 0):
+                        continue  # overflowed at a smaller micro-batch: overflows here too
+                    c = Candidate(*fields, mb, recompute)
+                    if not (self.prune or self.state_fit(c)):  # pruned: layouts() asked
+                        if recompute == "full":
+                            spill.append(c)
+                        continue
+                    if est.memory(c).peak > limit:
+                        if recompute == "full" or pins.recompute:
+                            spill.append(c)
+                        self.least[family] = max(self.least.get(family, 0), mode + 1)
+                        continue
+                    kept.add(layout)
+                    self.least[family] = mode
+                    first_pass.append((est.step_parts(c, simulate=False)[-1], c))
         return first_pass, spill, considered + dropped[0]
 
 
