@@ -33,7 +33,8 @@ from tests.readme_docs import DOCS_NOT_RUN, docs_commands, not_run_reason
 from tests.test_cli import _JOB_VARIABLES
 
 pytestmark = pytest.mark.xdist_group("readme")
-"""The commands run in order in one working directory: under ``pytest -n`` they stay on one worker."""
+"""The commands run in order in one working directory: under ``pytest -n`` they stay on one
+worker."""
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALED = ("--train.steps", "--checkpoint.every", "--checkpoint.resume_from",
