@@ -49,6 +49,17 @@ def test_another_model_in_the_run_dir_is_refused_before_anything_starts(tmp_path
         check_run_dir(load_config(overrides=[f"--run.dir={tmp_path / 'afile'}"]))
 
 
+def test_a_nested_field_added_since_the_save_is_no_difference_and_a_changed_one_is():
+    """A config saved before ``model.vision.state_dims`` existed still names the same model;
+    a nested field that changed (the rotary scaling's factor) is a difference."""
+    cfg = load_config(overrides=["--data.vocab_size=4096"])
+    saved = cfg.to_dict()
+    del saved["model"]["vision"]["state_dims"]
+    assert model_differences(saved, cfg) == []
+    saved["model"]["rope"]["factor"] = 8.0
+    assert model_differences(saved, cfg) == ["model.rope.factor: 8.0 -> 1.0"]
+
+
 def test_resume_from_an_earlier_step_sets_the_later_history_aside(data_cache, tmp_path):
     run_dir = tmp_path / "run"
     overrides = test_overrides(data_cache, str(run_dir), 6) + [

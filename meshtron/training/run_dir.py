@@ -35,8 +35,17 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
     model = dict(current["model"])
     moe = model.pop("moe")
     model.pop("lora")  # adapters leave the base model as it is (their checkpoints say which)
-    pairs = [(f"model.{key}", saved_model.get(key), value) for key, value in model.items()
-             if key != "preset" and not (key == "vocab_size" and value is None)]
+    pairs = []
+    for key, value in model.items():
+        if key == "preset" or (key == "vocab_size" and value is None):
+            continue
+        if isinstance(value, dict):  # a nested section (rope, vision) field by field: a field
+            # added since the saved config was written is not in it, and not a difference
+            saved_section = saved_model.get(key) or {}
+            pairs += [(f"model.{key}.{field}", saved_section.get(field), item)
+                      for field, item in value.items()]
+        else:
+            pairs.append((f"model.{key}", saved_model.get(key), value))
     saved_moe = saved_model.get("moe") or {}
     pairs += [(f"model.moe.{key}", saved_moe.get(key), moe[key]) for key in MOE_SHAPE]
     saved_data = saved.get("data") or {}
