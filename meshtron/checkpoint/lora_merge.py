@@ -1,6 +1,7 @@
 """An adapter checkpoint as a whole model: its base's weights with every adapter merged in
-(``W + alpha / rank * B A``), so that generation, ``meshtron convert --format hf`` and GGUF
-export see one ordinary model; and as a PEFT adapter folder (``--format peft``).
+(``W + alpha / rank * B A``, routed experts' weights one by one), so that generation,
+``meshtron convert --format hf`` and GGUF export see one ordinary model; and as a PEFT
+adapter folder (``--format peft``; not for adapters on routed experts).
 
 The base comes from where the checkpoint's ``lora`` entry says (:mod:`.lora_state`): a
 checkpoint, checked against the recorded digest, or weights drawn from ``train.seed``.
@@ -114,6 +115,10 @@ def peft_folder(path: Path, manifest: dict[str, Any], dst: Path,
     _, reader = open_checkpoint(path)
     pairs = adapters(reader)
     reader.verify()
+    if any(".experts." in layer for layer in pairs):
+        raise MeshtronError(f"checkpoint {path} has adapters on routed experts, which a PEFT "
+                            "folder cannot hold (PEFT adapts fused 3-D expert weights, not "
+                            "one matrix per expert); use --format hf to merge them")
     out: Tensors = {}
     modules: set[str] = set()
     for rule in rules:

@@ -18,6 +18,9 @@ ATTENTION_TARGETS = ("q", "kv", "proj")
 """The attention projections (queries, [keys | values], output)."""
 MLP_TARGETS = ("gate_up", "up", "down")
 """The dense MLP's projections (and the shared experts' of an MoE layer)."""
+EXPERT_TARGET = "experts"
+"""Every routed expert's [gate | up] and down products, each expert its own adapters (the
+shared experts are a dense MLP: ``mlp``)."""
 TARGET_GROUPS = {"attention": ATTENTION_TARGETS, "mlp": MLP_TARGETS}
 """Names standing for several projections."""
 BASE_DTYPES = ("bf16", "fp16", "fp32")
@@ -34,8 +37,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input (0 keeps runs layout-independent)."""
     targets: list[str] | None = None
-    """Projections that get adapters: attention (q, kv, proj), mlp (gate_up or up, down) or
-    those names one by one; None: attention and mlp."""
+    """Projections that get adapters: attention (q, kv, proj), mlp (gate_up or up, down),
+    experts (every routed expert's) or those names one by one; None: attention and mlp."""
     base_dtype: str | None = None
     """dtype the frozen base projections are held in (bf16 halves their memory; they compute
     in precision.dtype); None: precision.dtype."""
@@ -66,11 +69,8 @@ def check_lora(lora: LoraConfig) -> None:
         raise MeshtronError(f"model.lora.alpha must be a positive number, got {lora.alpha}")
     if not 0.0 <= lora.dropout < 1.0:
         raise MeshtronError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
-    known = (*TARGET_GROUPS, *ATTENTION_TARGETS, *MLP_TARGETS)
+    known = (*TARGET_GROUPS, *ATTENTION_TARGETS, *MLP_TARGETS, EXPERT_TARGET)
     for target in lora.targets or ():
-        if target == "experts":
-            raise MeshtronError("model.lora.targets=experts: adapters on routed experts are "
-                                "not supported; use attention and mlp (shared experts included)")
         if target not in known:
             raise MeshtronError(f"model.lora.targets has unknown '{target}'; choose from "
                                 f"{', '.join(known)}")
@@ -94,6 +94,8 @@ def lora_widths(m: Any) -> dict[str, int]:
         ffns.append(m.moe.shared_experts * (m.moe.expert_ffn_size or m.ffn_hidden_size))
     if ffns:
         widths.update(dict.fromkeys(MLP_TARGETS, min(h, *ffns)))
+    if m.is_moe:
+        widths[EXPERT_TARGET] = min(h, m.moe.expert_ffn_size or m.ffn_hidden_size)
     return widths
 
 
@@ -112,7 +114,7 @@ def check_lora_run(cfg: Any) -> None:
     if not targeted:
         raise MeshtronError(f"model.lora.targets={','.join(lora.targets or ())} names no "
                             "projection this model has (an MoE model without shared experts "
-                            "has no dense MLP); target attention")
+                            "has no dense MLP, a dense model no experts); target attention")
     name, width = min(targeted.items(), key=lambda item: item[1])
     if lora.rank > width:
         raise MeshtronError(f"model.lora.rank={lora.rank} is larger than the {name} "

@@ -5,7 +5,9 @@ The blocks are built as always; :func:`attach_adapters` then gives each targeted
 column- or row-parallel projection its adapter (``parallel/tensor/lora.py``: sharded as the
 projection) and freezes the rest, all inside the :class:`~meshtron.models.transformer.
 Transformer`'s constructor, so the optimizer, ZeRO and checkpoints see the model as it will
-train. Multi-token-prediction modules, embeddings, norms and routers stay frozen.
+train. With ``experts`` among the targets every routed expert of an MoE block gets its own
+pair on its [gate | up] and down products (``moe.ExpertWeight.lora``), on the expert's ep rank.
+Multi-token-prediction modules, embeddings, norms and routers stay frozen.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from torch import nn
 
 from meshtron.config import ModelConfig
-from meshtron.config.lora_section import LoraConfig
+from meshtron.config.lora_section import EXPERT_TARGET, LoraConfig
+from meshtron.models.moe import ExpertWeight, MoE
 from meshtron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
 from meshtron.parallel.tensor.lora import (
     FROZEN,
@@ -41,10 +44,23 @@ def attach_adapters(model: nn.Module, blocks: Iterator[nn.Module], lora: LoraCon
                 continue
             make = column_adapter if isinstance(layer, ColumnParallelLinear) else row_adapter
             layer.lora = make(layer.weight, lora.rank, lora.scale, lora.dropout, region.group)
+        if EXPERT_TARGET in names and isinstance(getattr(block, "mlp", None), MoE):
+            attach_expert_adapters(block.mlp, lora)
     for param in model.parameters():
         if not is_adapter(param) and param.requires_grad:
             param.requires_grad_(False)
             setattr(param, FROZEN, True)
+
+
+def attach_expert_adapters(moe: MoE, lora: LoraConfig) -> None:
+    """An adapter on each local routed expert's [gate | up] (column-parallel) and down
+    (row-parallel) weight, split over tp as the expert is (not at all when experts are
+    whole) and reduced over the experts' data-parallel group, as their weights would be."""
+    tp = None if moe.whole_experts else moe.region.group
+    for expert in moe.experts.values():
+        up, down = expert.up_holder, expert.down
+        up.lora = column_adapter(up.weight, lora.rank, lora.scale, lora.dropout, tp)
+        down.lora = row_adapter(down.weight, lora.rank, lora.scale, lora.dropout, tp)
 
 
 def target_layers(block: nn.Module) -> Iterator[tuple[str, ColumnParallelLinear |
@@ -70,7 +86,7 @@ def cast_base(model: nn.Module, dtype: torch.dtype, projections: torch.dtype) ->
         if is_frozen_base(param):
             param.data = param.data.to(dtype)
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear) \
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ExpertWeight) \
                 and module.lora is not None:
             module.weight.data = module.weight.data.to(projections)
 

@@ -36,11 +36,12 @@ from torch import nn
 from meshtron.autograd import attach_loss, in_backward
 from meshtron.config import ModelConfig, MoEConfig
 from meshtron.parallel.experts.dispatch import Dispatch
-from meshtron.parallel.experts.grouped import grouped_matmul
+from meshtron.parallel.experts.grouped import grouped_low_rank, grouped_matmul
 from meshtron.parallel.mesh.groups import Group, ParallelMesh
 from meshtron.parallel.mesh.params import SliceSpec
 from meshtron.parallel.tensor.collectives import all_gather, all_reduce, gather_to_tp, split_to_tp
 from meshtron.parallel.tensor.layers import TPRegion, sliced
+from meshtron.parallel.tensor.lora import LoraAdapter, base_product_weight
 from meshtron.precision.mx import MXExperts
 from meshtron.precision.policy import at_least_fp32
 
@@ -130,11 +131,13 @@ class Router(nn.Module):
 
 class ExpertWeight(nn.Module):
     """Holds one weight, so that expert parameters are named like the rest
-    (``experts.3.gate_up.weight``)."""
+    (``experts.3.gate_up.weight``), and its LoRA adapter where ``model.lora.targets`` has
+    experts (``experts.3.gate_up.lora.a``, models/adapters.py)."""
 
     def __init__(self, weight: nn.Parameter):
         super().__init__()
         self.weight = weight
+        self.lora: LoraAdapter | None = None
 
 
 class Expert(nn.Module):
@@ -161,8 +164,8 @@ class Expert(nn.Module):
         self.down = ExpertWeight(down)
 
     @property
-    def up_weight(self) -> torch.Tensor:
-        return (self.gate_up if self.gated else self.up).weight
+    def up_holder(self) -> ExpertWeight:
+        return self.gate_up if self.gated else self.up
 
 
 @dataclass
@@ -344,13 +347,28 @@ class MoE(nn.Module):
         product = partial(grouped_matmul, grouped=grouped)
         if self.low_precision is not None:  # stacked weights, every product in MXFP8
             product = partial(_low_precision_product, self.low_precision, product, sources)
-        up = product(rows, [e.up_weight for e in experts], counts)
+        up = self._adapted(product, rows, [e.up_holder for e in experts], counts)
         if self.gated:
             gate, up = up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(up, approximate="tanh")
-        return product(hidden, [e.down.weight for e in experts], counts)
+        return self._adapted(product, hidden, [e.down for e in experts], counts)
+
+    def _adapted(self, product: Callable, x: torch.Tensor, holders: list[ExpertWeight],
+                 counts: torch.Tensor) -> torch.Tensor:
+        """One projection of the local experts, plus each expert's own adapter where they
+        have them (in the run's dtype: a frozen base held narrower is cast, and the
+        adapters' low-rank products never go through MXFP8)."""
+        out = product(x, [base_product_weight(h.weight, x) for h in holders], counts)
+        adapters = [h.lora for h in holders if h.lora is not None]
+        if not adapters:
+            return out
+        lora = adapters[0]
+        if lora.dropout and self.training:
+            x = F.dropout(x, lora.dropout)
+        return grouped_low_rank(out, x, [a.a for a in adapters], [a.b for a in adapters],
+                                counts, lora.scale, grouped=self.moe.compute == "grouped")
 
     # ------------------------------------------------------------------ auxiliary losses
 

@@ -54,3 +54,13 @@ def _padded_bmm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) ->
     padded = padded.masked_scatter(valid.unsqueeze(-1), x)
     out = torch.bmm(padded, weights.transpose(1, 2))
     return out[valid]
+
+
+def grouped_low_rank(y: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
+                     b: Sequence[torch.Tensor], counts: torch.Tensor, scale: float,
+                     grouped: bool = True) -> torch.Tensor:
+    """``y`` plus each group's own low-rank update ``scale * (x A_g^T) B_g^T`` (LoRA on routed
+    experts: ``a[g]`` [r, in], ``b[g]`` [out, r]): two grouped products through the rank, so
+    an expert's adapter costs r / out of its base product, never a merged [out, in] weight."""
+    low = grouped_matmul(x, a, counts, grouped)
+    return torch.add(y, grouped_matmul(low, b, counts, grouped), alpha=scale)

@@ -12,6 +12,12 @@ own to the forward pass:
   region): A is split by columns as W, B replicated; the adapter's partial output is added
   before the region's sum, so each rank's gradient of B is again partial and summed over tp.
 
+Routed experts (``model.lora.targets=experts``) take the same pairs, one per expert and
+projection (``experts.3.gate_up.lora.a``), so they live on the expert's ep rank like its
+weights; their [gate | up] is column-parallel and their down row-parallel under expert tensor
+parallelism (none of it with whole experts: ``tp`` None), and both factors are summed over the
+experts' data-parallel group (the base layout's ``data_parallel``), never over dp x cp.
+
 Parameters are named ``<layer>.lora.a`` / ``<layer>.lora.b`` and carry their
 :class:`~meshtron.parallel.mesh.params.ParamLayout` like every other parameter, so
 initialisation, the grad norm, ZeRO and checkpoints need nothing else.
@@ -68,29 +74,34 @@ def _adapter_param(layout: ParamLayout) -> nn.Parameter:
 
 
 def column_adapter(weight: torch.Tensor, rank: int, scale: float, dropout: float,
-                   tp: Group) -> LoraAdapter:
+                   tp: Group | None) -> LoraAdapter:
     """The adapter of a column-parallel ``weight``: A replicated (gradient summed over
-    ``tp``), B split by rows as the weight."""
+    ``tp``; None: a weight no tp rank splits or shares, such as a whole expert's), B split
+    by rows as the weight; both reduced over the weight's data-parallel group."""
     base = layout_of(weight)
     out, inp = base.global_shape
     b_slice = None if base.tp_slice is None else SliceSpec(
         0, base.tp_slice.index, base.tp_slice.count, base.tp_slice.parts)
-    a = ParamLayout((rank, inp), None, tp.size, tp)
-    b = ParamLayout((out, rank), b_slice, base.replicas, base.grad_sync)
+    a = ParamLayout((rank, inp), None, _size(tp), tp, base.data_parallel)
+    b = ParamLayout((out, rank), b_slice, base.replicas, base.grad_sync, base.data_parallel)
     return LoraAdapter(a, b, scale, dropout)
 
 
 def row_adapter(weight: torch.Tensor, rank: int, scale: float, dropout: float,
-                tp: Group) -> LoraAdapter:
+                tp: Group | None) -> LoraAdapter:
     """The adapter of a row-parallel ``weight``: A split by columns as the weight, B
-    replicated (gradient summed over ``tp``)."""
+    replicated (gradient summed over ``tp``; None as for :func:`column_adapter`)."""
     base = layout_of(weight)
     out, inp = base.global_shape
     a_slice = None if base.tp_slice is None else SliceSpec(
         1, base.tp_slice.index, base.tp_slice.count)
-    a = ParamLayout((rank, inp), a_slice, base.replicas)
-    b = ParamLayout((out, rank), None, tp.size, tp)
+    a = ParamLayout((rank, inp), a_slice, base.replicas, None, base.data_parallel)
+    b = ParamLayout((out, rank), None, _size(tp), tp, base.data_parallel)
     return LoraAdapter(a, b, scale, dropout)
+
+
+def _size(group: Group | None) -> int:
+    return 1 if group is None else group.size
 
 
 def is_adapter(param: torch.Tensor) -> bool:
