@@ -98,7 +98,8 @@ MODES: dict[str, tuple[str, ...]] = {
 EMULATED = ("blockwise", "mxfp8", "nvfp4")
 """Recipes whose products are always emulated here (no native block-scaled GEMM wired)."""
 GOAL_BF16_MFU = 0.55
-GOAL_FP8_SPEEDUP = 1.4
+GOAL_FP8_SPEEDUP = 1.3
+"""Issue 50's goal: FP8 tokens/s at least 1.3x compiled bf16's on a 1B+ model (was 1.4)."""
 
 
 @dataclass(frozen=True)
