@@ -226,6 +226,14 @@ def test_llama3_8b_on_8_gpus_state_per_gpu_is_the_zero_closed_form(zero, per_par
     est = search(problem, Pins(tp=1, cp=1, pp=1, zero=zero, micro_batch=1, recompute="full"),
                  cfg).ranked[0]
     assert est.memory.state == pytest.approx(params * per_param, rel=1e-12)
+    # the optimizer step reads and writes that state once (memory-bound), and the search's
+    # state check reads the same shared figure
+    estimator = Estimator(problem)
+    profile = load_profile("h100-sxm")
+    optimizer = estimator.data_parallel_costs(c, 0)[1]
+    assert optimizer == pytest.approx(2 * params * per_param / profile.memory_bandwidth,
+                                      rel=1e-12)
+    assert estimator.stage_state(c, 0)[1] == pytest.approx(params * per_param, rel=1e-12)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
