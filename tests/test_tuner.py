@@ -403,6 +403,12 @@ def test_a_pipeline_stage_counts_its_receives_posted_ahead(monkeypatch):
     with_posts = estimator.memory(c, stage=1)
     monkeypatch.setattr(estimator, "posted_receives", lambda c, stage: 0.0)
     assert with_posts.transient - estimator.memory(c, stage=1).transient == 2 * message
+    # a deep interleaved pipeline: the need the cost model finds (on the schedule it keeps for
+    # the in-flight peak) is what build_schedule posts for the step's own count
+    deep = Estimator(pipeline_problem("llama3-8b", 16, 128))
+    c = candidate(pp=16, vpp=2, schedule="interleaved")
+    ahead = build_schedule("interleaved", 16, 2, 128).receives_ahead
+    assert ahead > 2 and deep.posted_receives(c, 0) == ahead * 2 * message
 
 
 # ----------------------------------------------------------------------------- on paper
