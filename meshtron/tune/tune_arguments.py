@@ -13,7 +13,8 @@ search):
   meshtron tune --model.preset=llama3-70b --train.global_batch=1024 --train.seq_len=8192 \\
       --precision.dtype=bf16 --cluster.gpu=h100-sxm --cluster.gpus=512 --top 10 \\
       --json plan.json --output-config plan.yaml
-  --cluster.gpu         a100-40gb, a100-80gb, h100-sxm, h200, b200, or a profile .json
+  --cluster.gpu         a100-40gb, a100-80gb, h100-sxm, h100-hbm2e, h200, b200, gb200,
+                        or a profile .json
   --cluster.gpus        GPUs in all; --cluster.gpus_per_node (default: the profile's, 8)
 calibrate this machine, then check the plan by trial runs of the real trainer:
   meshtron tune --calibrate --nproc 4 --output here.json

@@ -22,7 +22,7 @@ from meshtron.config import Config, load_config, parse_override
 from meshtron.costmodel.against_published import plan_confidence
 from meshtron.costmodel.priced import Estimate
 from meshtron.costmodel.problem import Cluster, Problem, problem_of
-from meshtron.costmodel.profiles import load_profile
+from meshtron.costmodel.profiles import builtin_profiles, load_profile
 from meshtron.costmodel.search import Pins, SearchResult, apply, search
 from meshtron.errors import MeshtronError
 from meshtron.files import check_output_file
@@ -51,7 +51,7 @@ def split_cluster(extra: list[str]) -> tuple[dict[str, object], list[str]]:
 def cluster_of(given: dict[str, object]) -> Cluster:
     if "gpu" not in given or "gpus" not in given:
         raise MeshtronError("tune needs --cluster.gpu=NAME|PROFILE.json and --cluster.gpus=N "
-                            "(built-in GPUs: a100-40gb, a100-80gb, h100-sxm, h200, b200)")
+                            f"(built-in GPUs: {', '.join(builtin_profiles())})")
     profile = load_profile(str(given["gpu"]))
     gpus = given["gpus"]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
