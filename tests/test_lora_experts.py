@@ -65,9 +65,10 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_expert_adapters_train_alone_and_merge_into_the_hf_export(tiny_overrides, tmp_path):
-    """Two steps: only adapters train (every expert's own pair, the closed-form count), the
-    base experts stay as drawn; the merged HF export (Mixtral, one matrix per expert) gives
-    the adapted model's logits; a PEFT folder is refused in one line, nothing written."""
+    """Two steps: only adapters train and sit in the optimizer (every expert's own pair, the
+    closed-form count), the base experts stay as drawn; the merged HF export (Mixtral, one
+    matrix per expert) gives the adapted model's logits; a PEFT folder is refused in one
+    line, nothing written."""
     transformers = pytest.importorskip("transformers")
     root = tmp_path / "ckpt"
     overrides = tiny_overrides + EXPERTS + ["--model.lora.targets=experts",
@@ -80,6 +81,9 @@ def test_expert_adapters_train_alone_and_merge_into_the_hf_export(tiny_overrides
     trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert all(map(is_adapter, trained.values()))
     assert sum(p.numel() for p in trained.values()) == expert_adapter_params(cfg)
+    moments = [t for s in trainer.optimizer.adamw.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim() > 0]  # AdamW's two fp64 moments, measured
+    assert sum(t.numel() * t.element_size() for t in moments) == 2 * 8 * expert_adapter_params(cfg)
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param.detach(), before[name]) != (name in trained), name
     convert(root, tmp_path / "hf", "hf")
