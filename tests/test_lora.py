@@ -122,7 +122,8 @@ def test_resume_on_another_seed_base_is_refused(tiny_overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (["--model.lora.rank=200"], "model.lora.rank=200 is larger than the kv projection"),
-    (["--model.lora.rank=4", "--model.preset=tiny-mla"], "latent attention"),
+    (["--model.lora.rank=65", "--model.preset=tiny-mla"],
+     "rank=65 is larger than the kv_b projection's smaller side \\(64\\)"),
     (["--model.lora.rank=4", "--model.lora.targets=mlp", "--model.moe.num_experts=4"],
      "names no projection this model has"),
     (["--model.lora.rank=4", "--model.lora.targets=qkv"], "unknown 'qkv'"),

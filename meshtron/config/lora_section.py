@@ -16,12 +16,16 @@ from meshtron.errors import MeshtronError
 
 ATTENTION_TARGETS = ("q", "kv", "proj")
 """The attention projections (queries, [keys | values], output)."""
+LATENT_TARGETS = ("q_a", "q_b", "kv_a", "kv_b")
+"""Latent attention's own (``model.attention=mla``): the query down and up projections (or
+``q`` when ``q_lora_rank`` is 0), the latent down-projection with its rotary key part and the
+latent up-projection to the heads' keys and values; its output projection is ``proj``."""
 MLP_TARGETS = ("gate_up", "up", "down")
 """The dense MLP's projections (and the shared experts' of an MoE layer)."""
 EXPERT_TARGET = "experts"
 """Every routed expert's [gate | up] and down products, each expert its own adapters (the
 shared experts are a dense MLP: ``mlp``)."""
-TARGET_GROUPS = {"attention": ATTENTION_TARGETS, "mlp": MLP_TARGETS}
+TARGET_GROUPS = {"attention": ATTENTION_TARGETS + LATENT_TARGETS, "mlp": MLP_TARGETS}
 """Names standing for several projections."""
 BASE_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -37,8 +41,9 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input (0 keeps runs layout-independent)."""
     targets: list[str] | None = None
-    """Projections that get adapters: attention (q, kv, proj), mlp (gate_up or up, down),
-    experts (every routed expert's) or those names one by one; None: attention and mlp."""
+    """Projections that get adapters: attention (q, kv, proj; latent attention's q or q_a
+    and q_b, kv_a, kv_b, proj), mlp (gate_up or up, down), experts (every routed expert's) or
+    those names one by one; None: attention and mlp."""
     base_dtype: str | None = None
     """dtype the frozen base projections are held in (bf16 halves their memory; they compute
     in precision.dtype); None: precision.dtype."""
@@ -69,7 +74,7 @@ def check_lora(lora: LoraConfig) -> None:
         raise MeshtronError(f"model.lora.alpha must be a positive number, got {lora.alpha}")
     if not 0.0 <= lora.dropout < 1.0:
         raise MeshtronError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
-    known = (*TARGET_GROUPS, *ATTENTION_TARGETS, *MLP_TARGETS, EXPERT_TARGET)
+    known = (*TARGET_GROUPS, *ATTENTION_TARGETS, *LATENT_TARGETS, *MLP_TARGETS, EXPERT_TARGET)
     for target in lora.targets or ():
         if target not in known:
             raise MeshtronError(f"model.lora.targets has unknown '{target}'; choose from "
@@ -87,8 +92,8 @@ def lora_widths(m: Any) -> dict[str, int]:
     h, d = m.hidden_size, m.head_size
     widths = {"q": min(h, m.num_heads * d), "kv": min(h, m.num_kv_heads * d),
               "proj": min(h, m.num_heads * d)}
-    if m.attention == "mla":  # latent attention's projections take no adapters
-        widths = {}
+    if m.attention == "mla":
+        widths = latent_widths(m)
     ffns = [m.ffn_hidden_size] if not all(m.is_moe_layer(i) for i in range(m.num_layers)) else []
     if m.is_moe and m.moe.shared_experts:
         ffns.append(m.moe.shared_experts * (m.moe.expert_ffn_size or m.ffn_hidden_size))
@@ -96,6 +101,19 @@ def lora_widths(m: Any) -> dict[str, int]:
         widths.update(dict.fromkeys(MLP_TARGETS, min(h, *ffns)))
     if m.is_moe:
         widths[EXPERT_TARGET] = min(h, m.moe.expert_ffn_size or m.ffn_hidden_size)
+    return widths
+
+
+def latent_widths(m: Any) -> dict[str, int]:
+    """Latent attention's projections' smaller sides: ``q`` or ``q_a`` and ``q_b``, ``kv_a``
+    (latent and rotary key), ``kv_b`` (every head's keys and values), ``proj``."""
+    h, heads, q_rank, kv_rank = m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    widths = {"q_a": min(h, q_rank), "q_b": min(q_rank, heads * qk)} if q_rank \
+        else {"q": min(h, heads * qk)}
+    widths.update(kv_a=min(h, kv_rank + m.qk_rope_head_dim),
+                  kv_b=min(kv_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+                  proj=min(h, heads * m.v_head_dim))
     return widths
 
 
@@ -107,9 +125,6 @@ def check_lora_run(cfg: Any) -> None:
     if not lora.enabled:
         return
     widths = lora_widths(m)
-    if m.attention == "mla" and set(lora.target_names()) & set(ATTENTION_TARGETS):
-        raise MeshtronError("model.lora.targets includes attention projections, but latent "
-                            "attention (model.attention=mla) takes no adapters; target mlp")
     targeted = {name: widths[name] for name in lora.target_names() if name in widths}
     if not targeted:
         raise MeshtronError(f"model.lora.targets={','.join(lora.targets or ())} names no "

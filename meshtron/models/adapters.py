@@ -7,6 +7,9 @@ projection) and freezes the rest, all inside the :class:`~meshtron.models.transf
 Transformer`'s constructor, so the optimizer, ZeRO and checkpoints see the model as it will
 train. With ``experts`` among the targets every routed expert of an MoE block gets its own
 pair on its [gate | up] and down products (``moe.ExpertWeight.lora``), on the expert's ep rank.
+Latent attention's projections (``q_a``, ``q_b`` or ``q``, ``kv_a``, ``kv_b``, ``proj``) are
+adapted like any other: the down projections every tp rank holds whole get whole adapters
+whose gradients are summed over tp as the base's would be (``whole_linear``'s layout).
 Multi-token-prediction modules, embeddings, norms and routers stay frozen.
 """
 

@@ -28,6 +28,12 @@ of per-head keys and values: every rank expands each block it meets with its ``k
 When ``kv_b`` runs in FP8 or defers its weight gradient (zero-bubble schedules) the ring cannot
 redo it, and the expanded keys and values travel as with ``all_to_all`` and ``all_gather``,
 whose cores take values narrower or wider than the keys.
+
+With a LoRA adapter on ``kv_b`` (``model.lora``) both the absorbed decode and the ring use the
+adapted weight ``W + alpha / rank * B A`` (:meth:`LatentAttention.kv_b_weight`), so decoding
+an adapted model equals decoding the merged one and the ring's gradient reaches A and B; an
+adapter with dropout while training leaves the ring to the expanded keys and values (the
+dropout acts on the latent, which one merged weight cannot express).
 """
 
 from __future__ import annotations
@@ -172,11 +178,25 @@ class LatentAttention(AttentionCore):
         """The ring's expansion of a travelling block [b, L, kv_rank + rope] (latent | key)."""
         return self.keys_values(*held.split([self.kv_rank, self.rope_dim], dim=-1), weight)
 
+    def kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's ``kv_b`` weight as the layer applies it: its adapter merged in when it
+        has one (a frozen base held narrower computes in ``dtype``)."""
+        weight, lora = self.kv_b.weight, self.kv_b.lora
+        if lora is None:
+            return weight
+        return lora.merged(weight.to(dtype))
+
+    def ring_carries_latent(self) -> bool:
+        """Whether the latent travels the ring (see the module docstring): not when
+        ``kv_b``'s adapter drops its input in training."""
+        lora = self.kv_b.lora
+        return self.latent_ring and (lora is None or not (lora.dropout and self.training))
+
     def ring_core(self, q: torch.Tensor, held: torch.Tensor,
                   sequence: Sequence) -> torch.Tensor:
         """Ring attention over the cp ranks with the latent travelling (see the module
         docstring), checkpointed under selective recompute."""
-        args = (q, held, self.expand, (self.kv_b.weight,), self.cp, sequence)
+        args = (q, held, self.expand, (self.kv_b_weight(q.dtype),), self.cp, sequence)
         if self.selective_recompute and self.training:
             return checkpoint(ring_attention_of, *args, use_reentrant=False)
         return ring_attention_of(*args)
@@ -189,7 +209,8 @@ class LatentAttention(AttentionCore):
         head's keys and values. ``q`` [b, heads, 1, nope + rope] (already scaled), ``latent``
         [b, L, kv_rank], ``k_rope`` [b, L, rope] -> [b, heads, 1, v]; ``keep`` [b, >= L] hides
         left padding."""
-        weight = self.kv_b.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        weight = self.kv_b_weight(q.dtype).view(self.num_heads, self.nope + self.v_dim,
+                                                self.kv_rank)
         key_up, value_up = weight.split([self.nope, self.v_dim], dim=1)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         scores = (torch.einsum("bhsn,hnr,blr->bhsl", q_nope, key_up, latent)
@@ -221,7 +242,7 @@ class LatentAttention(AttentionCore):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        if self.latent_ring and cache is None and sequence is not None:
+        if cache is None and sequence is not None and self.ring_carries_latent():
             y = self.ring_core(q, torch.cat([latent, k_rope], dim=-1), sequence)
         elif cache is not None and s == 1 and self.absorb and self.kv_b.fp8 is None:
             y = self.absorbed_core(q, latent, k_rope, cache.keep)

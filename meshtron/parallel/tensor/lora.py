@@ -66,6 +66,14 @@ class LoraAdapter(nn.Module):
                           self.b.t(), alpha=self.scale)
         return out.view(y.shape)
 
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's ``weight + scale * B A`` (differentiable in A and B): the adapted
+        layer's weight for code that uses the weight itself rather than the layer (latent
+        attention's absorbed decode and ring), exact where the adapter's dropout is off.
+        B's rows and A's columns are split as the weight's, so the local product is the
+        local slice of the global one."""
+        return torch.addmm(weight, self.b, self.a, alpha=self.scale)
+
 
 def _adapter_param(layout: ParamLayout) -> nn.Parameter:
     param = set_layout(nn.Parameter(torch.empty(layout.local_shape())), layout)
