@@ -44,7 +44,7 @@ train: setup
 	$(PY) -m meshtron generate --checkpoint runs/default --prompt "def " --max-new-tokens 120
 
 test: setup
-	$(PY) -m pytest -q -n auto --maxprocesses=2 --dist loadgroup --durations=25
+	$(PY) -m pytest -q --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -n auto --maxprocesses=2 --dist loadgroup -m "not slow"
