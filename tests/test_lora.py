@@ -74,13 +74,36 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits if hasattr(model, "config") else model.eval()(ids)
 
 
+def assert_exports_give_the_adapted_logits(model, base, root, tmp_path) -> str:
+    """The merged HF export of the adapter run ``root`` and the HF export of its ``base`` with
+    the PEFT folder loaded by ``peft`` give ``model``'s logits (and differ from the base's);
+    returns the merged model's transformers class name."""
+    import peft
+    import transformers
+
+    convert(base, tmp_path / "hf-base", "hf")
+    convert(root, tmp_path / "hf-merged", "hf")
+    convert(root, tmp_path / "peft", "peft")
+    ids = torch.randint(0, 500, (2, 24))
+    ours = logits(model, ids).double()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").eval()
+    base_logits = logits(plain, ids).double()
+    adapted = peft.PeftModel.from_pretrained(plain, tmp_path / "peft").eval()
+    vocab = base_logits.shape[-1]
+    assert (ours[..., :vocab] - base_logits).abs().max() > 1e-3  # the adapters do something
+    for other in (logits(merged, ids), logits(adapted, ids)):
+        assert torch.allclose(other.double(), ours[..., :vocab], atol=2e-5, rtol=0)
+    return type(merged).__name__
+
+
 @pytest.mark.slow
 def test_merged_export_and_peft_folder_match_the_adapted_model(tiny_overrides, tmp_path):
     """A LoRA run on a saved base: the merged HF export and the base's HF export with the
     PEFT folder loaded by ``peft`` give the adapted meshtron model's logits; keep_last keeps
     the base the adapters need; a base replaced by another is refused in one line."""
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
     root = tmp_path / "ckpt"
     cfg = base_config(load_config(overrides=tiny_overrides + LORA + ["--train.seed=3", VOCAB]))
     base = write_model_checkpoint(root, cfg, seed_weights(cfg))  # not the run's seed's
@@ -90,19 +113,7 @@ def test_merged_export_and_peft_folder_match_the_adapted_model(tiny_overrides, t
     trainer = train(overrides, 3)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
         base.name, "step_00000003"]  # steps 1, 2 pruned, the base kept
-    convert(base, tmp_path / "hf-base", "hf")
-    convert(root, tmp_path / "hf-merged", "hf")
-    convert(root, tmp_path / "peft", "peft")
-    ids = torch.randint(0, 500, (2, 24))
-    ours = logits(trainer.model, ids).double()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").eval()
-    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").eval()
-    base_logits = logits(plain, ids).double()
-    adapted = peft.PeftModel.from_pretrained(plain, tmp_path / "peft").eval()
-    vocab = base_logits.shape[-1]
-    assert (ours[..., :vocab] - base_logits).abs().max() > 1e-3  # the adapters do something
-    for other in (logits(merged, ids), logits(adapted, ids)):
-        assert torch.allclose(other.double(), ours[..., :vocab], atol=2e-5, rtol=0)
+    assert_exports_give_the_adapted_logits(trainer.model, base, root, tmp_path)
     shutil.rmtree(base)
     other = base_config(load_config(overrides=tiny_overrides + LORA + ["--train.seed=7", VOCAB]))
     write_model_checkpoint(root, other, seed_weights(other))  # another base in its place

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.checkpoint.gguf_convert import convert
 from meshtron.checkpoint.lora_merge import base_config, seed_weights
 from meshtron.checkpoint.model_io import write_model_checkpoint
 from meshtron.config import load_config
@@ -21,6 +20,7 @@ from meshtron.parallel.tensor.lora import is_adapter
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parity import FP64_RTOL, assert_layouts_match, run_layouts
+from tests.test_lora import assert_exports_give_the_adapted_logits
 
 LATENT = ["--model.attention=mla", "--model.q_lora_rank=24", "--model.kv_lora_rank=16",
           "--model.qk_nope_head_dim=8", "--model.qk_rope_head_dim=8", "--model.v_head_dim=12"]
@@ -102,19 +102,14 @@ def test_adapted_mla_decodes_and_generates_as_the_merged_model(extra):
     assert (base(ids) - full).abs().max() > 1e-2  # the adapters change the model
 
 
-def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits if hasattr(model, "config") else model.eval()(ids)
-
-
 @pytest.mark.slow
 def test_mla_adapters_merge_into_the_deepseek_export_and_the_peft_folder(tiny_overrides,
                                                                          tmp_path):
     """Three steps on a saved base: only adapters train; the merged export (transformers'
     DeepSeek-V3 names) and the base's export with the PEFT folder (q_a_proj, q_b_proj,
     kv_a_proj_with_mqa, kv_b_proj, o_proj) loaded by ``peft`` give the adapted logits."""
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
     root = tmp_path / "ckpt"
     model = [*tiny_overrides, *LORA, "--model.vocab_size=512"]
     cfg = base_config(load_config(overrides=model + ["--train.seed=3"]))
@@ -124,17 +119,5 @@ def test_mla_adapters_merge_into_the_deepseek_export_and_the_peft_folder(tiny_ov
     trainer = Trainer(load_config(overrides=overrides), log=lambda m: None)
     trainer.run()
     assert all(is_adapter(p) for p in trainer.model.parameters() if p.requires_grad)
-    convert(base, tmp_path / "hf-base", "hf")
-    convert(root, tmp_path / "hf-merged", "hf")
-    convert(root, tmp_path / "peft", "peft")
-    ids = torch.randint(0, 500, (2, 24))
-    ours = logits(trainer.model, ids).double()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").eval()
-    assert type(merged).__name__ == "DeepseekV3ForCausalLM"
-    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").eval()
-    base_logits = logits(plain, ids).double()
-    adapted = peft.PeftModel.from_pretrained(plain, tmp_path / "peft").eval()
-    vocab = base_logits.shape[-1]
-    assert (ours[..., :vocab] - base_logits).abs().max() > 1e-3  # the adapters do something
-    for other in (logits(merged, ids), logits(adapted, ids)):
-        assert torch.allclose(other.double(), ours[..., :vocab], atol=2e-5, rtol=0)
+    assert assert_exports_give_the_adapted_logits(trainer.model, base, root, tmp_path) == \
+        "DeepseekV3ForCausalLM"
