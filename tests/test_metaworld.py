@@ -245,23 +245,31 @@ def test_a_policy_trains_on_metaworld_frames_and_is_evaluated_per_task(mw_demos,
 
 
 @pytest.mark.slow
-def test_training_on_metaworld_frames_keeps_parity_under_tp_sp(mw_demos, tmp_path):
+def test_training_on_metaworld_frames_keeps_parity_under_tp_sp_pp_and_zero1(mw_demos, tmp_path):
     """The VLA parity machinery on Meta-World's 4-D actions and its proprioceptive state (the
-    state token placed before the actions, its encoder replicated over tp): tp=2 with sp
-    against one process (per-step loss and grad norm, fp32 at 1e-4 and fp64 at 1e-9)."""
+    state token placed before the actions, its encoder replicated over tp): tp=2 with sp,
+    pp=2 with both encoders on stage 0, dp=2 with ZeRO-1, each against one process (per-step
+    loss and grad norm, fp32 at 1e-4 and fp64 at 1e-9), every layout checked."""
     from tests.distributed import run_distributed
-    from tests.parity import assert_parity
+    from tests.parity import Failures, assert_parity
 
     cache = str(tmp_path / "cache")
     extra = [f"--model.vision.env={TWO}", "--model.vision.action_dims=4",
              "--model.vision.state_dims=4",
              "--model.vision.instruction_len=9"]  # a window of 30: sp splits it over tp=2
-    layouts = [["--parallel.tp=2", "--parallel.sp=true", *extra]]
+    layouts = [["--parallel.tp=2", "--parallel.sp=true", *extra],
+               ["--parallel.pp=2", "--train.micro_batch=2", *extra],
+               ["--parallel.zero=1", *extra]]
     results = run_distributed(_vla_layouts, 2, mw_demos, cache, str(tmp_path), layouts)
     reference = run_layout(vla_overrides(mw_demos, cache, str(tmp_path / "ref")) + extra)
     assert reference["loss"][-1] < reference["loss"][0]
-    for rank, per_rank in enumerate(results):
-        assert_parity(reference, per_rank[0], f"tp=2 sp (rank {rank})")
+    failures = Failures()
+    for i, layout in enumerate(layouts):
+        for rank, per_rank in enumerate(results):
+            what = f"{' '.join(layout[:2])} (rank {rank})"
+            with failures.check(what):
+                assert_parity(reference, per_rank[i], what)
+    failures.raise_any()
 
 
 @pytest.mark.slow
