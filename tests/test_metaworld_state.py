@@ -110,3 +110,16 @@ def test_no_state_to_read_is_one_line(tmp_path):
         build_policy_data(cfg, log=lambda m: None)
     with pytest.raises(MeshtronError, match="tabletop observes a 0-entry state"):
         load_config(overrides=["--model.preset=tiny-vla", "--model.vision.state_dims=2"])
+
+
+def test_the_startup_line_counts_the_state_encoder():
+    from meshtron.plan import plan_run
+    from meshtron.training.startup_report import run_lines
+
+    cfg = load_config(overrides=["--model.preset=tiny-vla", "--model.vocab_size=64",
+                                 "--model.vision.env=metaworld-mt10",
+                                 "--model.vision.action_dims=4", "--model.vision.state_dims=4"])
+    line = next(line for line in run_lines(cfg, plan_run(cfg, 1), 64)
+                if line.startswith("vision:"))
+    size = state_parameters(cfg.model.vision, cfg.model.hidden_size)
+    assert size > 0 and f"4-value state as one token ({size / 1e3:.1f}K parameters)" in line

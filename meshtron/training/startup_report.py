@@ -11,6 +11,7 @@ import torch
 from meshtron.config import Config, PrecisionConfig
 from meshtron.costmodel.activations import activation_bytes_per_layer, formula_covers
 from meshtron.models.flops import model_size
+from meshtron.models.state_encoder import state_parameters
 from meshtron.models.vision import vision_parameters
 from meshtron.optim.data_parallel import DataParallelOptimizer
 from meshtron.parallel.pipeline.schedules import Schedule
@@ -50,7 +51,10 @@ def run_lines(cfg: Config, plan: RunPlan, padded_vocab: int) -> list[str]:
             f"{v.patch_size}, {v.num_layers} encoder blocks of width {v.hidden_size} "
             f"({vision_parameters(v, m.hidden_size, m.vocab_size) / 1e6:.2f}M parameters with the "
             f"projector{' and the readout token' if v.readout_tokens else ''}); "
-            f"{v.instruction_len} instruction tokens; {v.action_tokens} action "
+            + (f"the robot's {v.state_dims}-value state as one token ("
+               f"{state_parameters(v, m.hidden_size) / 1e3:.1f}K parameters); "
+               if v.state_tokens else "")
+            + f"{v.instruction_len} instruction tokens; {v.action_tokens} action "
             f"tokens ({v.action_chunk} x {v.action_dims} dimensions, {v.action_bins} bins) "
             "per observation, the only tokens the loss counts")
     if plan.schedule is not None:
