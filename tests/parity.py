@@ -263,6 +263,19 @@ def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], ca
     failures.raise_any()
 
 
+def assert_layouts_match_reference(reference: dict, layouts: list[list[str]],
+                                   results: list[list[dict]]) -> None:
+    """Every rank's run of every layout against one given reference (a model whose reference
+    is not :func:`reference_run`'s, such as a policy's); every failure reported together."""
+    failures = Failures()
+    for i, layout in enumerate(layouts):
+        for rank, per_rank in enumerate(results):
+            what = f"{' '.join(layout)} (rank {rank})"
+            with failures.check(what):
+                assert_parity(reference, per_rank[i], what)
+    failures.raise_any()
+
+
 def reference_run(cache_dir: str, run_dir: str, model: tuple[str, ...]) -> dict:
     """:func:`run_layout` of one process for a model (its overrides), trained once per test
     session: kept in the session's data cache, whose path is part of every run's overrides,

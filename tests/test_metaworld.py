@@ -251,7 +251,7 @@ def test_training_on_metaworld_frames_keeps_parity_under_tp_sp_pp_and_zero1(mw_d
     pp=2 with both encoders on stage 0, dp=2 with ZeRO-1, each against one process (per-step
     loss and grad norm, fp32 at 1e-4 and fp64 at 1e-9), every layout checked."""
     from tests.distributed import run_distributed
-    from tests.parity import Failures, assert_parity
+    from tests.parity import assert_layouts_match_reference
 
     cache = str(tmp_path / "cache")
     extra = [f"--model.vision.env={TWO}", "--model.vision.action_dims=4",
@@ -263,13 +263,7 @@ def test_training_on_metaworld_frames_keeps_parity_under_tp_sp_pp_and_zero1(mw_d
     results = run_distributed(_vla_layouts, 2, mw_demos, cache, str(tmp_path), layouts)
     reference = run_layout(vla_overrides(mw_demos, cache, str(tmp_path / "ref")) + extra)
     assert reference["loss"][-1] < reference["loss"][0]
-    failures = Failures()
-    for i, layout in enumerate(layouts):
-        for rank, per_rank in enumerate(results):
-            what = f"{' '.join(layout[:2])} (rank {rank})"
-            with failures.check(what):
-                assert_parity(reference, per_rank[i], what)
-    failures.raise_any()
+    assert_layouts_match_reference(reference, layouts, results)
 
 
 @pytest.mark.slow

@@ -24,7 +24,13 @@ from meshtron.models.policy_runner import PolicyRunner
 from meshtron.models.transformer import Transformer
 from meshtron.parallel.context.sequence import SequenceSplit
 from meshtron.parallel.mesh.groups import ParallelMesh
-from tests.parity import FP64_STEPS, STEPS, Failures, assert_parity, run_each, run_layout
+from tests.parity import (
+    FP64_STEPS,
+    STEPS,
+    assert_layouts_match_reference,
+    run_each,
+    run_layout,
+)
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +162,7 @@ def test_policy_training_keeps_parity_under_tp_sp_pp_and_zero1(demos, tmp_path):
     reference = run_layout(vla_overrides(demos, cache, str(tmp_path / "ref")))
     assert len(reference["loss"]) == STEPS and len(reference["fp64"]["loss"]) == FP64_STEPS
     assert reference["loss"][-1] < reference["loss"][0]  # it learns
-    failures = Failures()  # every layout checked before one fails the test
-    for i, layout in enumerate(layouts):
-        for rank, per_rank in enumerate(results):
-            what = f"{' '.join(layout)} (rank {rank})"
-            with failures.check(what):
-                assert_parity(reference, per_rank[i], what)
-    failures.raise_any()
+    assert_layouts_match_reference(reference, layouts, results)  # every layout checked
 
 
 @pytest.mark.slow
