@@ -11,7 +11,7 @@ peaks (docs/tuning.md, "Memory").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from meshtron.costmodel.candidate import Candidate
 from meshtron.costmodel.memory_model import (
@@ -41,17 +41,11 @@ class MemoryPricing:
     dense_layer: int | None
     moe_layer: int | None
     _shape_index: dict[tuple, list[int]]
-
-    def pipeline(self, c: Candidate) -> tuple[PipelinePartition, list[StageShape],
-                                              dict[StageShape, int]]:
-        raise NotImplementedError  # the Estimator's
-
-    def schedule(self, c: Candidate, microbatches: int,
-                 order: Sequence[tuple[float, float, float]] | None) -> Schedule:
-        raise NotImplementedError  # the Estimator's
-
-    def chunk_costs(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
-        raise NotImplementedError  # the Estimator's
+    # the Estimator's methods this half calls (declared, not defined here)
+    pipeline: Callable[[Candidate], tuple[PipelinePartition, list[StageShape],
+                                          dict[StageShape, int]]]
+    schedule: Callable[[Candidate, int, Sequence[tuple[float, float, float]] | None], Schedule]
+    chunk_costs: Callable[[Candidate], dict[ChunkShape, ActionCosts]]
 
     def init_memory_caches(self) -> None:
         self._stage_params: dict[tuple, StageParams] = {}
