@@ -8,9 +8,10 @@ them once all of the unit's gradients have been handed to the reduce-scatter. Th
 stays gathered from the start of the forward pass to the end of the backward pass, as the
 embedding is used at both ends when weights are tied.
 
-With ``precision.fp8_param_gather`` the low-precision linear layers' weights travel as E4M3
-(:mod:`meshtron.optim.fp8_gather`): a layer whose low-precision options carry a
-:class:`~meshtron.precision.param_gather.WeightGather` marks its weight for it.
+With ``precision.fp8_param_gather`` the low-precision linear layers' weights travel as E4M3, or
+E2M1 for NVFP4 layers (:mod:`meshtron.optim.fp8_gather`): a layer whose low-precision options
+carry a :class:`~meshtron.precision.param_gather.WeightGather` (or ``FP4WeightGather``) marks
+its weight for it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from meshtron.autograd import in_backward
 from meshtron.optim.flat_params import FlatParams
 from meshtron.optim.fp8_gather import FP8Gather
 from meshtron.optim.grad_buckets import Bucket, GradReducer
-from meshtron.precision.param_gather import WeightGather
+from meshtron.precision.param_gather import FP4WeightGather, WeightGather
 
 
 class ShardedUnits:
@@ -89,9 +90,9 @@ class ShardedUnits:
             self.free(unit)
 
 
-def fp8_gathered_weights(model: nn.Module) -> dict[int, WeightGather]:
-    """The weights gathered in FP8 (by ``id``): those of linear layers whose low-precision
-    options carry a :class:`WeightGather`."""
+def fp8_gathered_weights(model: nn.Module) -> dict[int, WeightGather | FP4WeightGather]:
+    """The weights gathered in FP8 or FP4 (by ``id``): those of linear layers whose
+    low-precision options carry a :class:`WeightGather` or :class:`FP4WeightGather`."""
     out = {}
     for module in model.modules():
         gather = getattr(getattr(module, "fp8", None), "gather", None)

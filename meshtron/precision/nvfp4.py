@@ -40,10 +40,12 @@ from torch import Tensor
 from meshtron.errors import MeshtronError
 from meshtron.precision.fp8 import E4M3, WeightGradHook, expand_tiles, tile_amax
 from meshtron.precision.mx import check_finite_amax
-from meshtron.precision.param_gather import WeightGather
+from meshtron.precision.param_gather import FP4WeightGather
 
 FP4_MAX = 6.0
 NVFP4_BLOCK = 16
+WEIGHT_TILE = (NVFP4_BLOCK, NVFP4_BLOCK)
+"""Weights are scaled in 16 x 16 tiles (2-D scaling)."""
 E4M3_TINY = 2.0**-6
 """The smallest normal E4M3 value, the floor of a block scale."""
 
@@ -155,11 +157,25 @@ def nvfp4_quantize(x: Tensor, tensor_scale: Tensor, tile: tuple[int, int] = (1, 
     if rows % tile[0] or cols % tile[1]:
         raise MeshtronError(f"nvfp4 quantisation needs a [{rows}, {cols}] tensor to be whole "
                             f"{tile[0]} x {tile[1]} blocks; pad the model to multiples of 16")
-    xf = x.float()
-    block = tile_amax(xf, tile) / FP4_MAX
-    scale8 = torch.clamp(block / tensor_scale, E4M3_TINY, E4M3.max).to(E4M3.dtype)
+    scale8 = nvfp4_block_scales(tile_amax(x.float(), tile), tensor_scale)
+    return nvfp4_encode(x, scale8, tensor_scale, tile, uniform)
+
+
+def nvfp4_block_scales(amax: Tensor, tensor_scale: Tensor) -> Tensor:
+    """The E4M3 scales of blocks whose amaxes are ``amax`` under ``tensor_scale``: apart from
+    :func:`nvfp4_encode` so that the FP4 parameter gather can form them from amaxes agreed
+    over ranks that each hold part of a block."""
+    block = amax / FP4_MAX
+    return torch.clamp(block / tensor_scale, E4M3_TINY, E4M3.max).to(E4M3.dtype)
+
+
+def nvfp4_encode(x: Tensor, scale8: Tensor, tensor_scale: Tensor,
+                 tile: tuple[int, int] = (1, NVFP4_BLOCK),
+                 uniform: Tensor | None = None) -> NVFP4Tensor:
+    """``x`` as E2M1 codes at the given scales (``scale8``: one E4M3 scale per ``tile``):
+    element by element, so a part of a tensor encodes as it would inside the whole."""
     reciprocal = (1.0 / tensor_scale) / scale8.float()
-    v = torch.clamp(xf * expand_tiles(reciprocal, tile, x.shape), -FP4_MAX, FP4_MAX)
+    v = torch.clamp(x.float() * expand_tiles(reciprocal, tile, x.shape), -FP4_MAX, FP4_MAX)
     return NVFP4Tensor(e2m1_codes(v, uniform), scale8, tensor_scale, tile)
 
 
@@ -195,8 +211,9 @@ class NVFP4Options:
     reduce_amax: AmaxReduce | None = None
     hadamard: bool = True
     stochastic: bool = True
-    gather: WeightGather | None = None
-    """``precision.fp8_param_gather``: the weight is quantised from its FP8 round trip."""
+    gather: FP4WeightGather | None = None
+    """``precision.fp8_param_gather``: ZeRO-3 gathers the weight in FP4 and hands the layer
+    its scales (:class:`FP4WeightGather`)."""
     token_index: TokenIndex | None = None
     """Where a rank's tokens sit in their sequences under cp (None: the whole sequence)."""
 
@@ -265,8 +282,7 @@ class _NVFP4Linear(torch.autograd.Function):
                 defer: WeightGradHook | None, features: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            w = weight.detach() if opts.gather is None else opts.gather.round_trip(weight)
-            qw = opts.quantize(w, "weight", (NVFP4_BLOCK, NVFP4_BLOCK))
+            qw = nvfp4_weight(weight, opts)
             w = qw.dequantize()
             y = opts.quantize(x2.detach(), "input").dequantize() @ w.t()
             if bias is not None:
@@ -311,11 +327,25 @@ class _NVFP4Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+def nvfp4_weight(weight: Tensor, opts: NVFP4Options) -> NVFP4Tensor:
+    """The weight's one NVFP4 quantisation: at the scales the FP4 parameter gather delivered
+    with it (the gathered weight taken as is: quantising it again would move it, as NVFP4's
+    round trip is not idempotent), else at scales from the weight itself (one process, ZeRO
+    0-2, or no gather), which are the same numbers."""
+    given = None if opts.gather is None else opts.gather.scales_for(weight)
+    if given is None:
+        return opts.quantize(weight.detach(), "weight", WEIGHT_TILE)
+    return nvfp4_encode(weight.detach(), given[0], given[1], WEIGHT_TILE)
+
+
 def _weight_again(weight: Tensor, tensor_scale: Tensor, opts: NVFP4Options) -> Tensor:
     """The forward's quantised weight (dequantised), formed again from ``weight`` and its
-    agreed per-tensor scale: the layer keeps no FP4 copy of its weight for backward."""
-    w = weight.detach() if opts.gather is None else opts.gather.round_trip(weight)
-    return nvfp4_quantize(w, tensor_scale, (NVFP4_BLOCK, NVFP4_BLOCK)).dequantize()
+    agreed per-tensor scale (or the gather's scales): the layer keeps no FP4 copy of its
+    weight for backward."""
+    given = None if opts.gather is None else opts.gather.scales_for(weight)
+    if given is not None:
+        return nvfp4_encode(weight.detach(), given[0], given[1], WEIGHT_TILE).dequantize()
+    return nvfp4_quantize(weight.detach(), tensor_scale, WEIGHT_TILE).dequantize()
 
 
 def nvfp4_linear(x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,

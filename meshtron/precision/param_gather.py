@@ -13,13 +13,20 @@ scale is a power of two, the round trip is idempotent bit for bit (E4M3 values t
 two that stays in range are E4M3 values), so the layer applying it again to a gathered weight
 changes nothing: one quantisation, one set of numbers.
 
-The layer's own recipe (tensor-wise, block-wise, MXFP8 or NVFP4) then quantises that weight as
-it would any other.
+The layer's own FP8 recipe (tensor-wise, block-wise or MXFP8) then quantises that weight as it
+would any other.
+
+NVFP4 layers' weights travel in FP4 instead (:class:`FP4WeightGather`): E2M1 codes at the
+scales of the whole weight's single NVFP4 quantisation. NVFP4's round trip is not idempotent
+(the block scales of a quantised block are not its old ones), so the layer must not quantise
+the gathered weight again: the gather hands it the scales, and it encodes the gathered values
+at those scales, which gives back the gathered codes exactly. Without a gather the layer
+quantises its weight once itself: the same numbers in every layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -101,3 +108,29 @@ class GatheredWeights(ScalingRecipe):
     def weight_for_grad_input(self, weight: Tensor, scale: Tensor | None,
                               tile: Tile | None) -> Quantized:
         return self.inner.weight_for_grad_input(self.gather.round_trip(weight), scale, tile)
+
+
+@dataclass
+class FP4WeightGather:
+    """How an NVFP4 layer's weight is gathered in FP4 (``reduce_amax`` as for
+    :class:`WeightGather`). The gather :meth:`deliver`-s the scales it quantised the whole
+    weight with; the layer takes them (:meth:`scales_for`) for the buffer they came with."""
+
+    reduce_amax: AmaxReduce | None = None
+    _delivered: tuple[int, Tensor, Tensor] | None = field(default=None, repr=False)
+    """(the gathered weight's address, its E4M3 tile scales, its fp32 per-tensor scale)."""
+
+    def deliver(self, weight: Tensor, block_scale: Tensor, tensor_scale: Tensor) -> None:
+        """``weight`` (the gathered buffer's view) holds values quantised at these scales."""
+        self._delivered = (weight.data_ptr(), block_scale, tensor_scale)
+
+    def scales_for(self, weight: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The delivered (tile scales, per-tensor scale) if ``weight`` is the buffer they came
+        with (ZeRO-3 refills the same storage at each gather, delivering again); None where
+        nothing was gathered (one process, ZeRO 0-2)."""
+        if self._delivered is None or weight.numel() == 0:
+            return None
+        address, block, tensor = self._delivered
+        if address != weight.data_ptr():
+            return None
+        return block, tensor

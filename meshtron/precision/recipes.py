@@ -28,7 +28,7 @@ from meshtron.precision.fp8 import (
 )
 from meshtron.precision.mx import MXExperts, MXScaling
 from meshtron.precision.nvfp4 import NVFP4Options, TokenIndex
-from meshtron.precision.param_gather import GatheredWeights, WeightGather
+from meshtron.precision.param_gather import FP4WeightGather, GatheredWeights, WeightGather
 
 Format = Literal["fp4", "fp8", "high"]
 
@@ -108,14 +108,16 @@ class LayerPolicy:
         fmt = layer_format(self.pc, self.num_layers, layer)
         if fmt == "high":
             return None
-        gather = WeightGather(self.reduce_amax) if self.pc.fp8_param_gather else None
+        gathered = self.pc.fp8_param_gather
         if fmt == "fp8":
             recipe = fp8_recipe(self.pc, self.reduce_amax)
+            gather = WeightGather(self.reduce_amax) if gathered else None
             if gather is not None:
                 recipe = GatheredWeights(recipe, gather)
             return FP8Options(recipe, self.pc.fp8_grad, gather)
         return NVFP4Options(layer_seed(self.seed, layer), self.reduce_amax,
-                            self.pc.fp4_hadamard, self.pc.fp4_stochastic, gather,
+                            self.pc.fp4_hadamard, self.pc.fp4_stochastic,
+                            FP4WeightGather(self.reduce_amax) if gathered else None,
                             self.token_index)
 
     def experts(self, layer: int | None) -> MXExperts | None:
