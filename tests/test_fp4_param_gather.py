@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from meshtron.config import load_config
+from meshtron.errors import MeshtronError
+from meshtron.optim.fp8_gather import FP8Gather
+from meshtron.optim.grad_buckets import Bucket
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
+from meshtron.parallel.mesh.groups import CommStats, Group
 from meshtron.plan import plan_run
 from meshtron.precision.fp4_gather import encode_run, pack_nibbles, run_tile_amax, unpack_nibbles
 from meshtron.precision.nvfp4 import (
@@ -200,3 +204,34 @@ def test_nibbles_pack_the_even_element_low_and_pad_an_odd_run():
     packed = pack_nibbles(codes)
     assert packed.tolist() == [0xF1, 0x38, 0x07]
     assert torch.equal(unpack_nibbles(packed, 5), codes)
+
+
+def one_rank_gather(weight: torch.Tensor) -> tuple[FP8Gather, FP4WeightGather]:
+    """The packing of a one-rank bucket holding a norm-like vector and ``weight``."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(weight)]
+    group = Group("dp", [0], 0, None, CommStats())
+    bucket = Bucket(0, params, [0, 3], [p.shape for p in params], 3 + weight.numel(),
+                    4 + weight.numel(), True, 1, group)
+    gather = FP4WeightGather()
+    return FP8Gather(bucket, {id(params[1]): gather}), gather
+
+
+def test_one_rank_pack_unpacks_to_the_single_quantisation_and_a_nan_is_one_line():
+    """A bucket's pack (a 3-element vector in fp32 then the weight's nibbles) unpacks to the
+    vector and the weight's single quantisation, whose scales reach the layer; a weight
+    holding a NaN is refused in one line, as the layer refuses it."""
+    w = torch.randn(32, 48, generator=torch.Generator().manual_seed(3))
+    packing, gather = one_rank_gather(w)
+    shard = torch.cat([torch.full((3,), 2.0), w.reshape(-1), torch.zeros(1)])
+    assert packing.length == 3 * 4 + w.numel() // 2
+    full = torch.empty_like(shard)
+    packing.unpack(packing.gather_buffer(shard, 0), full)
+    want = NVFP4Options().quantize(w, "weight", WEIGHT_TILE).dequantize()
+    assert torch.equal(full[:3], shard[:3]) and full[-1] == 0
+    held = full[3:-1].view(w.shape)
+    assert torch.equal(held, want)
+    assert torch.equal(nvfp4_weight(held, NVFP4Options(gather=gather)).dequantize(), want)
+    shard[40] = float("nan")
+    with pytest.raises(MeshtronError, match="non-finite amax .* weight") as info:
+        packing.pack(shard, 0)
+    assert "\n" not in str(info.value)
