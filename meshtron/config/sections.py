@@ -387,9 +387,10 @@ class PrecisionConfig:
     fp8_amax: str = "max"
     """Delayed scaling: the scale comes from the history's max or its most_recent amax."""
     fp8_param_gather: bool = False
-    """ZeRO-3 gathers the FP8/FP4 blocks' linear weights in E4M3 (1 byte an element, one
-    power-of-two scale per weight) instead of precision.dtype; every layout computes with
-    that round trip of the weights, so one process matches."""
+    """ZeRO-3 gathers the FP8 blocks' linear weights in E4M3 (1 byte an element, one
+    power-of-two scale per weight) and the NVFP4 blocks' in E2M1 (half a byte, at the whole
+    weight's scales) instead of precision.dtype; every layout computes with the same weights
+    (FP8: that round trip; NVFP4: its one quantisation), so one process matches."""
 
 
 @dataclass
