@@ -27,6 +27,10 @@ whole sequence, ``token_index``) or pipeline and data parallelism the work (the 
 contract); the low bits that another summation order changes are left out, and a value that
 changes (the next step) draws anew.
 Per-tensor amaxes are agreed across the ranks holding parts of a tensor (``reduce_amax``).
+
+A weight is quantised once (:func:`nvfp4_weight`): ZeRO-3's FP4 parameter gather delivers it
+already quantised with its scales (:mod:`meshtron.optim.fp8_gather`), and the layer takes it
+as is, since quantising ``deq(q(W))`` again need not give ``deq(q(W))``.
 """
 
 from __future__ import annotations
