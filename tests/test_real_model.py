@@ -66,12 +66,13 @@ def until_eos(completions: list[list[int]]) -> list[list[int]]:
     return [tokens[:tokens.index(EOS)] if EOS in tokens else tokens for tokens in completions]
 
 
-def cli_greedy(checkpoint: Path, capfd, *layout: str) -> list[list[int]]:
+def cli_greedy(checkpoint: Path, capfd, *layout: str, prompts: list[str] = PROMPTS,
+               new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """``meshtron generate --temperature 0 --json`` tokens of every prompt, under ``layout``."""
-    prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
+    args = [arg for p in prompts for arg in ("--prompt", p)]
     capfd.readouterr()
-    assert main(["generate", "--checkpoint", str(checkpoint), *prompts, "--temperature", "0",
-                 "--max-new-tokens", str(NEW_TOKENS), "--json", *layout]) == 0
+    assert main(["generate", "--checkpoint", str(checkpoint), *args, "--temperature", "0",
+                 "--max-new-tokens", str(new_tokens), "--json", *layout]) == 0
     rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.strip()]
     return [row["tokens"] for row in rows]
 
@@ -130,6 +131,8 @@ FINE_TUNE = ["--train.seq_len=64", "--train.global_batch=4", "--train.log_every=
              "--train.eval_every=0", "--train.lr=3e-5", "--train.min_lr=3e-6",
              "--train.warmup_steps=1", "--train.weight_decay=0.0", "--run.progress=false",
              "--run.plot=false", "--checkpoint.every=0"]
+EXPORT_TOKENS = 16
+"""New tokens of the exported models' greedy check (their logits are compared, too)."""
 
 
 def fine_tune(imported: Path, text: Path, run: Path, steps: int, *layout: str,
@@ -145,29 +148,42 @@ def fine_tune(imported: Path, text: Path, run: Path, steps: int, *layout: str,
             if '"step"' in line and "event" not in line]
 
 
-def transformers_greedy_of(model_dir: Path, gguf: str | None = None) -> list[list[int]]:
-    """transformers' greedy tokens of the first two prompts from an exported model."""
+def load_transformers(model_dir: Path, gguf: str | None = None):
+    """transformers' reading of an exported folder (or GGUF file in it): (model, tokenizer)."""
     import transformers
 
     kwargs = {"gguf_file": gguf} if gguf else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, **kwargs).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
-    out = []
+    return model, transformers.AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference over the largest value of ``b``."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def assert_export_is_the_model(exported, logits: torch.Tensor, ids: torch.Tensor,
+                               greedy: list[int]) -> None:
+    """transformers' logits of the export equal meshtron's (fp32 to 1e-5, as the import's do),
+    and its greedy continuation of the first prompt is ``meshtron generate``'s."""
+    model, tokenizer = exported
     with torch.no_grad():
-        for prompt in PROMPTS[:2]:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                    do_sample=False, eos_token_id=None, pad_token_id=2)
-            out.append(tokens[0, ids.shape[1]:].tolist())
-    return out
+        assert relative(model(ids).logits, logits) <= 1e-5
+        prompt = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+        tokens = model.generate(prompt, max_new_tokens=EXPORT_TOKENS,
+                                min_new_tokens=EXPORT_TOKENS, do_sample=False,
+                                eos_token_id=None, pad_token_id=2)
+    assert until_eos([tokens[0, prompt.shape[1]:].tolist()]) == [greedy]
 
 
-def test_fine_tuning_under_the_mesh_and_back_to_transformers(smollm_checkpoint, tmp_path,
+def test_fine_tuning_under_the_mesh_and_back_to_transformers(smollm_checkpoint, smollm, tmp_path,
                                                              capfd):
     """Continued pre-training on English text: 2 steps at tp=3, resumed for a third at pp=2 x
     dp=2 with ZeRO-3, equal to 3 steps in one process (loss and grad norm, fp32 to 1e-4); the
-    result exported to HF and to GGUF, where transformers generates what meshtron does."""
+    result exported to HF and to GGUF, where transformers computes the tuned model's logits
+    (not the imported model's) and generates what ``meshtron generate`` does."""
     text = tmp_path / "train.txt"
     text.write_text(english_text(held_out=False)[:60_000])
     start = smollm_checkpoint / "step_00000000"
@@ -186,6 +202,11 @@ def test_fine_tuning_under_the_mesh_and_back_to_transformers(smollm_checkpoint, 
                  "--format", "hf"]) == 0
     assert main(["convert", "--from", str(run), "--to", str(tmp_path / "tuned.gguf"),
                  "--format", "gguf"]) == 0
-    ours = cli_greedy(run, capfd)[:2]
-    assert until_eos(transformers_greedy_of(tmp_path / "hf")) == ours
-    assert until_eos(transformers_greedy_of(tmp_path, "tuned.gguf")) == ours
+    tuned, tokenizer = load_for_inference(run)
+    ids = torch.tensor([tokenizer.encode(english_text(held_out=True))[:48]])
+    with torch.no_grad():
+        logits = tuned(ids)
+        assert relative(smollm[0](ids), logits) > 1e-4  # the steps moved the model
+    [greedy] = cli_greedy(run, capfd, prompts=PROMPTS[:1], new_tokens=EXPORT_TOKENS)
+    assert_export_is_the_model(load_transformers(tmp_path / "hf"), logits, ids, greedy)
+    assert_export_is_the_model(load_transformers(tmp_path, "tuned.gguf"), logits, ids, greedy)
