@@ -117,9 +117,9 @@ def test_the_table_of_docs_tuning_is_recomputed_within_its_bounds():
     figures tune prints are these runs'."""
     comparisons = ap.published_comparisons()
     mae, worst = ap.summary(comparisons)
-    assert mae <= 0.143 and worst <= 0.362, (mae, worst)
+    assert mae <= 0.136 and worst <= 0.362, (mae, worst)
     mae, worst = ap.summary(tuple(c for c in comparisons if c.run.data_sheet))
-    assert mae <= 0.08 and worst <= 0.24, (mae, worst)
+    assert mae <= 0.068 and worst <= 0.166, (mae, worst)
     docs = DOCS.read_text()
     for line in ap.table_lines(comparisons):
         assert line.strip() in docs, f"docs/tuning.md lacks: {line}"
@@ -217,6 +217,25 @@ def test_an_overlapped_parameter_gather_hides_behind_the_next_forward():
     assert exposed == pytest.approx(reduce - 0.1 + gather, rel=1e-12)
     _, serial = estimator_for("megatron-h100-32b-384gpu", grad_reduce_overlap=False)
     assert serial.data_parallel_seconds(c, 0, 0.1, 4, 0.1)[0] == pytest.approx(reduce + gather)
+
+
+def test_megatron_runs_without_a_pipeline_hide_the_reduction_behind_one_micro_batch():
+    """Megatron's H100 table gives 4 x pp sequences per data-parallel rank: one micro-batch of
+    4 without a pipeline (NVIDIA's pp1 GPT recipes' micro_batch_size 4), 4 x pp of 1 with one.
+    The 32B run (tp 8: one rank per node in its data-parallel group) reduce-scatters 15 GB of
+    fp32 gradients through one card, 0.30 s: hidden behind the backward of its one
+    micro-batch of 4, exposed behind the last of 4 micro-batches of 1."""
+    for r in (r for r in load_published_runs() if r.name.startswith("megatron-h100")):
+        c = r.candidate
+        assert r.problem.global_batch // c.dp == 4 * c.pp
+        assert c.microbatches(r.problem.global_batch) == (1 if c.pp == 1 else 4 * c.pp)
+    run, est = estimator_for("megatron-h100-32b-384gpu", param_gather_overlap=True)
+    c = run.candidate
+    (reduce, gather, _), _ = est.data_parallel_costs(c, 0)[0]
+    assert reduce == pytest.approx(0.302, abs=1e-3) and gather == pytest.approx(0.151, abs=1e-3)
+    assert est.step_parts(c, simulate=False)[3][0] == 0.0
+    split = dataclasses.replace(c, micro_batch=1)
+    assert est.step_parts(split, simulate=False)[3][0] > 0.2
 
 
 @pytest.mark.parametrize("change, words", [
