@@ -52,18 +52,25 @@ class LayoutGroups:
     pp_crosses_nodes: bool
 
 
-@lru_cache(maxsize=4096)
 def layout_groups(c: Candidate, gpus_per_node: int) -> LayoutGroups:
-    folded_tp = c.tp if c.etp == 1 else 1  # etp=1: experts fold over the tp ranks too
-    ep_stride = 1 if c.etp == 1 else c.tp
-    expert_dp = c.dp * c.cp * folded_tp // c.ep
+    """The candidate's groups; cached on the fields they read, not the whole candidate (a
+    search asks for every micro-batch size and recompute mode of each layout)."""
+    return _groups(c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, gpus_per_node)
+
+
+@lru_cache(maxsize=4096)
+def _groups(tp: int, cp: int, pp: int, dp: int, ep: int, etp: int | None,
+            gpus_per_node: int) -> LayoutGroups:
+    folded_tp = tp if etp == 1 else 1  # etp=1: experts fold over the tp ranks too
+    ep_stride = 1 if etp == 1 else tp
+    expert_dp = dp * cp * folded_tp // ep
     return LayoutGroups(
-        tp=priced_group(c.tp, 1, gpus_per_node),
-        cp=priced_group(c.cp, c.tp, gpus_per_node),
-        dp=priced_group(c.dp * c.cp, c.tp, gpus_per_node),
-        ep=priced_group(c.ep, ep_stride, gpus_per_node),
-        expert_dp=priced_group(expert_dp, ep_stride * c.ep, gpus_per_node),
-        pp_crosses_nodes=c.pp > 1 and c.tp * c.cp * c.dp >= gpus_per_node)
+        tp=priced_group(tp, 1, gpus_per_node),
+        cp=priced_group(cp, tp, gpus_per_node),
+        dp=priced_group(dp * cp, tp, gpus_per_node),
+        ep=priced_group(ep, ep_stride, gpus_per_node),
+        expert_dp=priced_group(expert_dp, ep_stride * ep, gpus_per_node),
+        pp_crosses_nodes=pp > 1 and tp * cp * dp >= gpus_per_node)
 
 
 def collective_seconds(profile: ClusterProfile, kind: str, group: PricedGroup,

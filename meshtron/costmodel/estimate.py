@@ -61,6 +61,7 @@ class Estimator(MemoryPricing):
         self._layers: dict[tuple, tuple[float, float, float, float]] = {}
         self._dp: dict[tuple, tuple[tuple[tuple[float, float, float], ...], float]] = {}
         self._chunks: dict[tuple, dict[ChunkShape, ActionCosts]] = {}
+        self._totals: dict[tuple, tuple[float, float, tuple[float, float]]] = {}
         self._schedules: dict[tuple, Schedule] = {}
         self._shape_index: dict[tuple, list[int]] = {}
         self.init_memory_caches()
@@ -158,6 +159,30 @@ class Estimator(MemoryPricing):
         if key not in self._chunks:
             self._chunks[key] = self._price_chunks(c)
         return self._chunks[key]
+
+    def stage_totals(self, c: Candidate) -> tuple[float, float, tuple[float, float]]:
+        """(the busiest stage's seconds for one micro-batch, the most communication in them,
+        the exposed data-parallel and optimizer seconds after the pipeline): the same for
+        every schedule of one split, micro-batch and ZeRO stage, so shared by them (the
+        search's first pass asks tens of thousands of times in a large search)."""
+        key = (c.tp, c.cp, c.pp, c.vpp, c.vshape, c.ep, c.etp, c.dp, c.sp, c.micro_batch,
+               c.recompute, c.zero)
+        if key not in self._totals:
+            costs = self.chunk_costs(c)
+            _, _, unique = self.pipeline(c)
+            m = c.microbatches(self.problem.global_batch)
+            busy = comm = 0.0
+            after = (0.0, 0.0)
+            for shape, stage in unique.items():
+                work = [costs[k] for k in shape.chunks]
+                busy = max(busy, sum(a.total for a in work))
+                comm = max(comm, sum(a.communication for a in work))
+                last_backward = sum(a.backward + a.weight for a in work)
+                first_forward = sum(a.forward for a in work)
+                after = max(after, self.data_parallel_seconds(c, stage, last_backward, m,
+                                                              first_forward), key=sum)
+            self._totals[key] = busy, comm, after
+        return self._totals[key]
 
     def _price_chunks(self, c: Candidate) -> dict[ChunkShape, ActionCosts]:
         pr = self.problem
@@ -257,8 +282,8 @@ class Estimator(MemoryPricing):
         """Per gradient group (dense, experts): (reduction, gather of updated chunks, ZeRO-3
         gather) seconds; and the optimizer step's seconds (memory-bound: every state byte
         read and written once)."""
-        key = (c.pp, c.vpp, c.vshape, stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero, c.world_size)
-        if key not in self._dp:
+        key = (c.pp, c.vpp, c.schedule == "zb-v", stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero)
+        if key not in self._dp:  # (the world size is tp x cp x pp x dp)
             pr = self.problem
             groups = layout_groups(c, pr.profile.gpus_per_node)
             params = self.stage_params(c, stage)
@@ -304,19 +329,8 @@ class Estimator(MemoryPricing):
         exposed data-parallel and optimizer seconds, the step's seconds)."""
         pr = self.problem
         m = c.microbatches(pr.global_batch)
-        costs = self.chunk_costs(c)
-        _, _, unique = self.pipeline(c)
-        busy = comm = 0.0
-        after = (0.0, 0.0)
-        for shape, stage in unique.items():
-            work = [costs[k] for k in shape.chunks]
-            busy = max(busy, sum(a.total for a in work))
-            comm = max(comm, sum(a.communication for a in work))
-            last_backward = sum(a.backward + a.weight for a in work)
-            first_forward = sum(a.forward for a in work)
-            after = max(after, self.data_parallel_seconds(c, stage, last_backward, m,
-                                                          first_forward), key=sum)
-        makespan = (self.pipeline_seconds(c, costs, m) if simulate
+        busy, comm, after = self.stage_totals(c)
+        makespan = (self.pipeline_seconds(c, self.chunk_costs(c), m) if simulate
                     else self.closed_form_seconds(c, busy, m))
         step = (makespan + after[0] + after[1] + pr.profile.step_overhead_s) \
             * pr.profile.time_correction

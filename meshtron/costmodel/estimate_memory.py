@@ -19,6 +19,7 @@ from meshtron.costmodel.memory_model import (
     StageParams,
     collective_copy_bytes,
     layer_activation_bytes,
+    peak_total,
     stage_params,
     state_bytes,
     transient_bytes,
@@ -52,6 +53,8 @@ class MemoryPricing:
         self._activations: dict[tuple, float] = {}
         self._in_flight: dict[tuple, list[int]] = {}
         self._receives_ahead: dict[tuple, int] = {}
+        self._stage_receives: dict[tuple, list[float]] = {}
+        self._stage_buffers: dict[tuple, list[tuple[int, float, float]]] = {}
         self._peak_stages: dict[tuple, list[int]] = {}
         self._stage_state: dict[tuple, tuple[dict[str, float], float, float]] = {}
         self._shape_bytes: dict[tuple, list[tuple[dict[str, float], float, float, float]]] = {}
@@ -98,6 +101,14 @@ class MemoryPricing:
         wraps = c.vpp > 1 and not c.vshape  # looped chunks: every stage has both peers
         streams = (stage > 0 or wraps) + (stage < c.pp - 1 or wraps)
         return self._receives_ahead[key] * self.stage_message_bytes(c) * streams
+
+    def stage_receives(self, c: Candidate) -> list[float]:
+        """:meth:`posted_receives` of every stage, shared by the candidates of one schedule
+        and message size (every ZeRO stage, dp and recompute mode)."""
+        key = (c.schedule, c.pp, c.vpp, c.tp, c.cp, c.sp, c.micro_batch)
+        if key not in self._stage_receives:
+            self._stage_receives[key] = [self.posted_receives(c, s) for s in range(c.pp)]
+        return self._stage_receives[key]
 
     def stage_message_bytes(self, c: Candidate) -> float:
         """One micro-batch's hidden states between pipeline stages on one rank: this rank's
@@ -188,6 +199,48 @@ class MemoryPricing:
             self._shape_bytes[key] = rows
         return self._shape_bytes[key]
 
+    def stage_buffers(self, c: Candidate, stage: int | None, ordered: bool
+                      ) -> list[tuple[int, float, float]]:
+        """Of each stage that can hold the peak (or of ``stage``): (its shape's index, its
+        activations, its posted receives) bytes; the same for every ZeRO stage and expert
+        split of a layout, so shared by them."""
+        key = (c.schedule, c.pp, c.vpp, c.tp, c.cp, c.dp, c.sp, c.micro_batch, c.recompute,
+               stage, ordered)
+        if key not in self._stage_buffers:
+            in_flight = self.in_flight(c, c.microbatches(self.problem.global_batch), ordered)
+            acts, receives = self.shape_activations(c), self.stage_receives(c)
+            index = self._shape_index[(c.pp, c.vpp, c.vshape)]
+            stages = [stage] if stage is not None else self.peak_candidates(c, in_flight)
+            self._stage_buffers[key] = [
+                (index[s], in_flight[s] * acts[index[s]][0] + acts[index[s]][1], receives[s])
+                for s in stages]
+        return self._stage_buffers[key]
+
+    def worst_stage(self, c: Candidate, stage: int | None, ordered: bool
+                    ) -> tuple[dict[str, float], float, float, float]:
+        """(state by kind, activations, transient, collective copies) bytes of the stage that
+        holds the peak (or of ``stage``)."""
+        shape_bytes = self.shape_bytes(c)
+        slack = self.problem.profile.memory_step_slack
+        worst, peak = None, -1.0
+        for number, activations, received in self.stage_buffers(c, stage, ordered):
+            state, held, transient, copies = shape_bytes[number]
+            transient += received
+            total = held + (1 + slack) * max(activations + transient, copies)
+            if total > peak:
+                worst, peak = (state, activations, transient, copies), total
+        assert worst is not None
+        return worst
+
+    def peak_bytes(self, c: Candidate) -> float:
+        """``memory(c).peak`` without building the estimate (the search's first pass)."""
+        pr = self.problem
+        state, activations, transient, copies = self.worst_stage(c, None, False)
+        return peak_total(state["params"] + state["grads"] + state["master"]
+                          + state["optimizer"], activations, transient, copies,
+                          pr.profile.memory_step_slack, pr.profile.memory_correction,
+                          pr.reserved_bytes)
+
     def memory(self, c: Candidate, stage: int | None = None,
                ordered: bool = False) -> MemoryEstimate:
         """The peak over stages, or the peak of pipeline stage ``stage`` (a trainer's memory
@@ -195,20 +248,7 @@ class MemoryPricing:
         if stage is None and self._last_memory and self._last_memory[0] == (c, ordered):
             return self._last_memory[1]
         pr = self.problem
-        in_flight = self.in_flight(c, c.microbatches(pr.global_batch), ordered)
-        acts, shape_bytes = self.shape_activations(c), self.shape_bytes(c)
-        index = self._shape_index[(c.pp, c.vpp, c.vshape)]
-        stages = [stage] if stage is not None else self.peak_candidates(c, in_flight)
-        worst, peak = None, -1.0
-        for s in stages:
-            (chunk, extra), (state, held, transient, copies) = acts[index[s]], shape_bytes[index[s]]
-            transient += self.posted_receives(c, s)
-            alive = max(in_flight[s] * chunk + extra + transient, copies)
-            total = held + (1 + pr.profile.memory_step_slack) * alive
-            if total > peak:
-                worst, peak = (state, in_flight[s] * chunk + extra, transient, copies), total
-        assert worst is not None
-        state, activations, transient, copies = worst
+        state, activations, transient, copies = self.worst_stage(c, stage, ordered)
         peak = MemoryEstimate(**state, activations=activations, transient=transient,
                               reserved=pr.reserved_bytes,
                               correction=pr.profile.memory_correction,

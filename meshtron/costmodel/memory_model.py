@@ -140,8 +140,15 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> float:
-        return (self.state + (1 + self.slack) * self.step_buffers) * self.correction \
-            + self.reserved
+        return peak_total(self.state, self.activations, self.transient, self.collective_copies,
+                          self.slack, self.correction, self.reserved)
+
+
+def peak_total(state: float, activations: float, transient: float, copies: float,
+               slack: float, correction: float, reserved: float) -> float:
+    """:attr:`MemoryEstimate.peak` from its parts, for the search's first pass, which asks
+    for 10^5 peaks and reads nothing else of them."""
+    return (state + (1 + slack) * max(activations + transient, copies)) * correction + reserved
 
 
 def rank_params(stage: StageParams, c: Candidate) -> tuple[float, float]:

@@ -266,7 +266,7 @@ class FirstPass:
                         if recompute == "full":
                             spill.append(c)
                         continue
-                    if est.memory(c).peak > limit:
+                    if est.peak_bytes(c) > limit:
                         if recompute == "full" or pins.recompute:
                             spill.append(c)
                         self.least[family] = max(self.least.get(family, 0), mode + 1)
