@@ -268,6 +268,19 @@ def test_budget_too_small_is_one_line(capsys):
     assert_one_line(code, err, "too small for any shape")
 
 
+def test_one_size_of_proxy_is_said_before_it_trains(capsys):
+    """A budget whose proxy share trains only one shape past 4x the warm-up cannot fit a law
+    (two sizes needed): said at once, not after that proxy has trained (the README's budget
+    with the default 20-step warm-up was such a case)."""
+    code, _, err = archsearch(capsys, "--budget-flops", "2e10", *TINY, "--train.warmup_steps=20",
+                              "--layers", "1,2", "--widths", "32,64")
+    assert_one_line(code, err, "only one size of shape (1x32 h2/kv1 ffn96) can train as a proxy")
+    assert "at least 80 steps" in err and "proxy 1/" not in err
+    code, _, err = archsearch(capsys, "--budget-flops", "3e10", *TINY, "--train.warmup_steps=20",
+                              "--layers", "1,2", "--widths", "32,64", "--max-minutes", "1e-9")
+    assert "planned: 2 proxy runs" in err  # two sizes: the search goes on
+
+
 def test_a_cluster_needs_proxy_steps_or_a_law(capsys):
     code, _, err = archsearch(capsys, "--budget-gpu-hours", "10", *TINY, "--layers", "2",
                               "--widths", "64", "--cluster.gpu=h100-sxm", "--cluster.gpus=8")
@@ -305,39 +318,51 @@ def test_failed_proxies_are_said_and_too_few_is_one_line(capsys, monkeypatch, tm
 
 
 @pytest.fixture
-def crash_second(monkeypatch):
-    """Proxy runs for real, the second killed at its second step (a trial that crashes)."""
+def crash_third(monkeypatch):
+    """Proxy runs for real, the third killed at its second step (a trial that crashes)."""
     real, calls = proxy_runs.start_trial, []
 
     def start_trial(config_path, nproc, log_path, timeout_s, env=None):
         calls.append(config_path)
-        faults = {"MESHTRON_FAULTS": "kill:step=2"} if len(calls) == 2 else None
+        faults = {"MESHTRON_FAULTS": "kill:step=2"} if len(calls) == 3 else None
         return real(config_path, nproc, log_path, timeout_s, faults)
 
     monkeypatch.setattr(proxy_runs, "start_trial", start_trial)
     return calls
 
 
+@pytest.mark.slow
 def test_archsearch_end_to_end_with_real_proxies(capsys, monkeypatch, tmp_path, data_cache,
-                                                 crash_second):
+                                                 crash_third):
+    """Four proxies, the third crashing (said, left out of the fit); the second round trains
+    the shape the first law ranks best twice as far, continuing its own run (the same
+    directory, from its last checkpoint); the report, the config and the plot; a rerun reuses
+    every finished run."""
     out, cfg_out, png = tmp_path / "arch.json", tmp_path / "arch.yaml", tmp_path / "arch.png"
     proxies = tmp_path / "proxies"
     args = ["--budget-flops", "3e11", *tiny_args(data_cache), "--layers", "1,2", "--widths",
-            "32,64", "--proxies", "3", "--proxy-steps", "12", "--proxy-points", "3",
-            "--refine", "0", "--proxy-dir", str(proxies), "--json", str(out),
+            "32,64", "--proxies", "4", "--proxy-steps", "12", "--proxy-points", "3",
+            "--refine", "1", "--proxy-dir", str(proxies), "--json", str(out),
             "--output-config", str(cfg_out), "--plot", str(png)]
     code, stdout, err = archsearch(capsys, *args)
     assert code == 0, err
-    assert len(crash_second) == 3
-    assert "proxy 2/3" in err and "failed: " in err and "the fit goes on without it" in err
+    assert len(crash_third) == 5
+    assert "proxy 3/4" in err and "failed: " in err and "the fit goes on without it" in err
+    assert "refining: 1 shape" in err and "refine 1/1" in err and "extending" in err, err
     assert "Pareto front" in stdout and "chosen: " in stdout
     doc = json.loads(out.read_text())
     assert set(doc["chosen"]) >= {"model.num_layers", "model.hidden_size", "model.num_heads",
                                   "model.num_kv_heads", "model.ffn_hidden_size"}
     assert doc["front"] and doc["front"][-1]["predicted_loss"] == doc["prediction"][
         "predicted_loss"]
-    assert [p["failure"] is None for p in doc["proxies"]] == [True, False, True]
-    assert doc["fit"]["points"] == 6 and doc["fit"]["source"] == "2 proxy runs, 1 failed"
+    assert [p["failure"] is None for p in doc["proxies"]] == [True, True, False, True]
+    assert [p["steps"] for p in doc["proxies"]].count(24) == 1
+    refined = next(p for p in doc["proxies"] if p["steps"] == 24)
+    steps = [r["step"] for r in read_metrics(Path(refined["run_dir"])) if "val_loss" in r]
+    assert steps == [4, 8, 12, 16, 24]  # the first run's evaluations, then the longer one's
+    # 3 points of each 12-step proxy (steps 4, 8, 12), 4 of the refined one (from step 6 on)
+    assert doc["fit"]["points"] == 10, doc["fit"]
+    assert doc["fit"]["source"] == "3 proxy runs, 1 failed, 1 refined"
     cfg = load_config(cfg_out)
     assert {f"model.{k}": getattr(cfg.model, k) for k in
             ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size")} == {
@@ -345,33 +370,15 @@ def test_archsearch_end_to_end_with_real_proxies(capsys, monkeypatch, tmp_path, 
     assert cfg.train.steps == doc["prediction"]["steps"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # a rerun reuses the finished proxies (and runs the failed one again)
+    # a rerun reuses the finished proxies, the refined one included (and runs the failed one
+    # again)
     calls = []
     monkeypatch.setattr(proxy_runs, "start_trial",
                         lambda path, *a, **k: calls.append(path) or "exit 1: again")
     code, _, err = archsearch(capsys, *args)
     assert code == 0, err
-    assert len(calls) == 1 and err.count("reusing") == 2
+    assert len(calls) == 1 and err.count("reusing") == 4
     assert json.loads(out.read_text())["chosen"] == doc["chosen"]
-
-
-@pytest.mark.slow
-def test_refinement_extends_the_best_proxies(capsys, tmp_path, data_cache):
-    """The second round trains the shapes the first law ranks best twice as far; a proxy
-    among them continues its own run (the same directory, from its last checkpoint)."""
-    out, proxies = tmp_path / "arch.json", tmp_path / "proxies"
-    args = ["--budget-flops", "3e11", *tiny_args(data_cache), "--layers", "1,2", "--widths",
-            "32,64", "--proxies", "4", "--proxy-steps", "12", "--proxy-points", "3",
-            "--refine", "1", "--proxy-dir", str(proxies), "--json", str(out)]
-    code, _, err = archsearch(capsys, *args)
-    assert code == 0, err
-    assert "refining: 1 shape" in err and "refine 1/1" in err and "extending" in err
-    doc = json.loads(out.read_text())
-    refined = [p for p in doc["proxies"] if p["steps"] == 24]
-    assert len(refined) == 1 and len(doc["proxies"]) == 4
-    assert doc["fit"]["source"] == "4 proxy runs, 1 refined"
-    steps = [r["step"] for r in read_metrics(Path(refined[0]["run_dir"])) if "val_loss" in r]
-    assert steps == [4, 8, 12, 16, 24]  # the first run's evaluations, then the longer one's
 
 
 def test_a_longer_proxy_is_the_same_run(tmp_path):

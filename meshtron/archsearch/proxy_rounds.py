@@ -142,6 +142,12 @@ def first_round(cfg: Config, s: ProxySettings, budget: Budget, space: ShapeSpace
                             f"{least_steps(cfg, s)} steps (4x the warm-up, and 2 per "
                             "--proxy-points); raise --proxy-fraction or --proxy-steps, or "
                             "give smaller --proxy-layers/--proxy-widths")
+    if len({p.n for p in candidates}) < 2:  # said now, not after the one proxy has trained
+        raise MeshtronError(f"only one size of shape ({candidates[0].shape.describe()}) can "
+                            "train as a proxy at this budget, and the fit needs two: each "
+                            f"proxy needs at least {least_steps(cfg, s)} steps (4x the "
+                            "warm-up, and 2 per --proxy-points); lower --train.warmup_steps, "
+                            "raise --proxy-fraction or give --proxy-steps, or give --law")
     return choose(candidates, s.count)
 
 

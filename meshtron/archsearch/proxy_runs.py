@@ -109,14 +109,16 @@ def choose(candidates: list[Proxy], count: int) -> list[Proxy]:
 
 def proxy_config(cfg: Config, proxy: Proxy, points: int, run_dir: Path) -> Config:
     """The proxy's run: the shape on one data-parallel layout, a constant learning rate after
-    the warm-up, ``points`` evaluations, no checkpoint before the end, quiet."""
+    the warm-up, ``points`` evaluations, no checkpoint before the end, quiet (a nominal
+    ``peak_flops`` skips the CPU's start-up matmul probe: a proxy's MFU is not read)."""
     chosen = shape_config(cfg, proxy.shape)
     every = max(1, proxy.steps // points)
     return dataclasses.replace(
         chosen, parallel=ParallelConfig(),
         train=dataclasses.replace(chosen.train, steps=proxy.steps, min_lr=chosen.train.lr,
                                   eval_every=every, log_every=every, eval_generate=0,
-                                  micro_batch=None, recompute="none"),
+                                  micro_batch=None, recompute="none",
+                                  peak_flops=chosen.train.peak_flops or 1e12),
         checkpoint=dataclasses.replace(chosen.checkpoint, dir=None, every=0, every_seconds=0.0,
                                        keep_last=1, async_=False, resume=True,
                                        resume_from=None),
