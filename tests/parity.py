@@ -118,14 +118,29 @@ def warm_data_cache(cache_dir: str) -> None:
     build_training_data(cfg.data, cfg.train.seq_len, cfg.train.seed, log=lambda m: None)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a run in the test's own process, as every rank has (restoring
+    the caller's count): these tiny models' products spend most of two threads' time in the
+    threads' hand-offs, and on a loaded 2-core machine far more (a one-process MoE reference:
+    1.7 s on one thread, 16-27 s on two, with four other processes running)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_training(overrides: list[str], rank: int = 0, world_size: int = 1) -> dict:
     """Per-step loss and grad norm, the last validation loss, and (rank 0) the final weights
-    as whole global tensors, read back from the run's last checkpoint."""
+    as whole global tensors, read back from the run's last checkpoint. On one thread
+    (:func:`one_thread`), also where the test's process trains a reference."""
     cfg = load_config(overrides=overrides)
     p = cfg.parallel
     mesh = ParallelMesh(MeshLayout.of(p, world_size), rank)
-    trainer = Trainer(cfg, mesh, log=lambda m: None)
-    result = trainer.run()
+    with one_thread():
+        result = Trainer(cfg, mesh, log=lambda m: None).run()
     weights = None
     if rank == 0 and result.checkpoint is not None:
         weights = read_model_tensors(result.checkpoint)[1]
