@@ -51,3 +51,27 @@ def test_cached_figures_equal_a_fresh_estimators_and_the_plan_checks():
         fresh = Estimator(problem).estimate(e.candidate)
         assert (fresh.step_time_s, fresh.memory.peak) == (e.step_time_s, e.memory.peak)
         assert plan_error(cfg, e.candidate, problem.gpus) is None
+
+
+def test_shared_prices_equal_a_fresh_estimators_for_every_kind_of_candidate():
+    """The first pass shares prices between candidates (peaks over ZeRO stages and expert
+    splits, stage totals over schedules, groups over micro-batch sizes and recompute modes):
+    a candidate priced after all the others gets what a fresh estimator gives it, whatever
+    its recompute mode, ZeRO stage, schedule or expert split."""
+    from meshtron.costmodel.search import candidates
+
+    _, problem = planned("mixtral-8x7b")
+    warm = Estimator(problem)
+    every = list(candidates(problem, Pins()))
+    for c in every:
+        warm.peak_bytes(c)
+        warm.step_parts(c, simulate=False)
+    sample = every[::max(1, len(every) // 90) | 1][:100] + every[1::97][:40]  # odd strides cross
+    # the recompute modes' cycle of 3 and the ZeRO stages'
+    assert {c.recompute for c in sample} == {"none", "selective", "full"}
+    assert {c.zero for c in sample} == {0, 1, 2, 3} and {c.etp for c in sample} == {None, 1}
+    assert {c.schedule for c in sample} >= {"1f1b", "zb-h1", "interleaved"}
+    for c in sample:
+        fresh = Estimator(problem)
+        assert warm.peak_bytes(c) == fresh.peak_bytes(c) == fresh.memory(c).peak, c
+        assert warm.step_parts(c, simulate=False) == fresh.step_parts(c, simulate=False), c
