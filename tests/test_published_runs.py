@@ -111,15 +111,15 @@ def test_megatron_readme_138_tflops_counts_the_recomputed_forward():
 
 @pytest.mark.slow
 def test_the_table_of_docs_tuning_is_recomputed_within_its_bounds():
-    """Every published run priced with its recipe pinned (about 10 s: 24 estimates, the
+    """Every published run priced with its recipe pinned (about 10 s: 29 estimates, the
     1T run's 64-stage pipeline simulated); the docs' table is this one, the errors within the
     recorded bounds (all runs; the runs on data-sheet GPUs), and the band and best-MFU
     figures tune prints are these runs'."""
     comparisons = ap.published_comparisons()
     mae, worst = ap.summary(comparisons)
-    assert mae <= 0.136 and worst <= 0.362, (mae, worst)
+    assert mae <= 0.133 and worst <= 0.362, (mae, worst)
     mae, worst = ap.summary(tuple(c for c in comparisons if c.run.data_sheet))
-    assert mae <= 0.068 and worst <= 0.166, (mae, worst)
+    assert mae <= 0.079 and worst <= 0.206, (mae, worst)
     docs = DOCS.read_text()
     for line in ap.table_lines(comparisons):
         assert line.strip() in docs, f"docs/tuning.md lacks: {line}"
