@@ -22,6 +22,7 @@ from meshtron.costmodel.layer_comms import edge_communication, layer_communicati
 from meshtron.costmodel.memory_model import (
     rank_params,
 )
+from meshtron.costmodel.param_gather import LowPrecisionGather, low_precision_gather
 from meshtron.costmodel.priced import ActionCosts, Estimate, Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.recompute import recomputed_gemm_shares, recomputed_seconds
@@ -279,7 +280,8 @@ class Estimator(MemoryPricing):
 
     def data_parallel_costs(self, c: Candidate, stage: int
                             ) -> tuple[tuple[tuple[float, float, float], ...], float]:
-        """Per gradient group (dense, experts): (reduction, gather of updated chunks, ZeRO-3
+        """Per gradient group (dense, experts): (reduction, once-a-step gather (ZeRO 1/2's
+        updated chunks; ZeRO-3's amax all-reduce under ``precision.fp8_param_gather``), ZeRO-3
         gather) seconds; and the optimizer step's seconds (memory-bound: every state byte
         read and written once)."""
         key = (c.pp, c.vpp, c.schedule == "zb-v", stage, c.tp, c.cp, c.dp, c.ep, c.etp, c.zero)
@@ -287,18 +289,36 @@ class Estimator(MemoryPricing):
             pr = self.problem
             groups = layout_groups(c, pr.profile.gpus_per_node)
             params = self.stage_params(c, stage)
+            low = self.stage_low_precision_gather(c, stage)
             per_group = []
             for count, group in zip(rank_params(params, c), (groups.dp, groups.expert_dp)):
                 grads, weights = count * pr.reduce_size, count * pr.element_size
                 kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
                 gather = collective_seconds(pr.profile, "all_gather", group, weights)
-                per_group.append((collective_seconds(pr.profile, kind, group, grads),
-                                  gather if c.zero in (1, 2) else 0.0,
+                after = gather if c.zero in (1, 2) else 0.0
+                if c.zero == 3 and low is not None:  # the first group, the dense one
+                    gather = collective_seconds(pr.profile, "all_gather", group, weights
+                                                - low.elements * pr.element_size + low.bytes)
+                    after = collective_seconds(pr.profile, "all_reduce", group, low.amax_bytes)
+                    low = None
+                per_group.append((collective_seconds(pr.profile, kind, group, grads), after,
                                   gather if c.zero == 3 else 0.0))
             state = self.stage_state(c, stage)[1]
             bandwidth = pr.profile.memory_bandwidth * self.rate_scale(c)
             self._dp[key] = tuple(per_group), 2 * state / bandwidth
         return self._dp[key]
+
+    def stage_low_precision_gather(self, c: Candidate, stage: int
+                                   ) -> LowPrecisionGather | None:
+        """The FP8/FP4 part of a rank's ZeRO-3 gather on ``stage`` (None: all in the dtype)."""
+        pr = self.problem
+        if not pr.gather_formats:
+            return None
+        held = self.pipeline(c)[0].stage_layers(stage)
+        layers = [i for chunk in held.chunks for i in chunk]
+        if held.head:
+            layers += range(pr.model.num_layers, pr.model.num_layers + pr.model.mtp_depth)
+        return low_precision_gather(pr.model, pr.gather_formats, layers, c.tp)
 
     def data_parallel_seconds(self, c: Candidate, stage: int, last_backward: float,
                               microbatches: int, first_forward: float = 0.0

@@ -7,6 +7,7 @@ from functools import cached_property
 
 from meshtron.config import Config, ModelConfig
 from meshtron.costmodel.memory_model import with_vocab
+from meshtron.costmodel.param_gather import gather_formats
 from meshtron.costmodel.profiles import ClusterProfile
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import training_flops_per_token
@@ -32,6 +33,9 @@ class Problem:
     cp_comm: str = "ring"
     tp_comm_chunks: int = 0
     """``parallel.tp_comm_chunks`` when ``parallel.tp_comm_overlap`` is on, else 0."""
+    gather_formats: tuple[str, ...] = ()
+    """``precision.fp8_param_gather``: each block's format in ZeRO-3's gather (``high``,
+    ``fp8``, ``fp4``: :mod:`meshtron.costmodel.param_gather`); empty: all in ``dtype``."""
 
     @property
     def element_size(self) -> int:
@@ -89,4 +93,5 @@ def problem_of(cfg: Config, cluster: Cluster) -> Problem:
                    fp4=cfg.precision.fp4 != "none",
                    reduce_dtype=cfg.precision.reduce_dtype, cp_comm=cfg.parallel.cp_comm,
                    tp_comm_chunks=(cfg.parallel.tp_comm_chunks if cfg.parallel.tp_comm_overlap
-                                   else 0))
+                                   else 0),
+                   gather_formats=gather_formats(cfg.precision, model))
