@@ -55,39 +55,76 @@ def _worker(fn: Callable, rank: int, world_size: int, rendezvous: str, out_dir: 
     exit_process(code)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list:
-    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
-    with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, tmp, args,
-                                                   dict(os.environ)))
-                 for r in range(world_size)]
-        for p in procs:
+class Ranks:
+    """A group of workers started by :func:`start_distributed`; :meth:`results` waits for
+    them. Between the two the test's own process is free: a parity test trains its
+    one-process references there while the ranks run (their collectives leave the cores idle
+    much of the time), instead of after them."""
+
+    def __init__(self, fn: Callable, world_size: int, args: tuple, timeout: float) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
+        self.world_size = world_size
+        self._tmp = tempfile.TemporaryDirectory()
+        rendezvous = f"file://{self._tmp.name}/rendezvous"
+        self._procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous,
+                                                         self._tmp.name, args, dict(os.environ)))
+                       for r in range(world_size)]
+        for p in self._procs:
             p.start()
-        deadline = time.monotonic() + timeout  # for the whole group, not for each rank
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
+        self._deadline = time.monotonic() + timeout  # for the whole group, not for each rank
+
+    def results(self) -> list:
+        """Every rank's return value in rank order, once all have ended; raises with every
+        rank's problem (tracebacks first) if any raised, died or outlived the timeout."""
+        try:
+            for p in self._procs:
+                p.join(max(0.0, self._deadline - time.monotonic()))
+            alive = [r for r, p in enumerate(self._procs) if p.is_alive()]
+            self._kill()
+            return _collect(Path(self._tmp.name), self.world_size, alive,
+                            [p.exitcode for p in self._procs])
+        finally:
+            self._tmp.cleanup()
+
+    def stop(self) -> None:
+        """Kill the ranks still running and drop their folder (the test failed before it
+        asked for the results)."""
+        self._kill()
+        self._tmp.cleanup()
+
+    def _kill(self) -> None:
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
-        results, problems = [], []
-        for r in range(world_size):
-            path = Path(tmp) / f"rank{r}.pkl"
-            if not path.exists():
-                reason = "timed out" if r in alive else f"exit code {procs[r].exitcode}"
-                problems.append((1, f"rank {r} of {world_size} returned nothing ({reason})"))
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                problems.append((0, f"rank {r} of {world_size} failed:\n{value}"))
-            results.append(value)
-        if problems:
-            raise AssertionError("\n".join(text for _, text in sorted(problems,
-                                                                     key=lambda p: p[0])))
-        return results
+                p.join()
+
+
+def _collect(tmp: Path, world_size: int, alive: list[int], codes: list) -> list:
+    results, problems = [], []
+    for r in range(world_size):
+        path = tmp / f"rank{r}.pkl"
+        if not path.exists():
+            reason = "timed out" if r in alive else f"exit code {codes[r]}"
+            problems.append((1, f"rank {r} of {world_size} returned nothing ({reason})"))
+            continue
+        status, value = pickle.loads(path.read_bytes())
+        if status == "error":
+            problems.append((0, f"rank {r} of {world_size} failed:\n{value}"))
+        results.append(value)
+    if problems:
+        raise AssertionError("\n".join(text for _, text in sorted(problems, key=lambda p: p[0])))
+    return results
+
+
+def start_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> Ranks:
+    """``fn(rank, world_size, *args)`` started on every rank; ``.results()`` waits for them."""
+    return Ranks(fn, world_size, args, timeout)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list:
+    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
+    return start_distributed(fn, world_size, *args, timeout=timeout).results()
 
 
 def _python(args: list[str], cwd: str, environment: dict[str, str], out: str, err: str) -> None:

@@ -41,6 +41,7 @@ from meshtron.config import load_config
 from meshtron.data import build_training_data
 from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.trainer import Trainer
+from tests.distributed import start_distributed
 
 PARITY_RTOL = 1e-4
 FP64_RTOL = 1e-9
@@ -257,13 +258,12 @@ def assert_weights_equal(reference: dict, candidate: dict, what: str, rtol: floa
     assert relative <= rtol, f"{what}: final weights differ by {relative:.2e} in relative norm"
 
 
-def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], cache_dir: str,
-                         root, rtol_of=lambda layout: PARITY_RTOL) -> None:
-    """Every rank's run of every layout against one one-process reference per model
-    (``rtol_of``: the fp32 bound of a layout); every layout is checked, then every failure
-    is reported together."""
+def layout_references(layouts: list[list[str]], cache_dir: str,
+                      root) -> dict[tuple[str, ...], dict]:
+    """One one-process reference per model among ``layouts`` (:func:`reference_run`), keyed
+    by the model's overrides; a reference that raised is kept as ``{"error": traceback}``,
+    which each of its layouts then reports."""
     references: dict[tuple[str, ...], dict] = {}
-    failures = Failures()
     for i, layout in enumerate(layouts):
         key = tuple(model_overrides(layout))
         if key not in references:
@@ -271,11 +271,40 @@ def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], ca
                 references[key] = reference_run(cache_dir, f"{root}/ref{i}", key)
             except Exception:  # noqa: BLE001 - each layout of this model reports it
                 references[key] = {"error": traceback.format_exc()}
+    return references
+
+
+def assert_layouts_match(layouts: list[list[str]], results: list[list[dict]], cache_dir: str,
+                         root, rtol_of=lambda layout: PARITY_RTOL,
+                         references: dict[tuple[str, ...], dict] | None = None) -> None:
+    """Every rank's run of every layout against one one-process reference per model
+    (``rtol_of``: the fp32 bound of a layout; ``references``: :func:`layout_references`,
+    trained here if not given); every layout is checked, then every failure is reported
+    together."""
+    if references is None:
+        references = layout_references(layouts, cache_dir, root)
+    failures = Failures()
+    for i, layout in enumerate(layouts):
+        key = tuple(model_overrides(layout))
         for rank, per_rank in enumerate(results):
             what = f"{' '.join(layout)} (rank {rank})"
             with failures.check(what):
                 assert_parity(references[key], per_rank[i], what, rtol_of(layout))
     failures.raise_any()
+
+
+def check_layouts(world_size: int, layouts: list[list[str]], cache_dir: str, root,
+                  rtol_of=lambda layout: PARITY_RTOL, timeout: float = 300) -> None:
+    """:func:`run_layouts` on ``world_size`` ranks, then :func:`assert_layouts_match`; the
+    one-process references train in this process while the ranks run, not after them."""
+    ranks = start_distributed(run_layouts, world_size, cache_dir, str(root), layouts,
+                              timeout=timeout)
+    try:
+        references = layout_references(layouts, cache_dir, root)
+    except BaseException:
+        ranks.stop()
+        raise
+    assert_layouts_match(layouts, ranks.results(), cache_dir, root, rtol_of, references)
 
 
 def assert_layouts_match_reference(reference: dict, layouts: list[list[str]],

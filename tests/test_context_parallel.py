@@ -24,8 +24,7 @@ from meshtron.plan import check_run
 from tests.distributed import run_distributed
 from tests.parity import (
     PARITY_RTOL,
-    assert_layouts_match,
-    run_layouts,
+    check_layouts,
     run_training,
     test_overrides,
 )
@@ -233,9 +232,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_context_parallel_matches_one_process(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
-    results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
-                              timeout=900)
-    assert_layouts_match(layouts, results, data_cache, tmp_path)
+    check_layouts(world_size, layouts, data_cache, tmp_path, timeout=900)
 
 
 def bf16_losses(rank: int, world: int, cache: str, root: str) -> list[float]:

@@ -12,7 +12,7 @@ from meshtron.parallel.mesh import MeshLayout, ParallelMesh
 from meshtron.training.live_memory import reachable_storage_bytes
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.parity import assert_layouts_match, run_layouts, test_overrides
+from tests.parity import check_layouts, test_overrides
 
 SMALL_BUCKETS = "--parallel.bucket_mb=0.02"  # several buckets even in the tiny test model
 
@@ -33,8 +33,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_data_parallel_parity(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
-    results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts)
-    assert_layouts_match(layouts, results, data_cache, tmp_path)
+    check_layouts(world_size, layouts, data_cache, tmp_path)
 
 
 def one_step_accounting(rank: int, world_size: int, cache_dir: str, root: str) -> list[dict]:

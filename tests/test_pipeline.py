@@ -24,8 +24,8 @@ from tests.parity import (
     ROUNDING_RTOL,
     STEPS,
     assert_layouts_match,
+    check_layouts,
     run_layout,
-    run_layouts,
     run_training,
     test_overrides,
 )
@@ -284,9 +284,7 @@ def fp32_bound(layout: list[str]) -> float:
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_pipeline_parity(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
-    results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts,
-                              timeout=900)
-    assert_layouts_match(layouts, results, data_cache, tmp_path, fp32_bound)
+    check_layouts(world_size, layouts, data_cache, tmp_path, fp32_bound, timeout=900)
 
 
 ZERO3_LAYOUT = ["--parallel.pp=2", "--parallel.zero=3", "--train.micro_batch=1",

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
-from tests.parity import assert_layouts_match, run_layouts
+from tests.parity import check_layouts
 
 LAYOUTS = {
     2: [
@@ -32,5 +31,4 @@ LAYOUTS = {
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_tensor_parallel_parity(world_size, data_cache, tmp_path):
     layouts = LAYOUTS[world_size]
-    results = run_distributed(run_layouts, world_size, data_cache, str(tmp_path), layouts)
-    assert_layouts_match(layouts, results, data_cache, tmp_path)
+    check_layouts(world_size, layouts, data_cache, tmp_path)
