@@ -4,7 +4,7 @@ working directory (the docs' after the README's, whose runs and files they use).
 Each command runs as written, but shorter: step counts (``--train.steps``,
 ``checkpoint.every``, ``checkpoint.resume_from`` and those in ``--config`` files) are divided
 by 100 (at most 3), a command that names no step count trains one step, an evaluation takes
-one batch, sequences are at most 4096 tokens long, and every run reads a 1 MB slice of the
+one batch, sequences are at most 1024 tokens long, and every run reads a 1 MB slice of the
 built-in corpus from a private cache. ``meshtron`` is this environment's (activating it,
 ``. .venv/bin/activate``, is what this test's Python already is), and ``cp`` copies from it
 (``.venv/`` is ``sys.prefix``). ``meshtron sample-data`` writes 1 MB instead of 4,
@@ -39,7 +39,7 @@ worker."""
 ROOT = Path(__file__).resolve().parent.parent
 SCALED = ("--train.steps", "--checkpoint.every", "--checkpoint.resume_from",
           "--train.eval_every", "--train.log_every")
-MAX_SEQ_LEN = 4096
+MAX_SEQ_LEN = 1024
 ARCHSEARCH_SHORT = ("--proxies", "4", "--proxy-steps", "80", "--refine", "1")
 FEWER = {"--trials": "3", "--episodes": "4"}
 """Counts of other commands' units of work (hpsearch trials, evaluate's episodes), set small."""
