@@ -8,10 +8,11 @@ one batch, sequences are at most 1024 tokens long, and every run reads a 1 MB sl
 built-in corpus from a private cache. ``meshtron`` is this environment's (activating it,
 ``. .venv/bin/activate``, is what this test's Python already is), and ``cp`` copies from it
 (``.venv/`` is ``sys.prefix``). ``meshtron sample-data`` writes 1 MB instead of 4,
-``meshtron archsearch`` trains 4 proxies of 80 steps and refines one, ``hpsearch`` runs 3
-trials and ``evaluate`` 4 episodes. ``make test`` is not run (it is this suite), and
-``make train`` runs what the Makefile runs. The docs' commands are those of their ``bash``
-and ``sh`` blocks; the few not run here are in :data:`DOCS_NOT_RUN`, each with its reason.
+``meshtron archsearch`` trains 3 proxies (as long as the budget makes them) and refines one,
+``hpsearch`` runs 3 trials and ``evaluate`` 4 episodes. ``make test`` is not run (it is this
+suite), and ``make train`` runs what the Makefile runs. The docs' commands are those of
+their ``bash`` and ``sh`` blocks; the few not run here are in :data:`DOCS_NOT_RUN`, each with
+its reason.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCALED = ("--train.steps", "--checkpoint.every", "--checkpoint.resume_from",
           "--train.eval_every", "--train.log_every")
 MAX_SEQ_LEN = 1024
-ARCHSEARCH_SHORT = ("--proxies", "4", "--proxy-steps", "80", "--refine", "1")
+ARCHSEARCH_SHORT = ("--proxies", "3", "--refine", "1")
 FEWER = {"--trials": "3", "--episodes": "4"}
 """Counts of other commands' units of work (hpsearch trials, evaluate's episodes), set small."""
 YAML_SCALED = {("train", "steps"), ("checkpoint", "every"), ("train", "eval_every"),
@@ -107,7 +108,7 @@ def argv(words: list[str], cwd: Path, cache: Path) -> list[list[str]] | None:
                    else words[module + 2 :])]]
     assert words[0] == "meshtron", f"a command that is not meshtron: {words}"
     rest = [FEWER.get(before, word) for before, word in zip(["", *words[1:]], words[1:])]
-    if rest[0] == "archsearch":  # four proxies of the fewest steps the fit allows, one refined
+    if rest[0] == "archsearch":  # three proxies of the budget's own sizing, one refined
         rest = [*rest, *ARCHSEARCH_SHORT]
     if rest[0] == "sample-data":
         rest = [*rest, "--max-mb", "1"]
