@@ -30,7 +30,7 @@ from meshtron.training.faults import parse_faults
 from meshtron.training.metrics import read_metrics
 from meshtron.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.parity import PARITY_RTOL, test_overrides
+from tests.parity import PARITY_RTOL, run_training, test_overrides
 
 
 def window(step: int, pace: float, compute: tuple[float, ...] = (0.05, 0.05),
@@ -260,9 +260,8 @@ def test_a_poor_layout_moves_to_a_better_one_with_the_same_losses(tmp_path, data
         checked["action"] == "restart into " + " ".join(
             f"{k.split('.', 1)[1]}={v}" for k, v in checked_layout(tmp_path).items())
     losses = [r["loss"] for r in rows if "loss" in r]
-    reference = Trainer(load_config(overrides=test_overrides(
-        data_cache, str(tmp_path / "reference"), steps=12) + ["--model.num_layers=4"]),
-        log=lambda m: None).run().losses
+    reference = run_training(test_overrides(data_cache, str(tmp_path / "reference"), steps=12)
+                             + ["--model.num_layers=4"])["loss"]
     assert len(losses) == 12
     for a, b in zip(reference, losses):
         assert b == pytest.approx(a, rel=PARITY_RTOL)
