@@ -265,15 +265,23 @@ def test_gemma3_training_and_generation_parity(imported, data_cache, tmp_path):
     """tp (kv heads replicated), sp, pp, dp with ZeRO against one process: per-step loss and
     grad norm, final weights (fp32 to 1e-4, fp64 to 1e-9); the imported model's greedy tokens
     at tp=4 and at tp=2 x pp=2 are the one-process tokens."""
-    from tests.distributed import run_distributed
-    from tests.parity import assert_layouts_match
+    from tests.distributed import start_distributed
+    from tests.parity import assert_layouts_match, layout_references, one_thread
 
     model, root = imported[1], imported[2]
     layouts = [[*layout, *GEMMA_PARITY] for layout in PARITY_LAYOUTS]
-    results = run_distributed(train_and_generate, 4, data_cache, str(tmp_path), layouts,
+    ranks = start_distributed(train_and_generate, 4, data_cache, str(tmp_path), layouts,
                               str(root / "ckpt"))
-    assert_layouts_match(layouts, [trained for trained, _ in results], data_cache, tmp_path)
-    reference = [c.tokens for c in Generator(model).generate(PROMPTS, 32)[0]]
+    try:  # the one-process runs here while the ranks run
+        references = layout_references(layouts, data_cache, tmp_path)
+        with one_thread():
+            reference = [c.tokens for c in Generator(model).generate(PROMPTS, 32)[0]]
+    except BaseException:
+        ranks.stop()
+        raise
+    results = ranks.results()
+    assert_layouts_match(layouts, [trained for trained, _ in results], data_cache, tmp_path,
+                         references=references)
     for rank, (_, generated) in enumerate(results):
         for layout, tokens_of_layout in generated.items():
             assert tokens_of_layout == reference, f"tp, pp = {layout} (rank {rank})"
