@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from meshtron.costmodel.candidate import Candidate
 from meshtron.costmodel.comms import collective_seconds, layout_groups, send_seconds
 from meshtron.costmodel.estimate_memory import MemoryPricing
+from meshtron.costmodel.gather_formats import LowPrecisionGather, low_precision_gather
 from meshtron.costmodel.layer_comms import edge_communication, layer_communication
 from meshtron.costmodel.memory_model import (
     rank_params,
 )
-from meshtron.costmodel.param_gather import LowPrecisionGather, low_precision_gather
 from meshtron.costmodel.priced import ActionCosts, Estimate, Software
 from meshtron.costmodel.problem import Problem
 from meshtron.costmodel.recompute import recomputed_gemm_shares, recomputed_seconds

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from meshtron.config import Config, ModelConfig
+from meshtron.costmodel.gather_formats import gather_formats
 from meshtron.costmodel.memory_model import with_vocab
-from meshtron.costmodel.param_gather import gather_formats
 from meshtron.costmodel.profiles import ClusterProfile
 from meshtron.errors import MeshtronError
 from meshtron.models.flops import training_flops_per_token
@@ -35,7 +35,7 @@ class Problem:
     """``parallel.tp_comm_chunks`` when ``parallel.tp_comm_overlap`` is on, else 0."""
     gather_formats: tuple[str, ...] = ()
     """``precision.fp8_param_gather``: each block's format in ZeRO-3's gather (``high``,
-    ``fp8``, ``fp4``: :mod:`meshtron.costmodel.param_gather`); empty: all in ``dtype``."""
+    ``fp8``, ``fp4``: :mod:`meshtron.costmodel.gather_formats`); empty: all in ``dtype``."""
 
     @property
     def element_size(self) -> int:
