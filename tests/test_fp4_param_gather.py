@@ -31,7 +31,13 @@ from meshtron.precision.param_gather import FP4WeightGather
 from meshtron.rank import amax_agreement, build_rank
 from meshtron.training.step import train_step
 from tests.distributed import run_distributed
-from tests.test_fp8_param_gather import MODEL, count_gathers, full_weights, sent_bytes
+from tests.test_fp8_param_gather import (
+    MODEL,
+    count_gathers,
+    full_weights,
+    gathered_bytes,
+    sent_bytes,
+)
 
 STEPS = 2
 CUT = ("--model.ffn_hidden_size=144",)
@@ -45,16 +51,7 @@ amax a bf16 buffer holds exactly, happen to quantise back to themselves)."""
 def closed_form_bytes(flat, fp4_ids: set[int]) -> int:
     """Bytes one rank sends per gather of ``flat``: (d - 1) x the longest rank's pack, a pack
     holding each NVFP4 weight's run as ceil(n / 2) bytes, any other element in its dtype."""
-    bucket, d = flat.bucket, flat.group.size
-    size, itemsize = bucket.padded // d, flat.shard.element_size()
-    packs = []
-    for r in range(d):
-        total = 0
-        for param, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
-            n = max(0, min((r + 1) * size, offset + shape.numel()) - max(r * size, offset))
-            total += (n + 1) // 2 if id(param) in fp4_ids else n * itemsize
-        packs.append(total)
-    return (d - 1) * max(packs)
+    return gathered_bytes(flat, lambda n: (n + 1) // 2, fp4_ids)
 
 
 def amax_bytes(flat) -> int:

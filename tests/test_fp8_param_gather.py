@@ -49,6 +49,12 @@ def full_weights(rank) -> dict[str, torch.Tensor]:
 def closed_form_bytes(flat, fp8_ids: set[int]) -> int:
     """Bytes one rank sends per gather of ``flat``: (d - 1) x the longest rank's pack, a pack
     holding each FP8 weight element as 1 byte and any other element in its own dtype."""
+    return gathered_bytes(flat, lambda n: n, fp8_ids)
+
+
+def gathered_bytes(flat, low_precision_bytes, low_ids: set[int]) -> int:
+    """(d - 1) x the longest rank's pack: a run of ``n`` elements of a weight in ``low_ids``
+    takes ``low_precision_bytes(n)``, any other element its dtype's size."""
     bucket, d = flat.bucket, flat.group.size
     size, itemsize = bucket.padded // d, flat.shard.element_size()
     packs = []
@@ -56,7 +62,7 @@ def closed_form_bytes(flat, fp8_ids: set[int]) -> int:
         total = 0
         for param, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
             n = max(0, min((r + 1) * size, offset + shape.numel()) - max(r * size, offset))
-            total += n * (1 if id(param) in fp8_ids else itemsize)
+            total += low_precision_bytes(n) if id(param) in low_ids else n * itemsize
         packs.append(total)
     return (d - 1) * max(packs)
 
