@@ -114,9 +114,12 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
             command = args.command
             _check_working_folder()
             code = args.func(args, extra)
+            received.disarm()
         except (Stopped, KeyboardInterrupt) as err:
+            received.disarm()
             code = report_stop(err, training=command == "train")
         except Exception as err:
+            received.disarm()
             if received.signum is not None:  # e.g. a collective whose peer the signal stopped
                 code = report_stop(Stopped(received.signum), training=command == "train")
             elif isinstance(err, MeshtronError):

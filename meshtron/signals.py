@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import typing
 from collections.abc import Iterator, Mapping
 from types import FrameType
 
@@ -52,13 +53,24 @@ class Received:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.armed = True
+
+    def disarm(self) -> None:
+        """From now on a stop signal is only recorded, not raised: once the command has its
+        result or its error, a SIGTERM (the agent stopping the group after a peer died) must not
+        land in the cleanup, e.g. in a weak-reference callback, where Python prints it as an
+        ignored exception with a traceback."""
+        self.armed = False
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[Received]:
-    """Within the block, SIGINT and SIGTERM raise :class:`Stopped` in the main thread; the
-    previous handlers come back after it (the CLI may run inside another program, e.g. pytest).
-    Off the main thread, where handlers cannot be set, it changes nothing."""
+    """Within the block, SIGINT and SIGTERM raise :class:`Stopped` in the main thread until
+    :meth:`Received.disarm`; the previous handlers come back after it (the CLI may run inside
+    another program, e.g. pytest). A Stopped raised where it cannot propagate (a finalizer or a
+    weak-reference callback run by the garbage collector) is dropped without a traceback; the
+    signal stays recorded, so the collective that fails once the peers have stopped is reported
+    as the stop. Off the main thread, where handlers cannot be set, it changes nothing."""
     received = Received()
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -67,12 +79,21 @@ def stop_on_signals() -> Iterator[Received]:
     def handler(signum: int, frame: FrameType | None) -> None:
         if received.signum is None:
             received.signum = signum
-        raise Stopped(signum)
+        if received.armed:
+            raise Stopped(signum)
+
+    unraisable_hook = sys.unraisablehook
+
+    def drop_lost_stops(unraisable: typing.Any) -> None:
+        if not isinstance(unraisable.exc_value, Stopped):
+            unraisable_hook(unraisable)
 
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    sys.unraisablehook = drop_lost_stops
     try:
         yield received
     finally:
+        sys.unraisablehook = unraisable_hook
         for sig, old in previous.items():
             signal.signal(sig, signal.SIG_DFL if old is None else old)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import typing
+import weakref
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,28 @@ def test_stop_handlers_raise_in_the_main_thread_and_are_restored(sig, code):
     assert signal.getsignal(sig) is before
     ctrl_c = " (Ctrl-C)" if sig == signal.SIGINT else ""
     assert caught.value.line(training=False) == f"meshtron: stopped by {sig.name}{ctrl_c}"
+
+
+def test_a_stop_the_garbage_collector_swallows_is_recorded_without_a_traceback(monkeypatch):
+    """The CI once saw a rank print 'Exception ignored ... Stopped: SIGTERM' with a traceback:
+    the agent's SIGTERM landed in a weak-reference callback while the rank was cleaning up."""
+
+    class Finalised:
+        pass
+
+    printed: list[BaseException | None] = []  # what Python would print as "Exception ignored"
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: printed.append(
+        unraisable.exc_value))
+    with stop_on_signals() as received:
+        thing = Finalised()
+        sent = weakref.ref(thing, lambda _: os.kill(os.getpid(), signal.SIGTERM))
+        del thing  # the callback runs here, and the handler raises inside it
+        assert sent() is None and received.signum == signal.SIGTERM
+        with pytest.raises(Stopped):  # armed still: the next signal stops the command
+            os.kill(os.getpid(), signal.SIGTERM)
+        received.disarm()  # the command has its result: signals are only recorded
+        os.kill(os.getpid(), signal.SIGINT)
+    assert printed == []
 
 
 def test_only_one_process_of_a_job_reports_the_stop():
