@@ -33,7 +33,13 @@ from meshtron.costmodel.stages import (
     stage_shapes,
     zb_v_order_costs,
 )
-from meshtron.costmodel.workload import LayerWork, head_work, layer_work, mtp_merge_work
+from meshtron.costmodel.workload import (
+    LayerWork,
+    head_work,
+    layer_work,
+    mtp_merge_work,
+    transposed,
+)
 from meshtron.models.flops import layer_and_head_cost
 from meshtron.parallel.pipeline.partition import PipelinePartition, partition_layers
 from meshtron.parallel.pipeline.schedules import Action, Schedule, build_schedule
@@ -85,11 +91,24 @@ class Estimator(MemoryPricing):
         core (:meth:`rate_scale`), so there they add to the compute time."""
         return self.problem.profile.compute_units is None
 
-    def _gemm_seconds(self, work: LayerWork, scale: float) -> list[float]:
-        """Forward seconds of each of ``work``'s GEMMs, in its order."""
+    def _gemm_seconds(self, work: LayerWork, scale: float, direction: int = 0) -> list[float]:
+        """Seconds of each of ``work``'s GEMMs, in its order: forward (``direction`` 0), the
+        input gradient's products (1: (m, k) outputs over n) or the weight gradient's (2:
+        (k, n) outputs over the m tokens). A profile without a shape model (a CPU's) prices
+        all three at the forward's FLOPs."""
         p = self.problem.profile
-        peak = p.peak(self.problem.gemm_dtype) * scale / p.compute_correction
-        return [g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms]
+        dtype = self.problem.gemm_dtype
+        peak = p.peak(dtype) * scale / p.compute_correction
+        if p.sm_count is None:
+            return [g.count * g.flops / (peak * p.gemm_fraction(g.flops)) for g in work.gemms]
+        return [g.count * sum(2.0 * m * n * k / (peak * p.gemm_shape_fraction(
+            *transposed(m, n, k, direction), dtype)) for m, n, k in g.shapes)
+            for g in work.gemms]
+
+    def gemm_directions(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
+        """(forward, input-gradient, weight-gradient) seconds of ``work``'s GEMMs."""
+        return (sum(self._gemm_seconds(work, scale, 0)), sum(self._gemm_seconds(work, scale, 1)),
+                sum(self._gemm_seconds(work, scale, 2)))
 
     def _work_seconds(self, work: LayerWork, scale: float) -> tuple[float, float, float]:
         """(GEMMs, attention core, memory-bound) forward seconds of ``work``."""
@@ -124,8 +143,9 @@ class Estimator(MemoryPricing):
             forward = gemm + core + memory
             redo = recomputed_seconds(c.recompute, self.software, recomputed_gemm_shares(
                 cfg, layer), gemms, core, memory)
-            backward_input = gemm + 2.5 * core + 2 * memory + redo
-            self._layers[key] = (forward + comm_f, backward_input + comm_b, gemm,
+            _, dgrad, wgrad = self.gemm_directions(work, self.rate_scale(c))
+            backward_input = dgrad + 2.5 * core + 2 * memory + redo
+            self._layers[key] = (forward + comm_f, backward_input + comm_b, wgrad,
                                  comm_f + comm_b)
         return self._layers[key]
 
@@ -191,8 +211,9 @@ class Estimator(MemoryPricing):
         groups = layout_groups(c, pr.profile.gpus_per_node)
         hop = (send_seconds(pr.profile, self.stage_message_bytes(c), groups.pp_crosses_nodes)
                if c.pp > 1 else 0.0)
-        head_gemm, _, head_memory = self._work_seconds(
-            head_work(pr.model, pr.seq_len, c, pr.element_size), self.rate_scale(c))
+        head = head_work(pr.model, pr.seq_len, c, pr.element_size)
+        head_gemm, _, head_memory = self._work_seconds(head, self.rate_scale(c))
+        _, head_dgrad, head_wgrad = self.gemm_directions(head, self.rate_scale(c))
         merge = self._work_seconds(mtp_merge_work(pr.model, pr.seq_len, c),
                                    self.rate_scale(c))[0] if pr.model.mtp_depth else 0.0
         dense = self.layer_seconds(self.dense_layer, c)
@@ -207,8 +228,8 @@ class Estimator(MemoryPricing):
                 f, b, w, comm = (chunk.dense * d + chunk.moe * m for d, m in zip(dense, moe))
                 merges = max(0, chunk.heads - 1)  # each prediction module's merge
                 f += chunk.heads * (head_gemm + head_memory) + merges * merge
-                b += chunk.heads * (head_gemm + 2 * head_memory) + merges * merge
-                w += chunk.heads * head_gemm + merges * merge
+                b += chunk.heads * (head_dgrad + 2 * head_memory) + merges * merge
+                w += chunk.heads * head_wgrad + merges * merge
                 if chunk.heads:
                     f, b = f + chunk.heads * head_f, b + chunk.heads * head_b
                     comm += chunk.heads * (head_f + head_b)

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshtron.costmodel.gemm_shape import shape_factor
 from meshtron.errors import MeshtronError
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp4", "fp64")
@@ -84,6 +85,11 @@ class ClusterProfile:
     """Measured over predicted step time, folded back from trial runs."""
     memory_correction: float = 1.0
     """Measured over predicted peak memory, folded back from trial runs."""
+    sm_count: int | None = None
+    """Streaming multiprocessors: a GEMM's output tiles run in waves of this many
+    (:mod:`meshtron.costmodel.gemm_shape`). None (a CPU): the efficiency reads FLOPs alone."""
+    gemm_tile: tuple[int, int, int] = (128, 256, 64)
+    """(rows, columns, k step) of the GEMM kernels' output tile and main-loop step."""
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -104,11 +110,21 @@ class ClusterProfile:
         t = (x - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
         return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
 
+    def gemm_shape_fraction(self, m: float, n: float, k: float, dtype: str) -> float:
+        """Fraction of ``dtype``'s peak an (m, n, k) GEMM achieves: the curve at its FLOPs,
+        scaled on a GPU by its shape's quantization and epilogue over a square GEMM's."""
+        fraction = self.gemm_fraction(2.0 * m * n * k)
+        if self.sm_count is None:
+            return fraction
+        return min(1.0, fraction * shape_factor(m, n, k, self.sm_count, self.gemm_tile,
+                                                self.peak(dtype), self.memory_bandwidth))
+
 
 def _spec(name: str, source: str, memory_gb: float, bandwidth_tb: float, bf16_tflops: float,
           fp32_tflops: float, fp8_tflops: float | None, nvlink_gb: float, network_gb: float,
           efficiency: tuple[tuple[float, float], ...], fp4_tflops: float | None = None,
-          gpus_per_node: int = 8) -> ClusterProfile:
+          gpus_per_node: int = 8, sm_count: int | None = None,
+          gemm_tile: tuple[int, int, int] = (128, 256, 64)) -> ClusterProfile:
     peaks = {"fp32": fp32_tflops * 1e12, "bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12}
     if fp8_tflops:
         peaks["fp8"] = fp8_tflops * 1e12
@@ -121,12 +137,25 @@ def _spec(name: str, source: str, memory_gb: float, bandwidth_tb: float, bf16_tf
         intra_node=Link(bandwidth=nvlink_gb * 1e9, latency=5e-6),
         inter_node=Link(bandwidth=network_gb * 1e9, latency=15e-6),
         gemm_efficiency=efficiency, attention_efficiency=0.45,
-        memory_reserved_bytes=int(3e9), step_overhead_s=0.01)
+        memory_reserved_bytes=int(3e9), step_overhead_s=0.01, sm_count=sm_count,
+        gemm_tile=gemm_tile)
 
 
 AMPERE_GEMMS = ((1e8, 0.1), (1e9, 0.35), (1e10, 0.6), (1e11, 0.72), (1e12, 0.78))
 HOPPER_GEMMS = ((1e8, 0.05), (1e9, 0.2), (1e10, 0.45), (1e11, 0.62), (1e12, 0.7))
 BLACKWELL_GEMMS = ((1e8, 0.03), (1e9, 0.12), (1e10, 0.35), (1e11, 0.55), (1e12, 0.65))
+A100_SMS = 108
+"""NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs on the A100 (SXM4 and PCIe);
+the "Matrix Multiplication Background User's Guide" works its wave examples on these 108."""
+AMPERE_TILE = (256, 128, 64)
+"""cuBLAS's large bf16 kernels on A100 (``ampere_bf16_s16816gemm_bf16_256x128_ldg8_..._64x3``:
+a 256x128 tile, k steps of 64 in 3 stages); the guide's own example tile is 256x128."""
+H100_SXM_SMS = 132
+"""NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs on the H100 SXM5 (the H200 is
+the same GH100 die in the SXM form)."""
+HOPPER_TILE = (128, 256, 64)
+"""cuBLAS's large bf16 kernels on H100 (``sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize
+128x256x64_...``): a 128x256 output tile, k steps of 64 (CUTLASS's Hopper default too)."""
 
 
 def builtin_profiles() -> dict[str, ClusterProfile]:
@@ -135,20 +164,21 @@ def builtin_profiles() -> dict[str, ClusterProfile]:
     400 Gb/s on DGX H100/H200/B200)."""
     return {p.name: p for p in (
         _spec("a100-40gb", "NVIDIA A100 SXM4 40GB data sheet; DGX A100", 40, 1.555, 312,
-              19.5, None, 300, 25, AMPERE_GEMMS),
+              19.5, None, 300, 25, AMPERE_GEMMS, sm_count=A100_SMS, gemm_tile=AMPERE_TILE),
         _spec("a100-80gb", "NVIDIA A100 SXM4 80GB data sheet; DGX A100", 80, 2.039, 312,
-              19.5, None, 300, 25, AMPERE_GEMMS),
+              19.5, None, 300, 25, AMPERE_GEMMS, sm_count=A100_SMS, gemm_tile=AMPERE_TILE),
         _spec("h100-sxm", "NVIDIA H100 SXM5 data sheet; DGX H100", 80, 3.35, 989, 67, 1979,
-              450, 50, HOPPER_GEMMS),
+              450, 50, HOPPER_GEMMS, sm_count=H100_SXM_SMS, gemm_tile=HOPPER_TILE),
         _spec("h200", "NVIDIA H200 SXM data sheet; DGX H200", 141, 4.8, 989, 67, 1979, 450, 50,
-              HOPPER_GEMMS),
+              HOPPER_GEMMS, sm_count=H100_SXM_SMS, gemm_tile=HOPPER_TILE),
         # Meta's Grand Teton H100: an SXM H100 with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W
         # limit, 400 Gb/s RDMA per GPU (TorchTitan's benchmark pages); no data sheet gives
         # the peak at 500 W (TorchTitan: "between SXM and NVL ... we don't know its exact
         # value"), so the die's SXM figures stand as the upper bound
         _spec("h100-hbm2e", "TorchTitan benchmarks/llama3_h100_202412_torchtitan.md "
               "(Grand Teton H100, 96 GB HBM2e, 2.4 TB/s, 500 W); peaks: the H100 SXM5 data "
-              "sheet's, an upper bound", 96, 2.4, 989, 67, 1979, 450, 50, HOPPER_GEMMS),
+              "sheet's, an upper bound", 96, 2.4, 989, 67, 1979, 450, 50, HOPPER_GEMMS,
+              sm_count=H100_SXM_SMS, gemm_tile=HOPPER_TILE),
         _spec("b200", "NVIDIA HGX B200 data sheet; DGX B200", 180, 8.0, 2250, 75, 4500, 900, 50,
               BLACKWELL_GEMMS, fp4_tflops=9000),
         # one NVLink domain of 72 GPUs (the node of the alpha-beta model); per GPU: the NVL72
@@ -233,6 +263,14 @@ def profile_from_dict(raw: object, where: str) -> ClusterProfile:
     units = raw.get("compute_units")
     if units is not None and (not isinstance(units, int) or units < 1):
         raise MeshtronError(f"profile {where}: 'compute_units' must be a positive integer")
+    sms = raw.get("sm_count")
+    if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+        raise MeshtronError(f"profile {where}: 'sm_count' must be a positive integer or null")
+    tile = raw.get("gemm_tile", ClusterProfile.gemm_tile)
+    if (not isinstance(tile, (list, tuple)) or len(tile) != 3
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)):
+        raise MeshtronError(f"profile {where}: 'gemm_tile' must be three positive integers "
+                            "[rows, columns, k step]")
     gpus = _number(raw, "gpus_per_node", where)
     if gpus != int(gpus):
         raise MeshtronError(f"profile {where}: 'gpus_per_node' must be a whole number")
@@ -249,12 +287,14 @@ def profile_from_dict(raw: object, where: str) -> ClusterProfile:
         intra_node=_link(raw.get("intra_node"), "intra_node", where),
         inter_node=_link(raw.get("inter_node"), "inter_node", where),
         gemm_efficiency=points, compute_units=units, collectives=collectives,
+        sm_count=sms, gemm_tile=tuple(tile),
         **{k: int(v) if k.endswith("bytes") else v for k, v in optional.items()})
 
 
 def profile_to_dict(profile: ClusterProfile) -> dict:
     raw = dataclasses.asdict(profile)
     raw["gemm_efficiency"] = [list(p) for p in profile.gemm_efficiency]
+    raw["gemm_tile"] = list(profile.gemm_tile)
     raw["collectives"] = {kind: {str(n): list(fit) for n, fit in sizes.items()}
                           for kind, sizes in profile.collectives.items()}
     return raw

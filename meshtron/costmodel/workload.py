@@ -20,13 +20,39 @@ from meshtron.costmodel.candidate import Candidate
 from meshtron.models.arch import architecture_of
 from meshtron.models.flops import mlp_matmul_params, padded_vocab_size
 
+Shape = tuple[float, float, float]
+"""(m rows, n columns, k inner) of one matrix product: an (m, k) by (k, n) product."""
+
 
 @dataclass(frozen=True)
 class Gemm:
-    """``count`` matrix multiplies of ``flops`` each (one rank, one micro-batch, forward)."""
+    """``count`` matrix multiplies of ``flops`` each (one rank, one micro-batch, forward),
+    each made of the products ``shapes`` (their 2mnk add up to ``flops``): a GPU's efficiency
+    reads their shapes, and the backward's products are their transposes."""
 
     flops: float
     count: float = 1.0
+    shapes: tuple[Shape, ...] = ()
+
+
+def gemm(*shapes: Shape, count: float = 1.0) -> Gemm:
+    """The Gemm of the products ``shapes`` (m, n, k), run ``count`` times."""
+    return Gemm(sum(2.0 * m * n * k for m, n, k in shapes), count, shapes)
+
+
+def transposed(m: float, n: float, k: float, direction: int) -> Shape:
+    """The product of the backward that an (m, n, k) forward product gives: itself
+    (``direction`` 0), the input gradient (1: (m, n) by (n, k)), the weight gradient (2: (k, m)
+    by (m, n))."""
+    return ((m, n, k), (m, k, n), (k, n, m))[direction]
+
+
+def mlp_shapes(cfg: ModelConfig, tokens: float, width: float) -> tuple[Shape, Shape]:
+    """An MLP's two products on ``tokens``: the first (gate and up fused, or up) and the
+    down projection, ``width`` hidden units of it on this rank."""
+    h = cfg.hidden_size
+    first = (3 if architecture_of(cfg).gated_mlp else 2) - 1
+    return (tokens, first * width, h), (tokens, h, width)
 
 
 @dataclass(frozen=True)
@@ -95,25 +121,24 @@ def layer_work(cfg: ModelConfig, layer: int, seq_len: int, c: Candidate,
     h, tp = cfg.hidden_size, c.tp
     attention = arch.attention.matmul_params(cfg)
     out_proj = (cfg.v_head_dim if cfg.latent_attention else cfg.head_size) * cfg.num_heads * h
-    gemms = [Gemm(2.0 * m * (attention - out_proj) / tp), Gemm(2.0 * m * out_proj / tp)]
+    gemms = [gemm((m, (attention - out_proj) / (h * tp), h)), gemm((m, h, out_proj / (h * tp)))]
     core = m * seq_len * arch.attention.score_width(cfg) / tp  # causal half of 2*m*s*width
     mlp_width = cfg.ffn_hidden_size
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
-        gated = 3 if arch.gated_mlp else 2
-        gemms.append(Gemm(2.0 * m * h * moe.num_experts))  # the router, replicated over tp
+        gemms.append(gemm((m, moe.num_experts, h)))  # the router, replicated over tp
         local_experts = moe.num_experts / c.ep
         whole = c.etp == 1  # each tp rank routes its 1/tp of the tokens through whole experts
         routed = m * moe.top_k * capacity_padding(cfg) / (tp if whole else 1)
         per_expert = routed * c.ep / moe.num_experts  # tokens one local expert sees
         expert_width = moe.expert_ffn_size / (1 if whole else tp)
-        gemms.append(Gemm(2.0 * per_expert * h * expert_width, gated * local_experts))
+        gemms.append(gemm(*mlp_shapes(cfg, per_expert, expert_width), count=local_experts))
         shared = moe.shared_experts * moe.expert_ffn_size
         if shared:
-            gemms.append(Gemm(2.0 * m * mlp_matmul_params(cfg, shared) / tp))
+            gemms.append(gemm(*mlp_shapes(cfg, m, shared / tp)))
         mlp_width = moe.top_k * moe.expert_ffn_size + shared
     else:
-        gemms.append(Gemm(2.0 * m * mlp_matmul_params(cfg, mlp_width) / tp))
+        gemms.append(gemm(*mlp_shapes(cfg, m, mlp_width / tp)))
     residual = m / tp if c.sp and tp > 1 else m
     elementwise = element_size * (12 * residual * h + 8 * m * h + 6 * m * mlp_width / tp)
     if fp8:  # the inputs of q/kv, the output projection, the MLP's first and last products
@@ -129,7 +154,7 @@ def head_work(cfg: ModelConfig, seq_len: int, c: Candidate, element_size: int) -
     """The output layer and the vocabulary-parallel loss for one micro-batch on one rank."""
     m = c.micro_batch * seq_len / c.cp
     vocab = padded_vocab_size(cfg) / c.tp
-    return LayerWork((Gemm(2.0 * m * cfg.hidden_size * vocab),), 0.0,
+    return LayerWork((gemm((m, vocab, cfg.hidden_size)),), 0.0,
                      4 * m * vocab * 4 + element_size * 2 * m * cfg.hidden_size)
 
 
@@ -137,4 +162,4 @@ def mtp_merge_work(cfg: ModelConfig, seq_len: int, c: Candidate) -> LayerWork:
     """One multi-token-prediction module's merge projection (2h -> h, whole on every tp rank)
     for one micro-batch."""
     m = c.micro_batch * seq_len / c.cp
-    return LayerWork((Gemm(2.0 * m * 2 * cfg.hidden_size ** 2),), 0.0, 0.0)
+    return LayerWork((gemm((m, cfg.hidden_size, 2 * cfg.hidden_size)),), 0.0, 0.0)

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtron.costmodel.profiles import COLLECTIVES, ClusterProfile, Link
+from meshtron.costmodel.gemm_shape import shape_factor
+from meshtron.costmodel.profiles import AMPERE_TILE, COLLECTIVES, HOPPER_TILE, ClusterProfile, Link
 from meshtron.training.memory import device_memory_bytes
 
 CPU_GPUS_PER_NODE = 8
@@ -152,16 +153,20 @@ def gemm_rates(shapes: tuple[tuple[int, int, int], ...], dtype: torch.dtype,
     return rates
 
 
-def efficiency_curve(rates: list[tuple[float, float]],
-                     peak: float) -> tuple[tuple[float, float], ...]:
+def efficiency_curve(rates: list[tuple[float, float]], peak: float,
+                     shape_factors: list[float] | None = None) -> tuple[tuple[float, float], ...]:
     """(GEMM FLOPs, fraction of ``peak``) on a log grid, strictly rising in FLOPs as profiles
     require: the median fraction of the shapes in each quarter decade (training runs all of
     them, not the fastest; the best alone priced every GEMM above 3e7 FLOPs at the peak, about
-    15% fast), then the running maximum (a larger GEMM is not less efficient; a dip is noise)."""
+    15% fast), then the running maximum (a larger GEMM is not less efficient; a dip is noise).
+    ``shape_factors`` (a GPU's, per rate): what each shape's quantization and epilogue give
+    against a square GEMM's (:mod:`meshtron.costmodel.gemm_shape`), divided out so the curve
+    is the square GEMMs' the cost model scales by shape again."""
     fractions: dict[int, list[float]] = {}
-    for flops, rate in rates:
+    for i, (flops, rate) in enumerate(rates):
         step = round(math.log10(flops) * CURVE_STEPS_PER_DECADE)
-        fractions.setdefault(step, []).append(rate / peak)
+        factor = shape_factors[i] if shape_factors else 1.0
+        fractions.setdefault(step, []).append(rate / peak / factor)
     curve, running = [], 0.0
     for step in sorted(fractions):
         running = max(running, statistics.median(fractions[step]))
@@ -255,16 +260,25 @@ def measure_process(quick: bool, device: torch.device) -> ClusterProfile:
                      for shape in s.attention_shapes]
         bandwidth = copy_bandwidth(s.copy_bytes, device, s)
     cpu = device.type != "cuda"
+    sms, tile = (None, HOPPER_TILE) if cpu else gpu_tiling(device)
+    factors = None if sms is None else [
+        shape_factor(m, n, k, sms, tile, peaks[main], bandwidth) for m, n, k in s.gemm_shapes]
     return ClusterProfile(
         name="calibrated", source=source(device, 1),
         gpus_per_node=CPU_GPUS_PER_NODE if cpu else torch.cuda.device_count(),
         memory_bytes=device_memory_bytes(device), memory_bandwidth=bandwidth,
         peak_flops=peaks, intra_node=Link(bandwidth, 0.0), inter_node=Link(bandwidth, 0.0),
-        gemm_efficiency=efficiency_curve(rates[main], peaks[main]),
+        gemm_efficiency=efficiency_curve(rates[main], peaks[main], factors),
         attention_efficiency=min(1.0, round(statistics.mean(attention), 4)),  # one for all
         memory_reserved_bytes=reserved, step_overhead_s=0.0,
         compute_units=os.cpu_count() if cpu else None,
-        thread_speedup=thread_speedup(s) if cpu else 1.0)
+        thread_speedup=thread_speedup(s) if cpu else 1.0, sm_count=sms, gemm_tile=tile)
+
+
+def gpu_tiling(device: torch.device) -> tuple[int, tuple[int, int, int]]:
+    """The GPU's SM count and the GEMM tile of its generation: Ampere's before Hopper."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, AMPERE_TILE if props.major < 9 else HOPPER_TILE
 
 
 def group_sizes(world: int) -> list[int]:
