@@ -78,6 +78,10 @@ def test_a_profile_keeps_its_sm_count_and_tile_and_refuses_bad_ones(tmp_path):
     assert load_profile("a100-80gb").sm_count == 108
     loaded = load_profile(str(save_profile(h100, tmp_path / "h100.json")))
     assert loaded == h100
+    from meshtron.tune.calibrate import profile_summary
+
+    assert "132 SMs, 128x256 tiles in k steps of 64" in profile_summary(h100, tmp_path)
+    assert "SMs" not in profile_summary(dataclasses.replace(h100, sm_count=None), tmp_path)
     for field, value, words in (("sm_count", 0, "'sm_count'"), ("sm_count", 1.5, "'sm_count'"),
                                 ("gemm_tile", [128, 256], "'gemm_tile'"),
                                 ("gemm_tile", [128, 0, 64], "'gemm_tile'")):

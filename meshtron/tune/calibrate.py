@@ -430,6 +430,10 @@ def profile_summary(profile: ClusterProfile, output: Path) -> str:
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s, "
         f"{profile.memory_reserved_bytes / 2**20:,.0f} MiB held by the runtime",
     ]
+    if profile.sm_count is not None:
+        tile = "x".join(str(t) for t in profile.gemm_tile[:2])
+        lines.append(f"  GEMM shapes: {profile.sm_count} SMs, {tile} tiles in k steps of "
+                     f"{profile.gemm_tile[2]} (the curve is the square GEMMs', shape divided out)")
     if profile.reduce_scatter_copy:
         lines.append(f"  a queued reduce-scatter holds {profile.reduce_scatter_copy:.2f} bytes "
                      "per byte of its input until it completes")
