@@ -1,14 +1,15 @@
 """Step time and memory of one layout: the cost model that ranks the search and plans the run.
 
 Each pipeline action is priced from its layers' work (:mod:`meshtron.costmodel.workload`) at the
-profile's GEMM efficiency for its size, plus the tensor-, context- and expert-parallel
-communication it waits for (:mod:`meshtron.costmodel.comms`) and the receive of its input from
-the neighbouring stage. The pipeline's time is the makespan of the schedule simulator
-(:meth:`Schedule.timeline`) over those per-stage costs, the last stage's head and loss
-included; runs with very many micro-batches are simulated at two small counts and extended
-along the line through them, since each extra micro-batch adds the same steady-state time.
-After the pipeline come the data-parallel reductions that did not overlap the last backward,
-the ZeRO all-gather of updated parameters, and the optimizer step (bound by memory bandwidth).
+profile's GEMM efficiency for its size (on a GPU, for its shape: the backward at the forward's
+transposed products, :mod:`meshtron.costmodel.gemm_shape`), plus the tensor-, context- and
+expert-parallel communication it waits for (:mod:`meshtron.costmodel.comms`) and the receive of
+its input from the neighbouring stage. The pipeline's time is the makespan of the schedule
+simulator (:meth:`Schedule.timeline`) over those per-stage costs, the last stage's head and loss
+included; runs with very many micro-batches are simulated at two small counts and extended along
+the line through them, since each extra micro-batch adds the same steady-state time. After the
+pipeline come the data-parallel reductions that did not overlap the last backward, the ZeRO all-
+gather of updated parameters, and the optimizer step (bound by memory bandwidth).
 """
 
 from __future__ import annotations

@@ -148,14 +148,16 @@ A100_SMS = 108
 """NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs on the A100 (SXM4 and PCIe);
 the "Matrix Multiplication Background User's Guide" works its wave examples on these 108."""
 AMPERE_TILE = (256, 128, 64)
-"""cuBLAS's large bf16 kernels on A100 (``ampere_bf16_s16816gemm_bf16_256x128_ldg8_..._64x3``:
-a 256x128 tile, k steps of 64 in 3 stages); the guide's own example tile is 256x128."""
+"""cuBLAS's large bf16 kernels on A100 (``ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_stages_
+64x3_tn`` in public profiler traces: a 256x128 tile, k steps of 64 in 3 stages); the guide's
+own example tile is 256x128."""
 H100_SXM_SMS = 132
 """NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs on the H100 SXM5 (the H200 is
 the same GH100 die in the SXM form)."""
 HOPPER_TILE = (128, 256, 64)
-"""cuBLAS's large bf16 kernels on H100 (``sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize
-128x256x64_...``): a 128x256 output tile, k steps of 64 (CUTLASS's Hopper default too)."""
+"""cuBLAS's large 16-bit kernels on H100 (``sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize
+128x256x64_warpgroupsize2x1x1_...``, as public profiler traces name them): a 128x256 output
+tile, k steps of 64."""
 
 
 def builtin_profiles() -> dict[str, ClusterProfile]:
