@@ -8,8 +8,8 @@ its input from the neighbouring stage. The pipeline's time is the makespan of th
 simulator (:meth:`Schedule.timeline`) over those per-stage costs, the last stage's head and loss
 included; runs with very many micro-batches are simulated at two small counts and extended along
 the line through them, since each extra micro-batch adds the same steady-state time. After the
-pipeline come the data-parallel reductions that did not overlap the last backward, the ZeRO all-
-gather of updated parameters, and the optimizer step (bound by memory bandwidth).
+pipeline come the data-parallel reductions that did not overlap the last backward, the ZeRO
+all-gather of updated parameters, and the optimizer step (bound by memory bandwidth).
 """
 
 from __future__ import annotations
