@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import typing
 from collections.abc import Iterator, Mapping
 from types import FrameType
 
@@ -84,7 +83,7 @@ def stop_on_signals() -> Iterator[Received]:
 
     unraisable_hook = sys.unraisablehook
 
-    def drop_lost_stops(unraisable: typing.Any) -> None:
+    def drop_lost_stops(unraisable: sys.UnraisableHookArgs) -> None:
         if not isinstance(unraisable.exc_value, Stopped):
             unraisable_hook(unraisable)
 

@@ -124,7 +124,7 @@ def _spec(name: str, source: str, memory_gb: float, bandwidth_tb: float, bf16_tf
           fp32_tflops: float, fp8_tflops: float | None, nvlink_gb: float, network_gb: float,
           efficiency: tuple[tuple[float, float], ...], fp4_tflops: float | None = None,
           gpus_per_node: int = 8, sm_count: int | None = None,
-          gemm_tile: tuple[int, int, int] = (128, 256, 64)) -> ClusterProfile:
+          gemm_tile: tuple[int, int, int] = ClusterProfile.gemm_tile) -> ClusterProfile:
     peaks = {"fp32": fp32_tflops * 1e12, "bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12}
     if fp8_tflops:
         peaks["fp8"] = fp8_tflops * 1e12
