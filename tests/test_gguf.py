@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
+from meshtron.checkpoint.gguf_fields import FastReader
 from meshtron.checkpoint.gguf_tensors import from_llama_cpp_order, to_llama_cpp_order
 from meshtron.checkpoint.loading import load_for_inference
 from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
@@ -235,6 +236,61 @@ def test_llama_cpp_row_order_is_undone():
     # head 0: Hugging Face rows 0..3 pair with 4..7; llama.cpp keeps each pair adjacent
     assert ordered[:8, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     assert torch.equal(from_llama_cpp_order(ordered, heads), rows)
+
+
+V = gguf.GGUFValueType
+EVERY_VALUE = {  # key: (value, type, element type): each type of the format, alone and in arrays
+    **{f"s.{t.name}": (v, t, None) for t, v in [
+        (V.UINT8, 200), (V.INT8, -100), (V.UINT16, 60_000), (V.INT16, -30_000),
+        (V.UINT32, 4_000_000_000), (V.INT32, -2_000_000_000), (V.FLOAT32, 1e-5),
+        (V.UINT64, 2**63 + 5), (V.INT64, -(2**62)), (V.FLOAT64, 1 / 3), (V.BOOL, True),
+        (V.STRING, "héllo 日本語 🙂")]},
+    **{f"a.{t.name}": (v, V.ARRAY, t) for t, v in [
+        (V.UINT8, [0, 255, 7]), (V.INT8, [-128, 127]), (V.UINT16, [65_535, 1]),
+        (V.INT16, [-2, 3]), (V.UINT32, [1, 2**32 - 1]), (V.INT32, [-(2**31), 5]),
+        (V.FLOAT32, [0.5, -1e-5, 3e38]), (V.UINT64, [2**64 - 1]), (V.INT64, [-1, 2**62]),
+        (V.FLOAT64, [1e-300, -2.5]), (V.BOOL, [True, False, True]),
+        (V.STRING, ["", "a", "Ġthe", "<|im_end|>", "日本語 🙂", "x" * 1000])]},
+    "a.nested": ([[1, 2], [3]], V.ARRAY, V.ARRAY),
+}
+
+
+def write_every_value(path: Path) -> Path:
+    """A GGUF file holding :data:`EVERY_VALUE` and one F32 tensor."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, (value, vtype, sub) in EVERY_VALUE.items():
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    writer.add_tensor("t.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path):
+    """meshtron's reader (metadata arrays a block at a time) against ``gguf.GGUFReader``:
+    the same keys, values and types, and the same tensors; a file cut inside a string array
+    is refused (the package's reader would return a short array)."""
+    path = write_every_value(tmp_path / "every.gguf")
+    ours, theirs = FastReader(str(path)), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert (ours.fields[key].contents(), ours.fields[key].types) == \
+            (field.contents(), field.types), key
+    for key, (value, _, _) in EVERY_VALUE.items():
+        got = ours.fields[key].contents()
+        value = [1, 2, 3] if key == "a.nested" else value  # the package flattens nested arrays
+        assert got == value or (key.endswith("FLOAT32") and np.allclose(got, value)), key
+    assert ours.data_offset == theirs.data_offset
+    [mine], [package] = ours.tensors, theirs.tensors
+    assert (mine.name, mine.data_offset) == (package.name, package.data_offset)
+    assert np.array_equal(mine.data, package.data)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: data.index(b"x" * 1000) + 10])
+    with pytest.raises(ValueError, match="runs past the end"):
+        FastReader(str(cut))
 
 
 # ----------------------------------------------------------------------------- bad input

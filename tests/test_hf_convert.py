@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from meshtron.checkpoint.hf_convert import convert, hf_model_config
+from meshtron.checkpoint.hf_mapping import hf_shapes, to_hf
 from meshtron.checkpoint.loading import load_for_inference
 from meshtron.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from meshtron.cli import main
@@ -102,6 +103,35 @@ def test_meshtron_to_hf_to_meshtron_is_identical(tmp_path, overrides):
     own = str((tmp_path / "back").resolve())  # its checkpoints and its own run directory
     assert settings["checkpoint"]["dir"] == settings["run"]["dir"] == own
     assert Tokenizer.load(tmp_path / "back" / "tokenizer.json").eos_id == 0
+
+
+SHAPE_CASES = {  # every HF family meshtron exports, tied and untied heads, MoE, MLA, MTP layers
+    "llama-gqa": ("--model.num_kv_heads=2",),
+    "llama-tied-biases": ("--model.tie_embeddings=true", "--model.qkv_bias=true",
+                          "--model.proj_bias=true", "--model.mlp_bias=true",
+                          "--model.head_dim=8"),
+    "gpt2-tied": ("--model.arch=gpt2", "--model.tie_embeddings=true"),
+    "gpt2": ("--model.arch=gpt2", "--model.tie_embeddings=false"),
+    "qwen3": ("--model.qk_norm=true", "--model.head_dim=32", "--model.num_kv_heads=2"),
+    "mixtral": ("--model.moe.num_experts=4", "--model.moe.top_k=2",
+                "--model.moe.expert_ffn_size=32"),
+    "qwen3-moe": ("--model.qk_norm=true", "--model.moe.num_experts=4", "--model.moe.top_k=2",
+                  "--model.moe.expert_ffn_size=32", "--model.moe.dense_layers=1"),
+    "deepseek-mtp": ("--model.preset=tiny-deepseek", "--model.moe.expert_ffn_size=32"),
+    "mla": ("--model.preset=tiny-mla",),
+    "gemma3": ("--model.arch=gemma3", "--model.qk_norm=true", "--model.num_kv_heads=2",
+               "--model.head_dim=32", "--model.sliding_window=6",
+               "--model.sliding_window_pattern=2", "--model.rope_local_theta=10000"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPE_CASES))
+def test_hf_shapes_are_the_shapes_to_hf_gives(case):
+    """The import checks a folder's tensors against ``hf_shapes``, computed from the rules
+    without tensor ops: it must be what ``to_hf`` gives a real model's tensors."""
+    cfg = load_config(overrides=[*SHAPE, *SHAPE_CASES[case]]).model
+    state = {k: v.detach() for k, v in Transformer(cfg).state_dict().items()}
+    assert hf_shapes(cfg) == {name: t.shape for name, t in to_hf(state, cfg).items()}
 
 
 def test_sharded_hf_index_is_read(tmp_path):

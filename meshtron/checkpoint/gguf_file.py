@@ -3,9 +3,10 @@ Python values and its tensors dequantised to fp32.
 
 Everything about the format itself, the header, the metadata types, the block layouts of the
 quantised types and their dequantisation, is the ``gguf`` package's (``GGUFReader``,
-``gguf.quants``): this module only turns its failures into one line. A truncated or damaged
-file fails while the reader maps it (each tensor's bytes are checked against the file's end
-there), so nothing is dequantised from a file that is not whole.
+``gguf.quants``; its metadata arrays read a block at a time, :mod:`.gguf_fields`): this
+module only turns its failures into one line. A truncated or damaged file fails while the
+reader maps it (each tensor's bytes are checked against the file's end there), so nothing is
+dequantised from a file that is not whole.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import gguf
 import numpy as np
 import torch
 
+from meshtron.checkpoint.gguf_fields import FastReader
 from meshtron.errors import MeshtronError
 
 MAGIC = b"GGUF"
@@ -52,7 +54,7 @@ class GGUFModel:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            reader = gguf.GGUFReader(str(path))
+            reader = FastReader(str(path))
         except OSError as err:
             raise MeshtronError(f"cannot read {path} ({err.strerror or err})") from None
         except Exception as err:  # the reader raises ValueError, IndexError, ... on bad bytes

@@ -51,6 +51,7 @@ from meshtron.checkpoint.hf_mapping import (
     expected_state,
     from_hf,
     hf_format,
+    hf_shapes,
     tensor_rules,
     to_hf,
 )
@@ -152,11 +153,10 @@ def _refuse_pickle(where: Path, names: list[str]) -> None:
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """The tensors (and shapes) an HF folder of ``cfg``'s family holds."""
-    meta = {name: torch.empty(shape, device="meta") for name, shape in expected_state(cfg).items()}
-    hf = to_hf(meta, cfg)
+    hf = hf_shapes(cfg)
     if cfg.tie_embeddings:  # as save_pretrained does: the head is the embedding
         del hf[hf_format(cfg).head]
-    return {name: t.shape for name, t in hf.items()}
+    return hf
 
 
 # ----------------------------------------------------------------------------- hf -> meshtron

@@ -96,6 +96,28 @@ def to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """The shape of every tensor :func:`to_hf` gives for ``cfg``, from the same rules but with
+    no tensor op: ``to_hf`` on meta tensors runs ``torch.cat`` through Python references that
+    import ``torch._dynamo`` (about 2 CPU-s in a process that only checks shapes)."""
+    fmt = hf_format(cfg)
+    ours = expected_state(cfg)
+    out: dict[str, torch.Size] = {}
+    for rule in tensor_rules(cfg):
+        if not rule.theirs:
+            continue
+        rows = sum(ours[name][0] for name in rule.ours)
+        rest = tuple(ours[rule.ours[0]][1:])
+        size = -(-rows // len(rule.theirs))  # torch.chunk's piece: the last one may be short
+        for i, name in zip(range(0, rows, size), rule.theirs):
+            shape = (min(size, rows - i), *rest)
+            out[name] = torch.Size(shape[::-1] if rule.transpose else shape)
+    out[fmt.head] = ours["embed.weight" if cfg.tie_embeddings else "output.weight"]
+    for name, shared in mtp_copies(cfg, fmt).items():
+        out[name] = out[fmt.head] if shared == fmt.head else ours[shared]
+    return out
+
+
 def mtp_copies(cfg: ModelConfig, fmt: HFFormat) -> dict[str, str]:
     """HF name -> what it copies (``embed.weight``, or the HF head's name) of the embedding
     and head copies ``fmt`` keeps in each multi-token-prediction layer of ``cfg``."""
