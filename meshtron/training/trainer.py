@@ -109,7 +109,8 @@ class Trainer:
         self.rank: Rank = build_rank(self.plan, self.mesh, self.device,
                                      eos_id=self.data.tokenizer.eos_id,
                                      load_weights=load_pretrained_encoders)
-        self.peak_flops, self.peak_source = peak_source(self.device, cfg.train.peak_flops)
+        self.peak_flops, self.peak_source = peak_source(self.device, cfg.train.peak_flops,
+                                                        cfg.data.cache_dir)
         self.faults = FaultPlan(self.mesh.global_rank)
         self.tuner = OnlineTuner(cfg, self.mesh, self.micro_batch, self.device) \
             if cfg.train.autotune != "off" else None

@@ -21,7 +21,6 @@ import datetime
 import functools
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from meshtron.costmodel.gemm_shape import shape_factor
 from meshtron.costmodel.profiles import AMPERE_TILE, COLLECTIVES, HOPPER_TILE, ClusterProfile, Link
+from meshtron.training.hardware import cpu_name
 from meshtron.training.memory import device_memory_bytes
 
 CPU_GPUS_PER_NODE = 8
@@ -234,11 +234,7 @@ def reserved_bytes(device: torch.device) -> int:
 def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "an unknown CPU"
+    return cpu_name()
 
 
 def source(device: torch.device, ranks: int) -> str:
