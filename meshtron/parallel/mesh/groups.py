@@ -7,6 +7,7 @@ is a no-op and a one-process run never touches ``torch.distributed``.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -46,6 +47,12 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @functools.cached_property
+    def backend(self) -> str | None:
+        """The process group's backend ('gloo', 'nccl'), None without one (asked once: the
+        small collectives choose their algorithm by it)."""
+        return None if self.pg is None else str(dist.get_backend(self.pg))
 
 
 class ParallelMesh:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.parallel.mesh.groups import Group
+from meshtron.parallel.tensor import exchange
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -39,7 +40,10 @@ def all_reduce(t: torch.Tensor, group: Group,
     """In-place all-reduce (a no-op on a group of one)."""
     if group.pg is not None:
         group.stats.record(group.name, "all_reduce", _wire_bytes(t, group, passes=2))
-        dist.all_reduce(t, op=op, group=group.pg)
+        if exchange.can_all_reduce(t, group, op):
+            exchange.all_reduce(t, group, op)
+        else:
+            dist.all_reduce(t, op=op, group=group.pg)
     return t
 
 
@@ -50,7 +54,10 @@ def all_gather(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     t = t.contiguous()
     out = torch.empty((group.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     group.stats.record(group.name, "all_gather", _wire_bytes(out, group))
-    _all_gather(out, t, group=group.pg)
+    if exchange.one_round(group, out.numel() * out.element_size(), out.device):
+        exchange.all_gather(out, t, group)
+    else:
+        _all_gather(out, t, group=group.pg)
     if dim == 0:
         return out
     return out.unflatten(0, (group.size, t.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
@@ -63,20 +70,26 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     chunks = t.unflatten(dim, (group.size, t.shape[dim] // group.size)).movedim(dim, 0)
     out = torch.empty(chunks.shape[1:], dtype=t.dtype, device=t.device)
     group.stats.record(group.name, "reduce_scatter", _wire_bytes(chunks, group))
-    _reduce_scatter(out, chunks.contiguous().flatten(0, 1), group=group.pg)
+    if exchange.one_round(group, t.numel() * t.element_size(), t.device):
+        exchange.reduce_scatter(out, chunks.contiguous().flatten(0, 1), group)
+    else:
+        _reduce_scatter(out, chunks.contiguous().flatten(0, 1), group=group.pg)
     return out
 
 
-def start_all_reduce(flat: torch.Tensor, group: Group) -> dist.Work | None:
+def start_all_reduce(flat: torch.Tensor, group: Group
+                     ) -> dist.Work | exchange.Exchange | None:
     """Begin an in-place sum of ``flat`` over ``group``; wait on the returned handle."""
     if group.pg is None:
         return None
     group.stats.record(group.name, "all_reduce", _wire_bytes(flat, group, passes=2))
+    if exchange.can_all_reduce(flat, group, dist.ReduceOp.SUM):
+        return exchange.all_reduce(flat, group, async_op=True)
     return dist.all_reduce(flat, group=group.pg, async_op=True)
 
 
-def start_reduce_scatter(flat: torch.Tensor, group: Group,
-                         out: torch.Tensor | None = None) -> dist.Work | None:
+def start_reduce_scatter(flat: torch.Tensor, group: Group, out: torch.Tensor | None = None
+                         ) -> dist.Work | exchange.Exchange | None:
     """Begin summing ``flat`` over ``group`` into this rank's 1/size chunk.
 
     The result goes to ``out``, by default the rank's own chunk of ``flat`` (in place).
@@ -86,6 +99,8 @@ def start_reduce_scatter(flat: torch.Tensor, group: Group,
     chunk = flat.numel() // group.size
     out = flat[group.rank * chunk : (group.rank + 1) * chunk] if out is None else out
     group.stats.record(group.name, "reduce_scatter", _wire_bytes(flat, group))
+    if exchange.one_round(group, flat.numel() * flat.element_size(), flat.device):
+        return exchange.reduce_scatter(out, flat, group, async_op=True)
     return _reduce_scatter(out, flat, group=group.pg, async_op=True)
 
 
@@ -96,6 +111,8 @@ def start_all_gather(flat: torch.Tensor, group: Group) -> dist.Work | None:
     chunk = flat.numel() // group.size
     group.stats.record(group.name, "all_gather", _wire_bytes(flat, group))
     mine = flat[group.rank * chunk : (group.rank + 1) * chunk]
+    if exchange.one_round(group, flat.numel() * flat.element_size(), flat.device):
+        return exchange.all_gather(flat, mine, group, async_op=True)
     return _all_gather(flat, mine, group=group.pg, async_op=True)
 
 
