@@ -4,8 +4,9 @@ working directory (the docs' after the README's, whose runs and files they use).
 Each command runs as written, but shorter: step counts (``--train.steps``,
 ``checkpoint.every``, ``checkpoint.resume_from`` and those in ``--config`` files) are divided
 by 100 (at most 3), a command that names no step count trains one step, an evaluation takes
-one batch, sequences are at most 1024 tokens long, and every run reads a 1 MB slice of the
-built-in corpus from a private cache. ``meshtron`` is this environment's (activating it,
+one batch, sequences are at most 1024 tokens long, a run from released weights trains on 2
+sequences, and every run reads a 1 MB slice of the built-in corpus from a private cache.
+``meshtron`` is this environment's (activating it,
 ``. .venv/bin/activate``, is what this test's Python already is), and ``cp`` copies from it
 (``.venv/`` is ``sys.prefix``). ``meshtron sample-data`` writes 1 MB instead of 4,
 ``meshtron archsearch`` trains 3 proxies (as long as the budget makes them) and refines one,
@@ -46,6 +47,10 @@ FEWER = {"--trials": "3", "--episodes": "4"}
 """Counts of other commands' units of work (hpsearch trials, evaluate's episodes), set small."""
 YAML_SCALED = {("train", "steps"), ("checkpoint", "every"), ("train", "eval_every"),
                ("train", "log_every")}
+RELEASED_BATCH = "--train.global_batch=2"
+"""A run from released weights (``--config`` naming the ``train.yaml`` that ``meshtron convert``
+wrote) trains on 2 sequences instead of 8: its step and its evaluation batch are a real model's
+(135M parameters), 20 of the README run's 53 CPU-seconds at 8."""
 
 
 def readme_commands(text: str, languages: str = "bash") -> list[list[str]]:
@@ -80,6 +85,9 @@ def shortened(words: list[str], cwd: Path, cache: Path) -> list[str]:
                      for section, key in sorted(YAML_SCALED) if key in saved.get(section, {})]
     if not any(w.startswith("--train.steps=") for w in out + inserted):
         inserted.append("--train.steps=1")
+    if "--config" in out and out[out.index("--config") + 1].endswith("/train.yaml") and not any(
+            w.startswith("--train.global_batch=") for w in out):
+        inserted.append(RELEASED_BATCH)
     return out[: train + 1] + inserted + out[train + 1 :]
 
 
