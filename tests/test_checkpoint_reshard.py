@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.distributed import start_distributed
 from tests.parity import PARITY_RTOL, run_training, test_overrides
 
 MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=0.02"]
@@ -46,9 +46,12 @@ def save_runs(rank: int, world_size: int, cache: str, root: str, names: list[str
             for name in names}
 
 
-def resume_runs(rank: int, world_size: int, cache: str, root: str, jobs: list[tuple]) -> list:
+def resume_runs(rank: int, world_size: int, cache: str, root: str, jobs: list[tuple],
+                first: int = 0) -> list:
+    """``jobs`` (saved as, resumed layout) in turn; ``first``: the index of the first in its
+    run directories' names (the one process resumes in two batches)."""
     out = []
-    for i, (saved, layout) in enumerate(jobs):
+    for i, (saved, layout) in enumerate(jobs, start=first):
         step10 = f"{root}/{saved}/checkpoints/step_00000010"
         out.append(run_training(
             _overrides(cache, root, f"resume{world_size}_{i}", layout,
@@ -65,41 +68,60 @@ def save_and_resume_runs(rank: int, world_size: int, cache: str, root: str, name
             resume_runs(rank, world_size, cache, root, jobs))
 
 
-@pytest.mark.slow
-def test_resume_under_another_layout_continues_the_run(data_cache, tmp_path):
-    root = str(tmp_path)
+def resume_jobs(world: int) -> list[tuple]:
+    return [(saved, layout) for saved, w, layout in RESUME if w == world]
+
+
+def saved_on(world: int) -> list[str]:
+    return [name for name, (w, _) in SAVE.items() if w == world]
+
+
+def run_groups(cache: str, root: str) -> tuple[dict, dict, dict]:
+    """Every save, every resume and the one-process reference: (saved runs by name, resumed
+    runs by world size, the reference). The one-process runs train in this process while a
+    group of ranks runs (the ranks' collectives leave the cores idle much of the time), each
+    once the checkpoints it reads exist: 8 ranks save while the one process saves and trains
+    the reference; 2 ranks save (and resume from those and the one process's) while the one
+    process resumes from the 8 ranks'; 4 ranks resume while it resumes from the 2 ranks'."""
     saved: dict[str, dict] = {}
     resumed: dict[int, list] = {}
-    save_worlds, resume_worlds = {w for w, _ in SAVE.values()}, {w for _, w, _ in RESUME}
+    alone = resume_jobs(1)
 
-    def resume_jobs(world: int) -> list[tuple]:
-        return [(s, layout) for s, w, layout in RESUME if w == world]
+    def while_ranks(world: int, fn, args: tuple, here) -> object:
+        ranks = start_distributed(fn, world, cache, root, *args, timeout=900)
+        try:
+            here()
+        except BaseException:
+            ranks.stop()
+            raise
+        return ranks.results()[0]
 
-    for world in sorted(save_worlds):
-        names = [n for n, (w, _) in SAVE.items() if w == world]
-        if world == 1:
-            saved.update(save_runs(0, 1, data_cache, root, names))
-        elif world in resume_worlds and {s for s, _ in resume_jobs(world)} <= {
-                n for n, (w, _) in SAVE.items() if w <= world}:  # one spawn instead of two
-            group_saved, resumed[world] = run_distributed(
-                save_and_resume_runs, world, data_cache, root, names, resume_jobs(world),
-                timeout=900)[0]
-            saved.update(group_saved)
-        else:
-            saved.update(run_distributed(save_runs, world, data_cache, root, names,
-                                         timeout=900)[0])
-    reference = run_training(test_overrides(data_cache, f"{root}/reference") + MODEL)
-    for world in sorted(resume_worlds):
-        jobs = resume_jobs(world)
-        if world in resumed:
-            results = resumed[world]
-        elif world == 1:
-            results = resume_runs(0, 1, data_cache, root, jobs)
-        else:
-            results = run_distributed(resume_runs, world, data_cache, root, jobs,
-                                      timeout=900)[0]
-        assert len(results) == len(jobs)
-        for (source, layout), result in zip(jobs, results):
+    def first() -> None:
+        saved.update(save_runs(0, 1, cache, root, saved_on(1)))
+        saved["reference"] = run_training(test_overrides(cache, f"{root}/reference") + MODEL)
+
+    saved.update(while_ranks(8, save_runs, (saved_on(8),), first))
+    from_8 = [job for job in alone if SAVE[job[0]][0] == 8]
+    group_saved, resumed[2] = while_ranks(
+        2, save_and_resume_runs, (saved_on(2), resume_jobs(2)),
+        lambda: resumed.update({1: resume_runs(0, 1, cache, root, from_8)}))
+    saved.update(group_saved)
+    rest = [job for job in alone if job not in from_8]
+    resumed[4] = while_ranks(4, resume_runs, (resume_jobs(4),), lambda: resumed.update(
+        {1: resumed[1] + resume_runs(0, 1, cache, root, rest, first=len(from_8))}))
+    jobs = {1: from_8 + rest, 2: resume_jobs(2), 4: resume_jobs(4)}
+    return saved, {w: list(zip(jobs[w], resumed[w], strict=True)) for w in jobs}, \
+        saved.pop("reference")
+
+
+@pytest.mark.slow
+def test_resume_under_another_layout_continues_the_run(data_cache, tmp_path):
+    assert {w for w, _ in SAVE.values()} == {1, 2, 8}  # the groups run_groups runs
+    assert {w for _, w, _ in RESUME} == {1, 2, 4}
+    saved, resumed, reference = run_groups(data_cache, str(tmp_path))
+    assert sum(len(jobs) for jobs in resumed.values()) == len(RESUME)
+    for world, jobs in sorted(resumed.items()):
+        for (source, layout), result in jobs:
             what = f"saved as {source}, resumed on {world} ranks with {' '.join(layout) or '-'}"
             assert len(result["loss"]) == 10, what
             same_layout = SAVE[source] == (world, layout)
