@@ -424,6 +424,7 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(data_cache, tmp_path)
     root = str(tmp_path)
     run_distributed(_save_then_resume, 2, data_cache, root, "save")
     resumed = _save_then_resume(0, 1, data_cache, root, "resume")
+    assert len(resumed["loss"]) == 10
     reference = run_training(test_overrides(data_cache, f"{root}/ref") + MOE + BALANCED
                              + ["--train.micro_batch=4"])
     for key in ("loss", "grad_norm"):
