@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import start_distributed
+from tests.distributed import run_distributed, start_distributed
 from tests.parity import PARITY_RTOL, run_training, test_overrides
 
 MODEL = ["--model.num_layers=4", "--train.micro_batch=2", "--parallel.bucket_mb=0.02"]
@@ -46,12 +46,9 @@ def save_runs(rank: int, world_size: int, cache: str, root: str, names: list[str
             for name in names}
 
 
-def resume_runs(rank: int, world_size: int, cache: str, root: str, jobs: list[tuple],
-                first: int = 0) -> list:
-    """``jobs`` (saved as, resumed layout) in turn; ``first``: the index of the first in its
-    run directories' names (the one process resumes in two batches)."""
+def resume_runs(rank: int, world_size: int, cache: str, root: str, jobs: list[tuple]) -> list:
     out = []
-    for i, (saved, layout) in enumerate(jobs, start=first):
+    for i, (saved, layout) in enumerate(jobs):
         step10 = f"{root}/{saved}/checkpoints/step_00000010"
         out.append(run_training(
             _overrides(cache, root, f"resume{world_size}_{i}", layout,
@@ -78,14 +75,12 @@ def saved_on(world: int) -> list[str]:
 
 def run_groups(cache: str, root: str) -> tuple[dict, dict, dict]:
     """Every save, every resume and the one-process reference: (saved runs by name, resumed
-    runs by world size, the reference). The one-process runs train in this process while a
-    group of ranks runs (the ranks' collectives leave the cores idle much of the time), each
-    once the checkpoints it reads exist: 8 ranks save while the one process saves and trains
-    the reference; 2 ranks save (and resume from those and the one process's) while the one
-    process resumes from the 8 ranks'; 4 ranks resume while it resumes from the 2 ranks'."""
+    runs by world size, the reference). The one-process runs train in this process while 8
+    or 4 ranks run, whose collectives leave the 2 cores idle much of the time (2 ranks fill
+    them: a third process beside them only slows them down): while 8 ranks save, the one
+    process saves and trains the reference; then 2 ranks save and resume; while 4 ranks
+    resume, the one process resumes from every layout's checkpoint."""
     saved: dict[str, dict] = {}
-    resumed: dict[int, list] = {}
-    alone = resume_jobs(1)
 
     def while_ranks(world: int, fn, args: tuple, here) -> object:
         ranks = start_distributed(fn, world, cache, root, *args, timeout=900)
@@ -101,17 +96,15 @@ def run_groups(cache: str, root: str) -> tuple[dict, dict, dict]:
         saved["reference"] = run_training(test_overrides(cache, f"{root}/reference") + MODEL)
 
     saved.update(while_ranks(8, save_runs, (saved_on(8),), first))
-    from_8 = [job for job in alone if SAVE[job[0]][0] == 8]
-    group_saved, resumed[2] = while_ranks(
-        2, save_and_resume_runs, (saved_on(2), resume_jobs(2)),
-        lambda: resumed.update({1: resume_runs(0, 1, cache, root, from_8)}))
+    group_saved, resumed_2 = run_distributed(save_and_resume_runs, 2, cache, root, saved_on(2),
+                                             resume_jobs(2), timeout=900)[0]
     saved.update(group_saved)
-    rest = [job for job in alone if job not in from_8]
+    resumed = {2: resumed_2}
     resumed[4] = while_ranks(4, resume_runs, (resume_jobs(4),), lambda: resumed.update(
-        {1: resumed[1] + resume_runs(0, 1, cache, root, rest, first=len(from_8))}))
-    jobs = {1: from_8 + rest, 2: resume_jobs(2), 4: resume_jobs(4)}
-    return saved, {w: list(zip(jobs[w], resumed[w], strict=True)) for w in jobs}, \
-        saved.pop("reference")
+        {1: resume_runs(0, 1, cache, root, resume_jobs(1))}))
+    reference = saved.pop("reference")
+    return saved, {w: list(zip(resume_jobs(w), runs, strict=True))
+                   for w, runs in resumed.items()}, reference
 
 
 @pytest.mark.slow
