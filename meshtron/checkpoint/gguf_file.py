@@ -73,7 +73,9 @@ class GGUFModel:
         the mapped file)."""
         t = self._tensors[name]
         try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            # a plain view of the mapped bytes: gguf.quants splits its input into row
+            # groups, and each slice of a memmap runs memmap's Python-level hooks
+            values = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
         except NotImplementedError:
             raise MeshtronError(unsupported_type(self.path, name, t.tensor_type.name)) from None
         array = np.array(values, dtype=np.float32).reshape(self.tensors[name].shape)

@@ -133,7 +133,8 @@ def mtp_copies(cfg: ModelConfig, fmt: HFFormat) -> dict[str, str]:
 
 def from_hf(hf: Tensors, cfg: ModelConfig) -> Tensors:
     """Inverse of :func:`to_hf` (an HF state dict -> meshtron global names); meshtron-only
-    state starts at zero (fp32)."""
+    state starts at zero (fp32). A tensor that maps one to one is the input's own (or its
+    transposed copy), not a copy: the imports hand over tensors they read for this."""
     fmt = hf_format(cfg)
     shapes = expected_state(cfg)
     out: Tensors = {}
@@ -142,7 +143,8 @@ def from_hf(hf: Tensors, cfg: ModelConfig) -> Tensors:
             for name in rule.ours:
                 out[name] = torch.zeros(shapes[name], dtype=torch.float32)
             continue
-        full = torch.cat([hf[name].t() if rule.transpose else hf[name] for name in rule.theirs])
+        parts = [hf[name].t() if rule.transpose else hf[name] for name in rule.theirs]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no copy
         rows = [shapes[name][0] for name in rule.ours]
         out.update(zip(rule.ours, full.split(rows)))
     if not cfg.tie_embeddings:
