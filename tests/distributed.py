@@ -26,12 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "meshtron.training.trainer",
-           "tests.parity")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.utils.tensorboard",
+           "meshtron.training.trainer", "tests.parity")
 """What the fork server imports once, before any worker forks from it. Imports only: no torch
 operation runs there, so no thread pool or lock is copied into a worker half-way. ``torch._dynamo``
 is there because ``torch.utils.checkpoint`` (recompute) and ``torch.compile`` import it on first
-use: ~1.5 CPU-s (sympy with it) in each rank that recomputes."""
+use: ~1.5 CPU-s (sympy with it) in each rank that recomputes; ``torch.utils.tensorboard``
+because every rank 0 writes its metrics there (~180 modules)."""
 
 
 def _worker(fn: Callable, rank: int, world_size: int, rendezvous: str, out_dir: str,
