@@ -46,6 +46,16 @@ def test_the_probe_runs_once_and_later_runs_read_its_figure(probes, tmp_path):
     assert len(list(tmp_path.glob("hardware/*/peak.json"))) == 2
 
 
+def test_a_damaged_kept_figure_is_measured_and_written_again(probes, tmp_path):
+    cpu = torch.device("cpu")
+    hardware.peak_source(cpu, None, str(tmp_path))
+    [path] = tmp_path.glob("hardware/*/peak.json")
+    path.write_text('{"flops": ')  # cut short
+    hardware._measured_cpu_peak.cache_clear()
+    assert hardware.peak_source(cpu, None, str(tmp_path))[0] == 3.0e11 and len(probes) == 2
+    assert json.loads(path.read_text())["flops"] == 3.0e11
+
+
 def test_a_configured_peak_or_no_cache_measures_nothing_kept(probes, tmp_path):
     cpu = torch.device("cpu")
     assert hardware.peak_source(cpu, 2e12, str(tmp_path)) == (2e12, "train.peak_flops")

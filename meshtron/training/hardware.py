@@ -119,17 +119,25 @@ def cached_cpu_peak(cache_dir: str, threads: int) -> tuple[float, Path, str] | N
     path = entry / "peak.json"
     try:
         with cache.locked(entry):
-            try:
-                kept = json.loads(path.read_text())
-                return float(kept["flops"]), path, str(kept["measured"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # none yet, or unreadable: measure and write it again
+            kept = _read_kept(path)
+            if kept is not None:
+                return kept[0], path, kept[1]
             flops, day = _measured_cpu_peak(threads), datetime.date.today().isoformat()
             cache.atomic_write_bytes(path, json.dumps({
                 "flops": flops, "measured": day, "cpu": cpu_name(), "threads": threads,
                 "torch": torch.__version__}).encode())
             return flops, path, day
     except (OSError, MeshtronError):
+        return None
+
+
+def _read_kept(path: Path) -> tuple[float, str] | None:
+    """(FLOP/s, the day measured) from a kept figure's file; None when there is none yet or it
+    cannot be read (it is then measured and written again)."""
+    try:
+        kept = json.loads(path.read_text())
+        return float(kept["flops"]), str(kept["measured"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
