@@ -206,6 +206,28 @@ def test_nvfp4_linear_is_close_to_the_exact_product_and_unbiased_in_its_gradient
     assert (w.grad - torch.ones(64, 32).t() @ x0).norm() / (64 * 48) ** 0.5 < 1.0
 
 
+def test_an_fp64_nvfp4_layer_quantises_in_fp32_and_multiplies_in_fp64():
+    """The fp64 verification run's layer: the same codes and scales as fp32's (quantising
+    the operands rounded to fp32), products of the dequantised operands in fp64; the output
+    and the input gradient come out exactly as those fp64 products."""
+    g = torch.Generator().manual_seed(7)
+    x0 = torch.randn(32, 48, generator=g, dtype=torch.float64)
+    w0 = torch.randn(32, 48, generator=g, dtype=torch.float64)
+    opts = NVFP4Options(seed=3)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y = nvfp4_linear(x, w, None, opts)
+    gy = torch.randn(32, 32, generator=g, dtype=torch.float64)
+    y.backward(gy)
+    qx = opts.quantize(x0.float(), "input").dequantize().double()
+    qw = opts.quantize(w0.float(), "weight", (16, 16)).dequantize().double()
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.float64
+    assert torch.equal(y, qx @ qw.t())
+    qgy = opts.quantize(gy.float(), "output gradient", salt=1,
+                        features=torch.arange(32)).dequantize().double()
+    assert torch.equal(x.grad, qgy @ qw)
+    assert not torch.equal(y, (qx.float() @ qw.float().t()).double())  # fp32 sums differ
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: mx_quantize(torch.zeros(4, 48)), "divisible by the block of 32 elements, got 48"),
     (lambda: fp8_linear(torch.zeros(4, 48), torch.zeros(32, 48), None, MXScaling()),

@@ -102,7 +102,11 @@ VALUE_BITS = 12
 """The bits of a value that key its stochastic-rounding draw: sign, exponent, 3 mantissa bits.
 With 20 (11 mantissa bits) about one gradient element in 500 drew anew under tp or cp, whose
 summation order moves a gradient by ~1e-6 relative, and the first step's grad norm differed
-from one process by 5e-4 to 1e-3; with 12 by under 1e-6 (tests/test_low_precision_training)."""
+from one process by 5e-4 to 1e-3; with 12 by under 1e-6 on an Intel Xeon and 9.5e-6 on an AMD
+EPYC, where one element of ~200,000 a step still rounded the other way. Such a flip grows (the
+backward carries it into whole token rows, Adam's next steps into the weights: 1.2e-2 in relative
+norm after 3 steps), as any threshold crossing does, round-to-nearest's too: parity of the math is
+shown in fp64 (:func:`product_dtype`; tests/test_low_precision_training)."""
 
 
 def _mix32(h: Tensor) -> Tensor:
@@ -198,11 +202,20 @@ def hadamard16(signs: Tensor) -> Tensor:
     return signs.unsqueeze(1) * h / 4.0
 
 
+def product_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a layer's products run in: fp32, or fp64 in an fp64 (verification) run,
+    where the layouts' summation orders then differ by ~1e-16 and almost never move a value
+    across a rounding threshold of the fp32 quantisation, which fp32's ~1e-7 does a few
+    times a step (each such flip grows through the backward and Adam's steps)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def rht_along_rows(x: Tensor, signs: Tensor) -> Tensor:
     """``x`` [tokens, k] -> [k, tokens'] : transposed, zero-padded to whole runs of 16 tokens,
-    each run multiplied by :func:`hadamard16` (fp32)."""
-    t = torch.nn.functional.pad(x.t().float(), (0, -x.shape[0] % NVFP4_BLOCK))
-    runs = t.reshape(t.shape[0], -1, NVFP4_BLOCK) @ hadamard16(signs)
+    each run multiplied by :func:`hadamard16` (in :func:`product_dtype`)."""
+    dtype = product_dtype(x)
+    t = torch.nn.functional.pad(x.t().to(dtype), (0, -x.shape[0] % NVFP4_BLOCK))
+    runs = t.reshape(t.shape[0], -1, NVFP4_BLOCK) @ hadamard16(signs).to(dtype)
     return runs.reshape(t.shape)
 
 
@@ -275,22 +288,24 @@ def _wgrad_operand(x: Tensor, opts: NVFP4Options) -> Tensor:
     along the tokens (or only transposed and padded)."""
     if opts.hadamard:
         return rht_along_rows(x, hadamard_signs(opts.seed, x.device))
-    return torch.nn.functional.pad(x.t().float(), (0, -x.shape[0] % NVFP4_BLOCK))
+    return torch.nn.functional.pad(x.t().to(product_dtype(x)), (0, -x.shape[0] % NVFP4_BLOCK))
 
 
 class _NVFP4Linear(torch.autograd.Function):
-    """y = q(x) q(W)^T + b in fp32 from NVFP4 operands (the module docstring's recipe)."""
+    """y = q(x) q(W)^T + b from NVFP4 operands (the module docstring's recipe), the products
+    in :func:`product_dtype`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,
                 defer: WeightGradHook | None, features: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        dtype = product_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             qw = nvfp4_weight(weight, opts)
-            w = qw.dequantize()
-            y = opts.quantize(x2.detach(), "input").dequantize() @ w.t()
+            w = qw.dequantize().to(dtype)
+            y = opts.quantize(x2.detach(), "input").dequantize().to(dtype) @ w.t()
             if bias is not None:
-                y = y + bias.float()
+                y = y + bias.to(dtype)
             xt = _wgrad_operand(x2.detach(), opts)
             ctx.qx_w = opts.quantize(xt, "input (weight-gradient layout)")
         ctx.w_scale, ctx.opts, ctx.defer = qw.tensor_scale, opts, defer  # codes not kept
@@ -307,6 +322,7 @@ class _NVFP4Linear(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         opts: NVFP4Options = ctx.opts
         gy2 = grad_y.reshape(-1, grad_y.shape[-1])
+        dtype = product_dtype(gy2)
         grad_x = grad_w = grad_b = None
         with torch.autocast(gy2.device.type, enabled=False):
             features = ctx.features
@@ -314,20 +330,20 @@ class _NVFP4Linear(torch.autograd.Function):
                 rows = None if ctx.tokens is None else ctx.tokens[:, None]
                 qgy = opts.quantize(gy2, "output gradient", salt=1, tokens=rows,
                                     features=features)
-                grad_x = (qgy.dequantize() @ _weight_again(weight, ctx.w_scale, opts)
-                          ).to(ctx.x_dtype)
+                grad_x = (qgy.dequantize().to(dtype)
+                          @ _weight_again(weight, ctx.w_scale, opts).to(dtype)).to(ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 gyt = _wgrad_operand(gy2, opts)
                 tokens = _numbers(ctx.tokens, gyt.shape[1], gyt.device)
                 gyt = opts.quantize(gyt, "output gradient", salt=2, tokens=tokens,
                                     features=features[:, None])
-                gy_w, x_w = gyt.dequantize(), ctx.qx_w.dequantize()
+                gy_w, x_w = gyt.dequantize().to(dtype), ctx.qx_w.dequantize().to(dtype)
                 deferred = ctx.defer is not None and ctx.defer(weight, x_w.t(), gy_w.t())
                 if not deferred:
                     grad_w = (gy_w @ x_w.t()).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                grad_b = gy2.float().sum(0).to(ctx.bias_dtype)
+                grad_b = gy2.to(dtype).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -355,8 +371,9 @@ def _weight_again(weight: Tensor, tensor_scale: Tensor, opts: NVFP4Options) -> T
 def nvfp4_linear(x: Tensor, weight: Tensor, bias: Tensor | None, opts: NVFP4Options,
                  defer: WeightGradHook | None = None, features: Tensor | None = None) -> Tensor:
     """``x @ weight^T + bias`` with all three products in NVFP4 (emulated: dequantised
-    operands multiplied in fp32). ``weight`` [out, in] needs both dimensions multiples of 16
-    (its 16 x 16 blocks), ``x`` any leading shape. ``defer`` as in :func:`fp8_linear`;
-    ``features``: the global numbers of ``weight``'s rows, which key stochastic rounding
-    (default: 0, 1, ...; a tensor-parallel shard passes its slice of them)."""
+    operands multiplied in fp32, or in fp64 in an fp64 run). ``weight`` [out, in] needs both
+    dimensions multiples of 16 (its 16 x 16 blocks), ``x`` any leading shape. ``defer`` as in
+    :func:`fp8_linear`; ``features``: the global numbers of ``weight``'s rows, which key
+    stochastic rounding (default: 0, 1, ...; a tensor-parallel shard passes its slice of
+    them)."""
     return _NVFP4Linear.apply(x, weight, bias, opts, defer, features)
