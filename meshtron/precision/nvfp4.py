@@ -103,7 +103,7 @@ VALUE_BITS = 12
 With 20 (11 mantissa bits) about one gradient element in 500 drew anew under tp or cp, whose
 summation order moves a gradient by ~1e-6 relative, and the first step's grad norm differed
 from one process by 5e-4 to 1e-3; with 12 by under 1e-6 on an Intel Xeon and 9.5e-6 on an AMD
-EPYC, where one element of ~200,000 a step still rounded the other way. Such a flip grows (the
+EPYC, where about one element in 590,000 a step still rounded the other way. Such a flip grows (the
 backward carries it into whole token rows, Adam's next steps into the weights: 1.2e-2 in relative
 norm after 3 steps), as any threshold crossing does, round-to-nearest's too: parity of the math is
 shown in fp64 (:func:`product_dtype`; tests/test_low_precision_training)."""
