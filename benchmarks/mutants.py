@@ -158,7 +158,7 @@ MUTANTS = [
       "selective recompute drops the kv heads' log-sum-exp"),
     # ------------------------------------------------------------------ tuning
     m("ring-steps", "tuning", "meshtron/costmodel/comms.py",
-      "factor * (n - 1) / n * nbytes / link.bandwidth", "factor * nbytes / link.bandwidth",
+      "factor * (n - 1) / n * nbytes / bandwidth", "factor * nbytes / bandwidth",
       "tests/test_boundaries.py tests/test_tp_overlap_cost.py",
       "ring collectives priced as moving the whole buffer per step"),
     m("flops-attention", "tuning", "meshtron/models/flops.py",
@@ -178,10 +178,11 @@ MUTANTS = [
       "values[..., -1:]", "values[..., :1]",
       "tests/test_model.py::test_sampling_filters_and_greedy_decoding tests/test_boundaries.py",
       "top-k keeps only the best token"),
-    m("eval-outcome", "inference", "meshtron/inference/policy_eval.py",
+    m("eval-outcome", "envs", "meshtron/envs/tabletop.py",
       'return "table" if block_under(state, *state.gripper) is None else "other_block"',
       'return "other_block" if block_under(state, *state.gripper) is None else "table"',
-      "tests/test_vla.py::test_evaluation_counts_only_closing_on_the_named_block_as_success",
+      "tests/test_vla.py::test_evaluation_counts_only_closing_on_the_named_block_as_success "
+      "tests/test_vla_env.py::test_each_ending_is_named",
       "a failed grasp over bare table reported as over another block"),
     # ------------------------------------------------------------------ envs
     m("block-under-axis", "envs", "meshtron/envs/tabletop.py",

@@ -112,7 +112,7 @@ def test_expert_succeeds_and_baselines_fail():
 def test_each_ending_is_named():
     """meshtron evaluate's failure breakdown: closed over the named block, over another block,
     over bare table, or never closed."""
-    from meshtron.inference.policy_eval import outcome_of
+    from meshtron.envs.tabletop import outcome_of
 
     env = TabletopEnv()
     env.reset(seed=5)

@@ -98,6 +98,16 @@ def block_under(state: TabletopState, x: float, y: float) -> int | None:
     return None
 
 
+def outcome_of(state: TabletopState) -> str:
+    """How an episode ending in ``state`` ended (:attr:`TabletopEnv.OUTCOMES`): a success,
+    never closed (timeout), or closed over bare table or over another block."""
+    if state.success:
+        return "success"
+    if not state.closed:
+        return "timeout"
+    return "table" if block_under(state, *state.gripper) is None else "other_block"
+
+
 def _coverage(low: np.ndarray, high: np.ndarray, size: int) -> np.ndarray:
     """[k, size]: the fraction of each pixel along one axis that each interval [low, high]
     (table units) covers; boxes are drawn antialiased so sub-pixel positions stay visible."""
@@ -218,12 +228,7 @@ class TabletopEnv(gym.Env):
 
     def outcome(self) -> str:
         """How the episode ended so far (:attr:`OUTCOMES`)."""
-        state = self.state
-        if state.success:
-            return "success"
-        if not state.closed:
-            return "timeout"
-        return "table" if block_under(state, *state.gripper) is None else "other_block"
+        return outcome_of(self.state)
 
     def render(self) -> np.ndarray | None:
         if self.render_mode != "rgb_array":

@@ -24,7 +24,6 @@ from meshtron.data.tokenizer import Tokenizer
 from meshtron.data.vla_data import VLATrainingData, encode_instruction
 from meshtron.data.vla_tokens import ActionCodec
 from meshtron.envs import DEFAULT_ENV, TabletopEnv, make_env
-from meshtron.envs.tabletop import TabletopState, block_under
 from meshtron.errors import MeshtronError
 from meshtron.models.policy_runner import PolicyRunner
 from meshtron.parallel.context.sequence import SequenceSplit
@@ -49,15 +48,6 @@ class Episode:
     outcome: str = "timeout"
     """One of the environment's ``OUTCOMES``."""
     task: str = DEFAULT_ENV
-
-
-def outcome_of(state: TabletopState) -> str:
-    """How the tabletop episode of final ``state`` ended (:data:`OUTCOMES`)."""
-    if state.success:
-        return "success"
-    if not state.closed:
-        return "timeout"
-    return "table" if block_under(state, *state.gripper) is None else "other_block"
 
 
 def success_rates(episodes: list[Episode]) -> dict[str, float]:
