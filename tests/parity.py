@@ -223,9 +223,11 @@ def assert_parity(reference: dict, candidate: dict, what: str, rtol: float = PAR
     failures.raise_any()
 
 
-def assert_same_numbers(reference: dict, candidate: dict, what: str, rtol: float) -> None:
-    """One precision's per-step loss and grad norm, validation loss and final weights."""
-    steps = FP64_STEPS if rtol == FP64_RTOL else STEPS
+def assert_same_numbers(reference: dict, candidate: dict, what: str, rtol: float,
+                        steps: int | None = None) -> None:
+    """One precision's per-step loss and grad norm, validation loss and final weights, over
+    ``steps`` steps (by default the harness's: :data:`FP64_STEPS` in fp64, else :data:`STEPS`)."""
+    steps = steps or (FP64_STEPS if rtol == FP64_RTOL else STEPS)
     for key in ("loss", "grad_norm"):
         ref, got = reference[key], candidate[key]
         assert len(ref) == len(got) == steps, f"{what}: {len(got)} steps, expected {steps}"
